@@ -1,0 +1,150 @@
+"""Tiny base classes for the two codec families.
+
+A codec's constructor keyword arguments are its whole configuration: each is
+stored as an attribute of the same name, so :meth:`Codec.get_config` can read
+them back and :meth:`Codec.from_config` can rebuild an equal codec. Everything a
+decoder needs beyond that configuration (a code table, a seed, a chosen
+parameter) travels inside the encoded stream itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+from deepreduce.errors import DecodeError
+
+
+class Codec:
+    """Common part of index and value codecs.
+
+    Attributes
+    ----------
+    codec_id : str
+        Registry name, as written in specs (``"zstd:level=9"``) and payloads.
+    family : str
+        ``"index"`` or ``"value"``; the two families have separate namespaces.
+    lossless : bool
+        Whether ``decode(encode(x)) == x`` bit for bit.
+    """
+
+    codec_id: str = ""
+    family: str = ""
+    lossless: bool = True
+
+    @classmethod
+    def _parameters(cls):
+        sig = inspect.signature(cls.__init__)
+        return [p for name, p in sig.parameters.items() if name != "self"
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    def get_config(self) -> dict:
+        """JSON-safe configuration: ``{"id": codec_id, **constructor kwargs}``."""
+        config = {"id": self.codec_id}
+        for p in self._parameters():
+            config[p.name] = getattr(self, p.name)
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Codec":
+        """Rebuild a codec from :meth:`get_config` output."""
+        config = dict(config)
+        codec_id = config.pop("id", cls.codec_id)
+        if codec_id != cls.codec_id:
+            raise ValueError(f"config id {codec_id!r} does not match codec {cls.codec_id!r}")
+        return cls(**config)
+
+    def spec(self) -> str:
+        """Compact spec string naming only the non-default parameters.
+
+        This is what payload headers store, e.g. ``"zstd"`` or ``"qsgd:bits=4"``.
+        """
+        from deepreduce.registry import format_spec
+
+        changed = {p.name: getattr(self, p.name) for p in self._parameters()
+                   if p.default is p.empty or getattr(self, p.name) != p.default}
+        return format_spec(self.codec_id, changed)
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.get_config() == other.get_config()
+
+    def __hash__(self):
+        return hash((type(self), tuple(sorted(self.get_config().items()))))
+
+    def __repr__(self):
+        params = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
+        return f"{type(self).__name__}({params})"
+
+
+class IndexCodec(Codec):
+    """Encodes a sorted set of unique flat indices from the universe ``[0, n)``.
+
+    Subclasses implement :meth:`encode` and :meth:`decode`. ``decode`` may trust
+    nothing in ``data``: it raises :class:`~deepreduce.DecodeError` for any
+    malformed stream and never allocates more than ``nnz`` (or ``n`` bits, for
+    bitmap-like codes) before checking that the stream can hold that many.
+    """
+
+    family = "index"
+
+    def encode(self, indices: np.ndarray, n: int) -> bytes:
+        """Encode ``indices`` (int64, strictly increasing, all in ``[0, n)``)."""
+        raise NotImplementedError
+
+    def decode(self, data: bytes, n: int, nnz: int) -> np.ndarray:
+        """Return the ``nnz`` indices as int64, strictly increasing, in ``[0, n)``."""
+        raise NotImplementedError
+
+    def encode_selection(self, indices, values, n, dense=None):
+        """Encode the index set and say which (index, value) pairs will arrive.
+
+        Returns ``(data, received_indices, values_to_send)``: the stream, the
+        sorted index set the receiver's :meth:`decode` will produce, and the
+        values that must travel for those indices, in the same order. Exact
+        codecs deliver ``indices`` and ``values`` unchanged; lossy index codecs
+        (Bloom filters) override this and may read ``dense`` (the flat dense
+        tensor, when the caller has it) for the values of false positives.
+        """
+        return self.encode(indices, n), indices, values
+
+
+class ValueCodec(Codec):
+    """Encodes a 1-D array of floating point values.
+
+    ``decode`` returns an array of the original dtype (lossy codecs round to
+    their precision, then cast back), so the receiver can scatter it directly.
+    """
+
+    family = "value"
+    #: True for codecs that send values in their own order (curve fits sort
+    #: them). Such a codec implements ``order(values) -> permutation``; its
+    #: ``encode`` receives ``values[order(values)]`` and ``decode`` returns that
+    #: order, and the pipeline makes the indices travel in the same order.
+    sorts_values: bool = False
+
+    def encode(self, values: np.ndarray) -> bytes:
+        raise NotImplementedError
+
+    def decode(self, data: bytes, nnz: int, dtype: np.dtype) -> np.ndarray:
+        raise NotImplementedError
+
+    def encode_and_receive(self, values: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """Encode, and also return exactly what the receiver will decode.
+
+        Error feedback uses the second element to keep what was not delivered.
+        Lossy codecs may override this when they can avoid a second decode.
+        """
+        data = self.encode(values)
+        if self.lossless:
+            return data, values
+        return data, self.decode(data, values.size, values.dtype)
+
+
+def expect_length(data, expected: int, what: str) -> None:
+    """Raise DecodeError unless ``len(data) == expected``."""
+    if len(data) != expected:
+        raise DecodeError(f"{what}: stream holds {len(data)} bytes, expected {expected}")
+
+
+__all__ = ["Codec", "IndexCodec", "ValueCodec", "DecodeError", "expect_length"]
