@@ -1,0 +1,350 @@
+"""Vectorised bit-level building blocks shared by the index codecs.
+
+Everything here works on whole numpy arrays; the only Python loops run over
+bit or byte positions (at most 64 / 10 iterations), never over elements.
+Decoding helpers take a ``what`` string naming the stream and raise
+:class:`~deepreduce.DecodeError` with that prefix for any malformed input, so
+codec decoders can call them on untrusted bytes directly.
+
+API
+---
+Stream checks
+    :func:`check_indices` (encoder side, ``ValueError``),
+    :func:`check_counts` and :func:`check_decoded_indices` (decoder side,
+    ``DecodeError``).
+Delta coding of strictly increasing indices
+    :func:`gaps` / :func:`ungaps`: first index, then successive differences
+    minus one, as uint64.
+LEB128 varints (7 bits per byte, high bit set on every byte but the last)
+    :func:`varint_encode`, :func:`varint_decode` (whole stream),
+    :func:`varint_decode_prefix` (``count`` varints from an offset, returns the
+    end offset), :func:`read_varint` / :func:`write_varint` (one scalar, for
+    small headers), :func:`varint_gap_bytes_bound` (largest varint stream the
+    gaps of ``nnz`` indices below ``n`` can need, a safe decompression limit).
+Fixed-width little-endian bit packing
+    :func:`pack_bits`, :func:`unpack_bits`, :func:`packed_size`. Value ``i``
+    occupies stream bits ``[i*width, (i+1)*width)``, least significant bit
+    first, stream bit ``b`` being bit ``b % 8`` of byte ``b // 8``; the
+    padding bits of the last byte are zero.
+
+Examples
+--------
+>>> import numpy as np
+>>> from deepreduce.codecs import _bits
+>>> data = _bits.varint_encode(np.array([1, 300], dtype=np.uint64))
+>>> data.hex()
+'01ac02'
+>>> _bits.varint_decode(data, 2, "demo").tolist()
+[1, 300]
+>>> _bits.unpack_bits(_bits.pack_bits(np.array([5, 2, 7], np.uint64), 3), 3, 3, "demo").tolist()
+[5, 2, 7]
+>>> _bits.ungaps(_bits.gaps(np.array([3, 4, 9])), 10, "demo").tolist()
+[3, 4, 9]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deepreduce.errors import DecodeError
+
+#: Universe sizes must stay below this so every index and every partial sum
+#: of gaps fits in int64 without wrapping.
+MAX_UNIVERSE = 2**62
+
+#: A uint64 needs at most 10 LEB128 bytes (9 * 7 = 63 bits, plus one).
+MAX_VARINT_BYTES = 10
+
+_U64 = np.dtype("<u8")
+
+
+# ----------------------------------------------------------------- checks
+
+def check_indices(indices, n: int) -> np.ndarray:
+    """Validate encoder input; return it as a contiguous int64 array.
+
+    Raises ``ValueError`` (not DecodeError: this is the caller's mistake)
+    unless ``indices`` is 1-D, integral, strictly increasing and within
+    ``[0, n)``, and ``0 <= n <= MAX_UNIVERSE``.
+    """
+    n = _as_int(n, "n", ValueError)
+    if not 0 <= n <= MAX_UNIVERSE:
+        raise ValueError(f"n must be in [0, 2**62], got {n}")
+    indices = np.asarray(indices)
+    if indices.ndim != 1 or (indices.size and indices.dtype.kind not in "iu"):
+        raise ValueError(f"indices must be a 1-D integer array, got shape "
+                         f"{indices.shape} dtype {indices.dtype}")
+    if indices.dtype == np.uint64 and indices.size and indices.max() > MAX_UNIVERSE:
+        raise ValueError(f"indices must lie in [0, {n}), got {indices.max()}")
+    indices = np.ascontiguousarray(indices, dtype=np.int64)
+    if indices.size:
+        if indices[0] < 0 or indices[-1] >= n:
+            raise ValueError(f"indices must lie in [0, {n}), got range "
+                             f"[{indices[0]}, {indices[-1]}]")
+        if indices.size > 1 and not np.all(indices[1:] > indices[:-1]):
+            raise ValueError("indices must be strictly increasing (sorted, unique)")
+    return indices
+
+
+def check_counts(n: int, nnz: int, what: str) -> tuple[int, int]:
+    """Check the universe size and count a decoder was given.
+
+    Returns ``(n, nnz)`` as Python ints; raises DecodeError unless
+    ``0 <= nnz <= n <= MAX_UNIVERSE``.
+    """
+    n = _as_int(n, f"{what}: n", DecodeError)
+    nnz = _as_int(nnz, f"{what}: nnz", DecodeError)
+    if not 0 <= n <= MAX_UNIVERSE:
+        raise DecodeError(f"{what}: universe size n={n} outside [0, 2**62]")
+    if not 0 <= nnz <= n:
+        raise DecodeError(f"{what}: nnz={nnz} outside [0, n={n}]")
+    return n, nnz
+
+
+def check_decoded_indices(indices: np.ndarray, n: int, what: str) -> np.ndarray:
+    """Raise DecodeError unless ``indices`` is strictly increasing within ``[0, n)``.
+
+    Returns ``indices`` as int64. Works on int64 or uint64 input; uint64
+    values above the int64 range are reported as out of range, not wrapped.
+    """
+    if indices.size:
+        first, last = int(indices[0]), int(indices[-1])
+        if first < 0 or last >= n:
+            raise DecodeError(f"{what}: decoded index range [{first}, {last}] "
+                              f"leaves [0, {n})")
+        if indices.size > 1 and not np.all(indices[1:] > indices[:-1]):
+            raise DecodeError(f"{what}: decoded indices are not strictly increasing")
+    return indices.astype(np.int64, copy=False)
+
+
+def _as_int(value, name, error):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise error(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+# ----------------------------------------------------------------- deltas
+
+def gaps(indices: np.ndarray) -> np.ndarray:
+    """Delta-code strictly increasing indices: ``[i0, i1-i0-1, i2-i1-1, ...]`` (uint64).
+
+    Subtracting one makes every value as small as possible (adjacent indices
+    give 0) and makes every uint64 sequence decode to a valid set.
+    """
+    indices = np.asarray(indices, dtype=np.int64)
+    out = np.empty(indices.size, dtype=np.uint64)
+    if indices.size:
+        out[0] = indices[0]
+        np.subtract(indices[1:], indices[:-1], out=out[1:], casting="unsafe")
+        out[1:] -= np.uint64(1)
+    return out
+
+
+def ungaps(gap_values: np.ndarray, n: int, what: str) -> np.ndarray:
+    """Inverse of :func:`gaps`; raise DecodeError unless the result lies in ``[0, n)``.
+
+    ``n`` must not exceed ``MAX_UNIVERSE``. Rejecting any gap ``>= n`` first
+    means a running sum can only wrap around 2**64 after an earlier partial
+    sum already passed ``n``, so checking the largest decoded index suffices.
+    """
+    gap_values = np.asarray(gap_values, dtype=np.uint64)
+    if gap_values.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if int(gap_values.max()) >= n:
+        raise DecodeError(f"{what}: a gap of {int(gap_values.max())} does not fit "
+                          f"in a universe of {n}")
+    positions = np.cumsum(gap_values + np.uint64(1), dtype=np.uint64)
+    positions -= np.uint64(1)
+    if int(positions.max()) >= n:
+        raise DecodeError(f"{what}: gaps add up past the universe size {n}")
+    return positions.astype(np.int64)
+
+
+# ----------------------------------------------------------------- varints
+
+def varint_encode(values: np.ndarray) -> bytes:
+    """LEB128-encode unsigned integers (low 7-bit group first)."""
+    values = np.ascontiguousarray(values, dtype=np.uint64)
+    if values.size == 0:
+        return b""
+    lengths = np.ones(values.size, dtype=np.int64)
+    for group in range(1, MAX_VARINT_BYTES):
+        lengths += values >= np.uint64(1 << (7 * group))
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    out = np.empty(int(ends[-1]), dtype=np.uint8)
+    for group in range(int(lengths.max())):
+        selected = lengths > group
+        chunk = (values[selected] >> np.uint64(7 * group)) & np.uint64(0x7F)
+        chunk |= np.where(lengths[selected] > group + 1, np.uint64(0x80), np.uint64(0))
+        out[starts[selected] + group] = chunk
+    return out.tobytes()
+
+
+def varint_decode_prefix(data, count: int | None, what: str,
+                         offset: int = 0) -> tuple[np.ndarray, int]:
+    """Decode ``count`` varints starting at byte ``offset`` of ``data``.
+
+    Returns ``(values, end)`` with ``end`` the offset just past the last one;
+    bytes after it are left alone. ``count=None`` decodes every varint up to
+    the end of ``data``. Raises DecodeError when fewer than ``count`` complete
+    varints follow ``offset``, or a varint is longer than 10 bytes, overflows
+    64 bits or is not in its shortest form (so each value has one encoding).
+    """
+    buffer = np.frombuffer(data, dtype=np.uint8)[offset:]
+    ends = np.flatnonzero(buffer < 0x80)
+    if count is None:
+        if ends.size == 0 and buffer.size:
+            raise DecodeError(f"{what}: varint truncated at the end of the stream")
+        if ends.size and ends[-1] != buffer.size - 1:
+            raise DecodeError(f"{what}: varint truncated at the end of the stream")
+        count = ends.size
+    elif ends.size < count:
+        raise DecodeError(f"{what}: stream holds {ends.size} complete varints, "
+                          f"expected {count}")
+    if count == 0:
+        return np.zeros(0, dtype=np.uint64), offset
+    ends = ends[:count]
+    lengths = np.diff(ends, prepend=-1)
+    if lengths.max() > MAX_VARINT_BYTES:
+        raise DecodeError(f"{what}: varint longer than {MAX_VARINT_BYTES} bytes")
+    last_bytes = buffer[ends]
+    if np.any((lengths > 1) & (last_bytes == 0)):
+        raise DecodeError(f"{what}: varint not in its shortest form")
+    if np.any((lengths == MAX_VARINT_BYTES) & (last_bytes > 1)):
+        raise DecodeError(f"{what}: varint overflows 64 bits")
+    used = buffer[:int(ends[-1]) + 1]
+    starts = ends - lengths + 1
+    group = np.arange(used.size, dtype=np.int64) - np.repeat(starts, lengths)
+    parts = (used & 0x7F).astype(np.uint64) << (7 * group).astype(np.uint64)
+    values = np.bitwise_or.reduceat(parts, starts)
+    return values, offset + int(ends[-1]) + 1
+
+
+def varint_decode(data, count: int | None, what: str) -> np.ndarray:
+    """Decode a stream of exactly ``count`` varints (all of them when ``count`` is None).
+
+    Raises DecodeError when the stream holds fewer or more values than
+    ``count``, ends inside a varint, or a varint is malformed (see
+    :func:`varint_decode_prefix`).
+    """
+    values, end = varint_decode_prefix(data, count, what)
+    if end != len(data):
+        if np.frombuffer(data, dtype=np.uint8)[-1] >= 0x80:
+            raise DecodeError(f"{what}: varint truncated at the end of the stream")
+        raise DecodeError(f"{what}: stream holds more than the expected {count} varints")
+    return values
+
+
+def write_varint(value: int) -> bytes:
+    """LEB128 bytes of one non-negative integer below 2**64 (for small headers)."""
+    if not 0 <= value < 2**64:
+        raise ValueError(f"varint value must be in [0, 2**64), got {value}")
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def read_varint(data, offset: int, what: str = "varint") -> tuple[int, int]:
+    """Read one varint at ``offset``; return ``(value, offset_after_it)``.
+
+    Same strictness as :func:`varint_decode_prefix`; reads at most 10 bytes.
+    """
+    value = 0
+    for group in range(MAX_VARINT_BYTES):
+        if offset + group >= len(data):
+            raise DecodeError(f"{what}: varint truncated at the end of the stream")
+        byte = data[offset + group]
+        value |= (byte & 0x7F) << (7 * group)
+        if byte < 0x80:
+            if group and byte == 0:
+                raise DecodeError(f"{what}: varint not in its shortest form")
+            if value >= 2**64:
+                raise DecodeError(f"{what}: varint overflows 64 bits")
+            return value, offset + group + 1
+    raise DecodeError(f"{what}: varint longer than {MAX_VARINT_BYTES} bytes")
+
+
+def varint_gap_bytes_bound(n: int, nnz: int) -> int:
+    """Most bytes :func:`varint_encode` can emit for ``gaps(indices)`` of ``nnz`` indices in ``[0, n)``.
+
+    Every varint takes one byte, plus one per further 7-bit group. A gap needs
+    a second byte only from 128 on, and the gaps sum to less than ``n``, so
+    the extra bytes number at most ``n // 128`` (and at most 9 per gap). Used
+    as the output limit of decompressors, it keeps them below the size of the
+    dense tensor.
+    """
+    return nnz + min((MAX_VARINT_BYTES - 1) * nnz, n // 128)
+
+
+# ----------------------------------------------------------------- bit packing
+
+def packed_size(count: int, width: int) -> int:
+    """Bytes taken by ``count`` values of ``width`` bits: ``ceil(count*width/8)``."""
+    return (count * width + 7) // 8
+
+
+def pack_bits(values: np.ndarray, width: int) -> bytes:
+    """Pack unsigned integers into ``width`` bits each (0 <= width <= 64), little-endian.
+
+    Raises ValueError if a value does not fit in ``width`` bits.
+    """
+    if not 0 <= width <= 64:
+        raise ValueError(f"bit width must be in [0, 64], got {width}")
+    values = np.ascontiguousarray(values, dtype=np.uint64)
+    if width == 0 or values.size == 0:
+        if values.size and values.any():
+            raise ValueError("values do not fit in 0 bits")
+        return b""
+    if width < 64 and int(values.max()) >> width:
+        raise ValueError(f"values do not fit in {width} bits (max {int(values.max())})")
+    bit_pos = np.arange(values.size, dtype=np.uint64) * np.uint64(width)
+    word = (bit_pos >> np.uint64(6)).astype(np.int64)
+    shift = bit_pos & np.uint64(63)
+    words = np.zeros((values.size * width + 63) // 64 + 1, dtype=_U64)
+    # Values sharing a word have disjoint bits, so OR-reducing each run of
+    # equal word numbers (they are sorted) assembles the word in one pass.
+    run_starts = np.flatnonzero(np.diff(word, prepend=-1))
+    words[word[run_starts]] = np.bitwise_or.reduceat(values << shift, run_starts)
+    # A value crossing a word boundary spills its top bits into the next
+    # word; at most one value spills into any word.
+    spills = np.flatnonzero(shift + np.uint64(width) > np.uint64(64))
+    words[word[spills] + 1] |= values[spills] >> (np.uint64(64) - shift[spills])
+    return words.tobytes()[:packed_size(values.size, width)]
+
+
+def unpack_bits(data, count: int, width: int, what: str) -> np.ndarray:
+    """Inverse of :func:`pack_bits`; ``data`` must be exactly ``packed_size(count, width)`` bytes.
+
+    Raises DecodeError on a length mismatch or non-zero padding bits. With
+    ``width == 0`` the stream is empty whatever ``count`` is: callers must
+    bound ``count`` themselves before calling.
+    """
+    if not 0 <= width <= 64:
+        raise DecodeError(f"{what}: bit width {width} outside [0, 64]")
+    expected = packed_size(count, width)
+    if len(data) != expected:
+        raise DecodeError(f"{what}: bit-packed stream holds {len(data)} bytes, "
+                          f"expected {expected} for {count} values of {width} bits")
+    if width == 0 or count == 0:
+        return np.zeros(count, dtype=np.uint64)
+    padding = expected * 8 - count * width
+    if padding and data[-1] >> (8 - padding):
+        raise DecodeError(f"{what}: padding bits of the last byte are not zero")
+    words = np.zeros((expected + 7) // 8 + 1, dtype=_U64)
+    words.view(np.uint8)[:expected] = np.frombuffer(data, dtype=np.uint8)
+    bit_pos = np.arange(count, dtype=np.uint64) * np.uint64(width)
+    word = (bit_pos >> np.uint64(6)).astype(np.int64)
+    shift = bit_pos & np.uint64(63)
+    values = words[word] >> shift
+    # Shifting a uint64 by 64 is undefined, so the next word only contributes
+    # where shift > 0; where the value did not cross, the extra bits are
+    # masked off below.
+    crossing = shift > 0
+    values[crossing] |= words[word[crossing] + 1] << (np.uint64(64) - shift[crossing])
+    if width < 64:
+        values &= np.uint64((1 << width) - 1)
+    return values
