@@ -1,0 +1,202 @@
+"""The data model: a sparse tensor as (values, flat indices, dense shape)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:  # bfloat16 comes with TensorFlow and JAX; the core works without it
+    import ml_dtypes
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    BFLOAT16 = None
+
+#: dtypes a SparseTensor may hold, with their one-byte wire codes.
+DTYPE_CODES = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
+if BFLOAT16 is not None:
+    DTYPE_CODES[BFLOAT16] = 4
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+#: Largest number of elements a tensor may have: flat indices are int64.
+MAX_SIZE = 2**63 - 1
+
+
+def check_dtype(dtype) -> np.dtype:
+    """Return ``dtype`` as a supported floating point ``np.dtype`` or raise ValueError."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"not a dtype: {dtype!r}") from None
+    if dtype.newbyteorder("=") not in DTYPE_CODES:
+        names = ", ".join(str(d) for d in DTYPE_CODES)
+        raise ValueError(f"unsupported dtype {dtype}; supported: {names}")
+    return dtype.newbyteorder("=")
+
+
+def check_shape(shape) -> tuple:
+    """Return ``shape`` as a tuple of non-negative ints whose product fits in int64."""
+    try:
+        shape = tuple(int(d) for d in shape)
+    except TypeError:
+        shape = (int(shape),)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"shape dimensions must be >= 0, got {shape}")
+    if math.prod(shape) > MAX_SIZE:
+        raise ValueError(f"shape {shape} has more than 2**63 - 1 elements")
+    return shape
+
+
+class SparseTensor:
+    """A sparse tensor: the non-zeros of a dense tensor and where they are.
+
+    Parameters
+    ----------
+    values : array_like
+        1-D floating point values, one per index.
+    indices : array_like
+        Flat (C-order) positions in the dense tensor: integers, strictly
+        increasing, each in ``[0, prod(shape))``. Stored as int64.
+    shape : tuple of int
+        Shape of the dense tensor.
+    dtype : dtype, optional
+        Value dtype; defaults to ``values.dtype``.
+
+    Examples
+    --------
+    >>> import numpy as np, deepreduce as dr
+    >>> st = dr.SparseTensor([1.5, -2.0], [1, 5], shape=(2, 3))
+    >>> st.nnz, st.dtype, st.density
+    (2, dtype('float32'), 0.3333333333333333)
+    >>> st.to_dense()
+    array([[ 0. ,  1.5,  0. ],
+           [ 0. ,  0. , -2. ]], dtype=float32)
+    """
+
+    __slots__ = ("values", "indices", "shape")
+
+    def __init__(self, values, indices, shape, dtype=None):
+        shape = check_shape(shape)
+        if dtype is None:
+            values = np.asarray(values)
+            if values.dtype.kind != "f" and values.dtype != BFLOAT16:
+                values = values.astype(np.float32)
+        values = np.ascontiguousarray(values, dtype=check_dtype(dtype or values.dtype))
+        indices = np.asarray(indices)
+        if values.ndim != 1 or indices.ndim != 1:
+            raise ValueError(f"values and indices must be 1-D, got shapes {values.shape} "
+                             f"and {indices.shape}")
+        if values.size != indices.size:
+            raise ValueError(f"{values.size} values but {indices.size} indices")
+        if indices.size and indices.dtype.kind not in "iu":
+            raise ValueError(f"indices must be integers, got {indices.dtype}")
+        indices = np.ascontiguousarray(indices, dtype=np.int64)
+        n = math.prod(shape)
+        if indices.size:
+            if indices[0] < 0 or indices[-1] >= n:
+                raise ValueError(f"indices must lie in [0, {n}), got range "
+                                 f"[{indices.min()}, {indices.max()}]")
+            if indices.size > 1 and not (indices[1:] > indices[:-1]).all():
+                raise ValueError("indices must be strictly increasing (sorted, unique); "
+                                 "use SparseTensor.from_pairs for unsorted input")
+        self.values, self.indices, self.shape = values, indices, shape
+
+    @classmethod
+    def _trusted(cls, values, indices, shape):
+        """Build without validation, for data the library produced and checked itself."""
+        st = object.__new__(cls)
+        st.values, st.indices, st.shape = values, indices, shape
+        return st
+
+    # -- construction ---------------------------------------------------------
+    @classmethod
+    def from_dense(cls, x) -> "SparseTensor":
+        """The non-zero entries of ``x`` (any shape); NaNs count as non-zero."""
+        x = np.asarray(x)
+        flat = x.reshape(-1)
+        indices = np.flatnonzero(flat)
+        return cls(flat[indices], indices, x.shape, dtype=x.dtype if x.dtype.kind == "f" or
+                   x.dtype == BFLOAT16 else np.float32)
+
+    @classmethod
+    def from_pairs(cls, values, indices, shape, dtype=None) -> "SparseTensor":
+        """From unsorted (value, index) pairs; repeated indices are summed."""
+        values = np.asarray(values)
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        unique, inverse = np.unique(indices, return_inverse=True)
+        if unique.size == indices.size:
+            order = np.argsort(indices, kind="stable")
+            return cls(values.reshape(-1)[order], indices[order], shape, dtype)
+        dtype = check_dtype(dtype or values.dtype)
+        summed = np.zeros(unique.size, dtype=np.float64 if dtype.itemsize < 8 else dtype)
+        np.add.at(summed, inverse, values.reshape(-1))
+        return cls(summed.astype(dtype), unique, shape, dtype)
+
+    @classmethod
+    def from_scipy(cls, matrix) -> "SparseTensor":
+        """From any ``scipy.sparse`` matrix or array (explicit zeros are kept)."""
+        coo = matrix.tocoo()
+        flat = np.ravel_multi_index((coo.row, coo.col), coo.shape) if coo.nnz else \
+            np.zeros(0, np.int64)
+        data = coo.data if coo.data.dtype.kind == "f" else coo.data.astype(np.float32)
+        return cls.from_pairs(data, flat, coo.shape)
+
+    # -- views ----------------------------------------------------------------
+    @property
+    def dtype(self) -> np.dtype:
+        return self.values.dtype
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.size)
+
+    @property
+    def size(self) -> int:
+        """Number of elements of the dense tensor (the index universe ``n``)."""
+        return math.prod(self.shape)
+
+    @property
+    def density(self) -> float:
+        return self.nnz / self.size if self.size else 0.0
+
+    def to_dense(self, out=None) -> np.ndarray:
+        """The dense tensor, zeros where no index is. ``out`` may be a buffer to fill."""
+        if out is None:
+            out = np.zeros(self.size, dtype=self.dtype)
+        else:
+            if out.size != self.size or out.dtype != self.dtype:
+                raise ValueError(f"out must have {self.size} elements of {self.dtype}, got "
+                                 f"{out.size} of {out.dtype}")
+            out = out.reshape(-1)
+            out.fill(0)
+        out[self.indices] = self.values
+        return out.reshape(self.shape)
+
+    def add_to(self, dense: np.ndarray) -> np.ndarray:
+        """Add this tensor into the flat or shaped ``dense`` buffer in place."""
+        flat = dense.reshape(-1)
+        if flat.size != self.size:
+            raise ValueError(f"buffer has {flat.size} elements, tensor has {self.size}")
+        flat[self.indices] += self.values  # indices are unique: no lost updates
+        return dense
+
+    def to_scipy(self):
+        """As a ``scipy.sparse.coo_array`` (2-D tensors only; 1-D become one row)."""
+        import scipy.sparse
+
+        shape = self.shape if len(self.shape) == 2 else (1, self.size)
+        row, col = np.unravel_index(self.indices, shape)
+        return scipy.sparse.coo_array((self.values, (row, col)), shape=shape)
+
+    def __eq__(self, other):
+        if not isinstance(other, SparseTensor):
+            return NotImplemented
+        return (self.shape == other.shape and self.dtype == other.dtype
+                and np.array_equal(self.indices, other.indices)
+                and np.array_equal(self.values.view(np.uint8), other.values.view(np.uint8)))
+
+    __hash__ = None
+
+    def __repr__(self):
+        return (f"SparseTensor(shape={self.shape}, dtype={self.dtype}, nnz={self.nnz}, "
+                f"density={self.density:.3g})")

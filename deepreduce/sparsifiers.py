@@ -1,0 +1,286 @@
+"""Sparsifiers: choose which entries of a dense tensor travel.
+
+A sparsifier is a callable ``sparsifier(x) -> SparseTensor``. ``x`` is a dense
+array of any shape, or a :class:`SparseTensor` (then the choice is made among
+its stored entries: an embedding gradient is sparse already). Indices always
+come out sorted, so the index codecs see a set.
+
+Specs name them on the command line and in configs: ``topk:0.01``,
+``topk:k=1000``, ``randomk:0.01,seed=7``, ``threshold:1e-3``,
+``blocktopk:0.01,block=256``, ``none``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from deepreduce.registry import parse_spec
+from deepreduce.sparse import BFLOAT16, SparseTensor, check_dtype
+
+
+def _as_float_array(x) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype.kind != "f" and x.dtype != BFLOAT16:
+        x = x.astype(np.float32)
+    check_dtype(x.dtype)
+    return x
+
+
+def _magnitudes(values: np.ndarray) -> np.ndarray:
+    # float16/bfloat16 compare fine in float32; NaN would poison a partition, so it ranks lowest
+    mag = np.abs(values if values.dtype.itemsize >= 4 else values.astype(np.float32))
+    if np.isnan(mag).any():
+        mag = np.where(np.isnan(mag), -np.inf, mag)
+    return mag
+
+
+def _largest(mag: np.ndarray, k: int) -> np.ndarray:
+    """Sorted positions of the ``k`` largest entries; ties go to the lowest positions.
+
+    The tie rule makes the result a function of the data alone, so the exact
+    and the sampled TopK modes agree element for element.
+    """
+    n = mag.size
+    if k >= n:
+        return np.arange(n, dtype=np.int64)
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    kth = np.partition(mag, n - k)[n - k]
+    keep = mag > kth
+    missing = k - int(np.count_nonzero(keep))
+    if missing:
+        keep[np.flatnonzero(mag == kth)[:missing]] = True
+    return np.flatnonzero(keep)
+
+
+def _count(ratio, k, n: int, what: str) -> int:
+    """Number of entries to keep out of ``n`` from a ratio or a count."""
+    if k is not None:
+        if k > n:
+            raise ValueError(f"{what}: k={k} is larger than the tensor ({n} elements)")
+        return k
+    return min(n, math.ceil(ratio * n)) if n else 0
+
+
+def _check_ratio_or_k(ratio_or_k, ratio, k, what):
+    """Resolve the flexible ``(ratio_or_k, ratio=, k=)`` arguments to (ratio, k)."""
+    given = [v for v in (ratio_or_k, ratio, k) if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"{what} takes exactly one of a ratio in (0, 1] or a count k >= 0")
+    if ratio_or_k is not None:
+        if isinstance(ratio_or_k, numbers.Integral) and not isinstance(ratio_or_k, bool):
+            k = int(ratio_or_k)
+        else:
+            ratio = ratio_or_k
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ValueError(f"{what}: k must be an integer >= 0, got {k!r}")
+        return None, int(k)
+    ratio = float(ratio)
+    if not 0.0 < ratio <= 1.0:  # also rejects NaN
+        raise ValueError(f"{what}: ratio must be in (0, 1], got {ratio!r}")
+    return ratio, None
+
+
+class Sparsifier:
+    """Base class: subclasses implement ``_select(values, n, indices)``.
+
+    ``_select`` returns sorted positions into ``values``. ``indices`` is None
+    for dense input (then positions are the flat indices) or the flat indices
+    of sparse input.
+    """
+
+    def __call__(self, x) -> SparseTensor:
+        if isinstance(x, SparseTensor):
+            positions = self._select(x.values, x.size, x.indices)
+            return SparseTensor._trusted(x.values[positions], x.indices[positions], x.shape)
+        x = _as_float_array(x)
+        flat = x.reshape(-1)
+        positions = self._select(flat, flat.size, None)
+        return SparseTensor._trusted(flat[positions], positions, x.shape)
+
+    def _select(self, values, n, indices):
+        raise NotImplementedError
+
+    def __repr__(self):
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
+                           if not k.startswith("_") and v is not None)
+        return f"{type(self).__name__}({params})"
+
+
+class NonZero(Sparsifier):
+    """Keep every non-zero entry (what passing no sparsifier means)."""
+
+    def _select(self, values, n, indices):
+        return np.flatnonzero(values)
+
+
+class TopK(Sparsifier):
+    """Keep the ``k`` entries of largest magnitude.
+
+    Parameters
+    ----------
+    ratio_or_k : float or int
+        A float in (0, 1] is a fraction of the tensor's elements (rounded up);
+        an int is a count. ``ratio=`` or ``k=`` may be given by name instead.
+    exact : bool, default False
+        False estimates the k-th magnitude from a sample, keeps the candidates
+        above a safe margin below it and finishes with an exact selection among
+        them; True partitions the whole tensor. Both return the same set: ties
+        at the k-th magnitude go to the lowest indices.
+
+    Examples
+    --------
+    >>> import numpy as np, deepreduce as dr
+    >>> dr.TopK(2)(np.array([0.1, -3.0, 2.0, 0.5])).indices
+    array([1, 2])
+    >>> dr.TopK(0.5)(np.array([0.1, -3.0, 2.0, 0.5])).values
+    array([-3.,  2.])
+    """
+
+    #: Sample size of the fast mode; below twice this the exact path is cheaper.
+    SAMPLE = 1 << 16
+
+    def __init__(self, ratio_or_k=None, *, ratio=None, k=None, exact=False):
+        self.ratio, self.k = _check_ratio_or_k(ratio_or_k, ratio, k, "TopK")
+        self.exact = bool(exact)
+        # fixed seed: the sample positions never change what is selected, only how fast
+        self._rng = np.random.default_rng(0x7095)
+
+    def _select(self, values, n, indices):
+        k = _count(self.ratio, self.k, values.size if indices is not None else n, "TopK")
+        if self.exact or values.size < 2 * self.SAMPLE or k == values.size:
+            return _largest(_magnitudes(values), k)
+        sample = _magnitudes(values[self._rng.integers(0, values.size, self.SAMPLE)])
+        # Rank j of the sample, counted from the top, sits k/n of the way down with a
+        # margin of four standard deviations, so the candidates hold the top k with
+        # overwhelming probability; when they do not, the exact path runs instead.
+        expected = self.SAMPLE * k / values.size
+        j = min(self.SAMPLE, int(expected + 4 * math.sqrt(expected) + 2))
+        low = np.partition(sample, self.SAMPLE - j)[self.SAMPLE - j]
+        if values.dtype.itemsize < 4:
+            values = values.astype(np.float32)
+        candidates = np.flatnonzero((values >= low) | (values <= -low))
+        if candidates.size < k or not np.isfinite(low):
+            return _largest(_magnitudes(values), k)
+        return candidates[_largest(_magnitudes(values[candidates]), k)]
+
+
+class RandomK(Sparsifier):
+    """Keep ``k`` entries chosen uniformly at random (without replacement).
+
+    Parameters
+    ----------
+    ratio_or_k : float or int
+        Fraction of elements (float in (0, 1]) or count (int).
+    seed : int, default 0
+        Seeds the generator once; successive calls draw new sets, and two
+        sparsifiers with the same seed draw the same sequence of sets.
+
+    Examples
+    --------
+    >>> import numpy as np, deepreduce as dr
+    >>> dr.RandomK(3, seed=1)(np.arange(10.0)).nnz
+    3
+    """
+
+    def __init__(self, ratio_or_k=None, *, ratio=None, k=None, seed=0):
+        self.ratio, self.k = _check_ratio_or_k(ratio_or_k, ratio, k, "RandomK")
+        self.seed = int(seed)
+        self._rng = np.random.default_rng(self.seed)
+
+    def _select(self, values, n, indices):
+        count = values.size if indices is not None else n
+        k = _count(self.ratio, self.k, count, "RandomK")
+        return np.sort(self._rng.choice(count, size=k, replace=False))
+
+
+class Threshold(Sparsifier):
+    """Keep the entries with ``|x| > tau`` (``tau=0`` keeps the non-zeros).
+
+    Examples
+    --------
+    >>> import numpy as np, deepreduce as dr
+    >>> dr.Threshold(0.5)(np.array([0.1, -3.0, 0.5, 0.6])).indices
+    array([1, 3])
+    """
+
+    def __init__(self, tau):
+        tau = float(tau)
+        if not (math.isfinite(tau) and tau >= 0):
+            raise ValueError(f"Threshold: tau must be a finite number >= 0, got {tau!r}")
+        self.tau = tau
+
+    def _select(self, values, n, indices):
+        if values.dtype.itemsize < 4:
+            values = values.astype(np.float32)
+        return np.flatnonzero((values > self.tau) | (values < -self.tau))
+
+
+class BlockTopK(Sparsifier):
+    """Keep whole blocks of ``block`` consecutive elements, those of largest L2 norm.
+
+    OmniReduce-style selection: the dense tensor is cut into blocks (the last one
+    may be shorter), and ``ceil(ratio * blocks)`` blocks are kept entirely.
+
+    Examples
+    --------
+    >>> import numpy as np, deepreduce as dr
+    >>> x = np.zeros(1024, np.float32); x[300] = 5
+    >>> st = dr.BlockTopK(0.25, block=256)(x)
+    >>> int(st.indices[0]), st.nnz
+    (256, 256)
+    """
+
+    def __init__(self, ratio=None, *, block=256):
+        self.ratio, _ = _check_ratio_or_k(None, ratio, None, "BlockTopK")
+        if isinstance(block, bool) or not isinstance(block, numbers.Integral) or block < 1:
+            raise ValueError(f"BlockTopK: block must be an integer >= 1, got {block!r}")
+        self.block = int(block)
+
+    def _select(self, values, n, indices):
+        blocks = -(-n // self.block)
+        squares = np.square(values, dtype=np.float64)
+        if indices is None:
+            full = n // self.block * self.block
+            norms = np.zeros(blocks)
+            norms[: n // self.block] = squares[:full].reshape(-1, self.block).sum(axis=1)
+            norms[n // self.block:] = squares[full:].sum()
+        else:
+            norms = np.bincount(indices // self.block, weights=squares, minlength=blocks)
+        chosen = _largest(norms, math.ceil(self.ratio * blocks))
+        if indices is None:
+            positions = (chosen[:, None] * self.block + np.arange(self.block)).reshape(-1)
+            return positions[positions < n]
+        return np.flatnonzero(np.isin(indices // self.block, chosen))
+
+
+_SPARSIFIERS = {"topk": TopK, "randomk": RandomK, "threshold": Threshold,
+                "blocktopk": BlockTopK, "none": NonZero, "nonzero": NonZero}
+
+
+def get_sparsifier(spec):
+    """A sparsifier from an instance, ``None`` (the non-zeros) or a spec string.
+
+    Examples
+    --------
+    >>> from deepreduce.sparsifiers import get_sparsifier
+    >>> get_sparsifier("topk:0.01")
+    TopK(ratio=0.01, exact=False)
+    >>> get_sparsifier("blocktopk:0.1,block=64")
+    BlockTopK(ratio=0.1, block=64)
+    """
+    if spec is None:
+        return NonZero()
+    if callable(spec):
+        return spec
+    name, args, kwargs = parse_spec(spec)
+    if name not in _SPARSIFIERS:
+        raise ValueError(f"unknown sparsifier {name!r}; known: {', '.join(sorted(_SPARSIFIERS))}")
+    try:
+        return _SPARSIFIERS[name](*args, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"bad parameters in sparsifier spec {spec!r}: {exc}") from None
