@@ -78,8 +78,10 @@ class SparseTensor:
     def __init__(self, values, indices, shape, dtype=None):
         shape = check_shape(shape)
         if dtype is None:
+            # Python lists and integer arrays become float32, the training default
+            given_array = isinstance(values, np.ndarray)
             values = np.asarray(values)
-            if values.dtype.kind != "f" and values.dtype != BFLOAT16:
+            if values.dtype.kind in "iub" or (not given_array and values.dtype.kind == "f"):
                 values = values.astype(np.float32)
         values = np.ascontiguousarray(values, dtype=check_dtype(dtype or values.dtype))
         indices = np.asarray(indices)
