@@ -1,0 +1,27 @@
+"""Every docstring example runs: the modules' Examples sections are executed as doctests."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import deepreduce
+import deepreduce.codecs
+
+
+def modules():
+    names = ["deepreduce"]
+    for package in (deepreduce, deepreduce.codecs):
+        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            # the Horovod integration needs TensorFlow and Horovod: tested in test_horovod.py
+            if not info.name.startswith("deepreduce.horovod"):
+                names.append(info.name)
+    return names
+
+
+@pytest.mark.parametrize("name", modules())
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} doctest failures in {name}"

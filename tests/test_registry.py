@@ -1,0 +1,62 @@
+import pytest
+
+import deepreduce as dr
+from deepreduce.codecs.base import IndexCodec
+from deepreduce.registry import _REGISTRY, format_spec, parse_spec
+
+
+def test_parse_and_format_spec():
+    assert parse_spec("qsgd:bits=4,bucket=256") == ("qsgd", [], {"bits": 4, "bucket": 256})
+    assert parse_spec("topk:0.01") == ("topk", [0.01], {})
+    assert parse_spec("x:flag=true,name=abc,f=1e-3") == ("x", [], {"flag": True, "name": "abc",
+                                                                   "f": 0.001})
+    assert format_spec("zstd", {"level": 9}) == "zstd:level=9"
+    assert format_spec("bloom", {"fpr": 0.001}) == "bloom:fpr=0.001"
+    with pytest.raises(ValueError):
+        parse_spec("")
+    with pytest.raises(ValueError, match="positional"):
+        parse_spec("x:a=1,2")
+
+
+@pytest.mark.parametrize("family", ["index", "value"])
+def test_every_codec_config_round_trips(family):
+    for codec_id, cls in dr.registered_codecs(family).items():
+        codec = cls()
+        config = codec.get_config()
+        assert config["id"] == codec_id
+        assert dr.get_codec(config, family=family) == codec
+        assert dr.get_codec(codec.spec(), family=family) == codec
+        assert cls.from_config(config) == codec
+
+
+def test_get_codec_forms_and_errors():
+    codec = dr.get_codec("zstd:level=9", family="value")
+    assert codec.get_config() == {"id": "zstd", "level": 9}
+    assert codec.spec() == "zstd:level=9"
+    assert dr.get_codec(codec) is codec
+    with pytest.raises(ValueError, match="both an index and a value"):
+        dr.get_codec("zstd")
+    with pytest.raises(ValueError, match="unknown index codec"):
+        dr.get_codec("nope", family="index")
+    with pytest.raises(ValueError, match="expected a index codec"):
+        dr.get_codec(codec, family="index")
+    with pytest.raises(ValueError, match="needs an 'id'"):
+        dr.get_codec({"level": 3})
+
+
+def test_register_custom_codec():
+    class Mine(IndexCodec):
+        codec_id = "mine-test"
+
+        def __init__(self, width=3):
+            self.width = width
+
+    try:
+        dr.register_codec(Mine)
+        assert dr.get_codec("mine-test:width=5", family="index").width == 5
+        with pytest.raises(ValueError, match="already registered"):
+            dr.register_codec(type("Other", (IndexCodec,), {"codec_id": "mine-test"}))
+    finally:
+        _REGISTRY["index"].pop("mine-test", None)
+    with pytest.raises(ValueError, match="codec_id"):
+        dr.register_codec(type("Bad", (IndexCodec,), {"codec_id": "a b"}))
