@@ -5,3 +5,12 @@ is never importable as a top-level ``codecs``, which is the standard library's.
 """
 
 from deepreduce.codecs.base import Codec, IndexCodec, ValueCodec  # noqa: F401
+from deepreduce.codecs import raw  # noqa: F401
+from deepreduce.codecs import bitpack  # noqa: F401
+from deepreduce.codecs import varint  # noqa: F401
+from deepreduce.codecs import deflate  # noqa: F401
+from deepreduce.codecs import zstd  # noqa: F401
+from deepreduce.codecs import bitmap  # noqa: F401
+from deepreduce.codecs import rle  # noqa: F401
+from deepreduce.codecs import eliasfano  # noqa: F401
+from deepreduce.codecs import floats  # noqa: F401

@@ -167,18 +167,18 @@ def varint_encode(values: np.ndarray) -> bytes:
     values = np.ascontiguousarray(values, dtype=np.uint64)
     if values.size == 0:
         return b""
-    lengths = np.ones(values.size, dtype=np.int64)
-    for group in range(1, MAX_VARINT_BYTES):
-        lengths += values >= np.uint64(1 << (7 * group))
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    out = np.empty(int(ends[-1]), dtype=np.uint8)
-    for group in range(int(lengths.max())):
-        selected = lengths > group
-        chunk = (values[selected] >> np.uint64(7 * group)) & np.uint64(0x7F)
-        chunk |= np.where(lengths[selected] > group + 1, np.uint64(0x80), np.uint64(0))
-        out[starts[selected] + group] = chunk
-    return out.tobytes()
+    groups = max(1, -(-int(values.max()).bit_length() // 7))
+    # One row of candidate bytes per value, all flagged "more follows"; the
+    # last real byte of each row is then unflagged, and a row-major boolean
+    # selection of the real bytes is exactly the concatenated stream.
+    rows = np.empty((values.size, groups), dtype=np.uint8)
+    lengths = np.ones(values.size, dtype=np.int8)
+    for group in range(groups):
+        rows[:, group] = (values >> np.uint64(7 * group)).astype(np.uint8) | 0x80
+        if group:
+            lengths += values >= np.uint64(1 << (7 * group))
+    rows[np.arange(values.size), lengths - 1] &= 0x7F
+    return rows[np.arange(groups, dtype=np.int8) < lengths[:, None]].tobytes()
 
 
 def varint_decode_prefix(data, count: int | None, what: str,
@@ -348,3 +348,47 @@ def unpack_bits(data, count: int, width: int, what: str) -> np.ndarray:
     if width < 64:
         values &= np.uint64((1 << width) - 1)
     return values
+
+
+# ----------------------------------------------------------------- bitmaps
+
+def bitmap_size(nbits: int) -> int:
+    """Bytes of a bitmap of ``nbits`` bits: ``ceil(nbits / 8)``."""
+    return (nbits + 7) // 8
+
+
+def positions_to_bitmap(positions: np.ndarray, nbits: int) -> bytes:
+    """Bitmap of ``nbits`` bits with the given (strictly increasing) positions set.
+
+    Bit ``p`` is bit ``p % 8`` of byte ``p // 8`` (``np.packbits`` with
+    ``bitorder="little"``). Costs O(len(positions)) plus zeroing the bitmap;
+    never builds an ``nbits``-byte array.
+    """
+    out = np.zeros(bitmap_size(nbits), dtype=np.uint8)
+    positions = np.asarray(positions, dtype=np.int64)
+    if positions.size:
+        byte = positions >> 3
+        masks = np.left_shift(1, positions & 7).astype(np.uint8)
+        run_starts = np.flatnonzero(np.diff(byte, prepend=-1))
+        out[byte[run_starts]] = np.bitwise_or.reduceat(masks, run_starts)
+    return out.tobytes()
+
+
+def bitmap_to_positions(data, nbits: int, what: str) -> np.ndarray:
+    """Set positions (int64, increasing) of a bitmap made by :func:`positions_to_bitmap`.
+
+    Raises DecodeError unless ``data`` is exactly ``ceil(nbits / 8)`` bytes
+    with zero padding bits. Only the non-zero bytes are expanded to bits, so
+    sparse bitmaps decode in O(nbits / 8 + set bits).
+    """
+    expected = bitmap_size(nbits)
+    if len(data) != expected:
+        raise DecodeError(f"{what}: bitmap holds {len(data)} bytes, expected "
+                          f"{expected} for {nbits} bits")
+    buffer = np.frombuffer(data, dtype=np.uint8)
+    if nbits % 8 and buffer[-1] >> (nbits % 8):
+        raise DecodeError(f"{what}: padding bits of the bitmap's last byte are not zero")
+    nonzero_bytes = np.flatnonzero(buffer)
+    bits = np.unpackbits(buffer[nonzero_bytes][:, None], axis=1, bitorder="little")
+    rows, columns = np.nonzero(bits)
+    return nonzero_bytes[rows] * 8 + columns

@@ -1,0 +1,149 @@
+"""DEFLATE (zlib) index and value codecs.
+
+Streams are raw DEFLATE (RFC 1951, no zlib header or Adler-32: the payload
+container already has a CRC32), decompressed with an output limit derived
+from ``n`` and ``nnz`` so a crafted stream cannot inflate without bound.
+An empty set of indices or values is an empty stream.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from deepreduce.codecs import _bits
+from deepreduce.codecs.base import IndexCodec, ValueCodec, expect_length
+from deepreduce.codecs.floats import (check_nnz, check_values, shuffle_bytes, unshuffle_bytes,
+                                      value_dtype)
+from deepreduce.errors import DecodeError
+from deepreduce.registry import register_codec
+
+
+def _check_level(level) -> int:
+    if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not 0 <= level <= 9:
+        raise ValueError(f"deflate level must be an integer in [0, 9], got {level!r}")
+    return int(level)
+
+
+def deflate(data: bytes, level: int) -> bytes:
+    """Raw DEFLATE stream of ``data``."""
+    compressor = zlib.compressobj(level, zlib.DEFLATED, -15)
+    return compressor.compress(data) + compressor.flush()
+
+
+def inflate(data, limit: int, what: str) -> bytes:
+    """Decompress one raw DEFLATE stream producing at most ``limit`` bytes.
+
+    Raises DecodeError if the stream is corrupt, truncated, would produce
+    more than ``limit`` bytes, or is followed by trailing bytes.
+    """
+    decompressor = zlib.decompressobj(-15)
+    try:
+        # One byte beyond the limit tells "too long" apart from "exactly full".
+        out = decompressor.decompress(data, limit + 1)
+    except zlib.error as exc:
+        raise DecodeError(f"{what}: corrupt deflate stream ({exc})") from None
+    if len(out) > limit:
+        raise DecodeError(f"{what}: deflate stream decompresses to more than {limit} bytes")
+    if not decompressor.eof:
+        raise DecodeError(f"{what}: deflate stream is truncated")
+    if decompressor.unused_data:
+        raise DecodeError(f"{what}: {len(decompressor.unused_data)} trailing bytes "
+                          f"after the deflate stream")
+    return out
+
+
+@register_codec
+class DeflateIndices(IndexCodec):
+    """Gap varints (as in the ``varint`` codec) compressed with raw DEFLATE.
+
+    Parameters
+    ----------
+    level : int, default 6
+        zlib compression level, 0 (store) to 9 (smallest).
+
+    Notes
+    -----
+    For uniformly random k = 1% of n = 1M, varint bytes deflate to 9.06
+    bits per index against 12.65 for fixed 4-byte gaps (entropy bound 8.08);
+    see ``ZstdIndices`` for the comparison with byte-shuffled gaps.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from deepreduce.codecs.deflate import DeflateIndices
+    >>> codec = DeflateIndices(level=9)
+    >>> indices = np.arange(0, 10_000, 3)
+    >>> data = codec.encode(indices, n=10_000)
+    >>> len(data) < indices.size // 50
+    True
+    >>> np.array_equal(codec.decode(data, n=10_000, nnz=indices.size), indices)
+    True
+    """
+
+    codec_id = "deflate"
+
+    def __init__(self, level: int = 6):
+        self.level = _check_level(level)
+
+    def encode(self, indices, n):
+        indices = _bits.check_indices(indices, n)
+        if indices.size == 0:
+            return b""
+        return deflate(_bits.varint_encode(_bits.gaps(indices)), self.level)
+
+    def decode(self, data, n, nnz):
+        what = "deflate indices"
+        n, nnz = _bits.check_counts(n, nnz, what)
+        if nnz == 0:
+            expect_length(data, 0, what)
+            return np.zeros(0, dtype=np.int64)
+        varints = inflate(data, _bits.varint_gap_bytes_bound(n, nnz), what)
+        return _bits.ungaps(_bits.varint_decode(varints, nnz, what), n, what)
+
+
+@register_codec
+class DeflateValues(ValueCodec):
+    """Byte-shuffled values compressed with raw DEFLATE; lossless for every dtype.
+
+    Parameters
+    ----------
+    level : int, default 6
+        zlib compression level, 0 (store) to 9 (smallest).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from deepreduce.codecs.deflate import DeflateValues
+    >>> codec = DeflateValues()
+    >>> values = np.repeat(np.float32([0.5, -0.25]), 500)
+    >>> data = codec.encode(values)
+    >>> len(data) < 100
+    True
+    >>> np.array_equal(codec.decode(data, nnz=1000, dtype=np.float32), values)
+    True
+    """
+
+    codec_id = "deflate"
+
+    def __init__(self, level: int = 6):
+        self.level = _check_level(level)
+
+    def encode(self, values):
+        values = check_values(values)
+        if values.size == 0:
+            return b""
+        return deflate(shuffle_bytes(values), self.level)
+
+    def decode(self, data, nnz, dtype):
+        dtype = value_dtype(dtype, DecodeError)
+        what = f"deflate {dtype.name} values"
+        nnz = check_nnz(nnz, what)
+        size = nnz * dtype.itemsize
+        if nnz == 0:
+            expect_length(data, 0, what)
+            return np.zeros(0, dtype=dtype)
+        shuffled = inflate(data, size, what)
+        expect_length(shuffled, size, what + " (decompressed)")
+        return unshuffle_bytes(shuffled, nnz, dtype)

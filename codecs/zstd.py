@@ -1,0 +1,165 @@
+"""Zstandard index and value codecs.
+
+Streams are single zstd frames written without the 4-byte magic number
+(``FORMAT_ZSTD1_MAGICLESS``: the payload header already says which codec
+made the stream) and without a checksum (the container has a CRC32), but
+with the content size, which the decoder checks against a limit derived from
+``n`` and ``nnz`` before decompressing anything. An empty set of indices or
+values is an empty stream.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import zstandard
+
+from deepreduce.codecs import _bits
+from deepreduce.codecs.base import IndexCodec, ValueCodec, expect_length
+from deepreduce.codecs.floats import (check_nnz, check_values, shuffle_bytes, unshuffle_bytes,
+                                      value_dtype)
+from deepreduce.errors import DecodeError
+from deepreduce.registry import register_codec
+
+_FORMAT = zstandard.FORMAT_ZSTD1_MAGICLESS
+
+
+def _check_level(level) -> int:
+    if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not 1 <= level <= 22:
+        raise ValueError(f"zstd level must be an integer in [1, 22], got {level!r}")
+    return int(level)
+
+
+def zstd_compress(data: bytes, level: int) -> bytes:
+    """One magicless zstd frame of ``data`` with its content size, no checksum."""
+    params = zstandard.ZstdCompressionParameters.from_level(
+        level, source_size=len(data), format=_FORMAT, write_content_size=1, write_checksum=0)
+    return zstandard.ZstdCompressor(compression_params=params).compress(data)
+
+
+def zstd_decompress(data, limit: int, what: str) -> bytes:
+    """Decompress one frame made by :func:`zstd_compress`, of at most ``limit`` bytes.
+
+    The frame must declare its content size, at most ``limit``; libzstd
+    then refuses to produce more than declared, so memory stays bounded.
+    Raises DecodeError for a corrupt, truncated or oversized frame and for
+    trailing bytes.
+    """
+    try:
+        declared = zstandard.get_frame_parameters(data, format=_FORMAT).content_size
+    except zstandard.ZstdError as exc:
+        raise DecodeError(f"{what}: bad zstd frame header ({exc})") from None
+    if declared == zstandard.CONTENTSIZE_UNKNOWN:
+        raise DecodeError(f"{what}: zstd frame does not declare its content size")
+    if declared > limit:
+        raise DecodeError(f"{what}: zstd frame declares {declared} bytes, "
+                          f"more than the {limit} possible")
+    decompressor = zstandard.ZstdDecompressor(format=_FORMAT).decompressobj()
+    try:
+        out = decompressor.decompress(data)
+    except zstandard.ZstdError as exc:
+        raise DecodeError(f"{what}: corrupt zstd frame ({exc})") from None
+    if not decompressor.eof:
+        raise DecodeError(f"{what}: zstd frame is truncated")
+    if decompressor.unused_data:
+        raise DecodeError(f"{what}: {len(decompressor.unused_data)} trailing bytes "
+                          f"after the zstd frame")
+    if len(out) != declared:
+        raise DecodeError(f"{what}: zstd frame produced {len(out)} bytes, declared {declared}")
+    return out
+
+
+@register_codec
+class ZstdIndices(IndexCodec):
+    """Gap varints (as in the ``varint`` codec) compressed with zstd.
+
+    Parameters
+    ----------
+    level : int, default 3
+        zstd compression level, 1 (fastest) to 22 (smallest).
+
+    Notes
+    -----
+    Measured on uniformly random k = 1% of n = 1M (entropy bound 8.08 bits
+    per index), zstd level 3: varint gap bytes 9.00 bits per index, fixed
+    4-byte gaps 11.61, byte-shuffled 3-byte gaps 8.83. Byte shuffling wins
+    by 2% there but loses 10% on runs of 4 adjacent indices (3.79 against
+    3.46) and needs a width per universe size, so the codec keeps varints.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from deepreduce.codecs.zstd import ZstdIndices
+    >>> codec = ZstdIndices(level=9)
+    >>> indices = np.arange(0, 10_000, 3)
+    >>> data = codec.encode(indices, n=10_000)
+    >>> len(data) < indices.size // 50
+    True
+    >>> np.array_equal(codec.decode(data, n=10_000, nnz=indices.size), indices)
+    True
+    """
+
+    codec_id = "zstd"
+
+    def __init__(self, level: int = 3):
+        self.level = _check_level(level)
+
+    def encode(self, indices, n):
+        indices = _bits.check_indices(indices, n)
+        if indices.size == 0:
+            return b""
+        return zstd_compress(_bits.varint_encode(_bits.gaps(indices)), self.level)
+
+    def decode(self, data, n, nnz):
+        what = "zstd indices"
+        n, nnz = _bits.check_counts(n, nnz, what)
+        if nnz == 0:
+            expect_length(data, 0, what)
+            return np.zeros(0, dtype=np.int64)
+        varints = zstd_decompress(data, _bits.varint_gap_bytes_bound(n, nnz), what)
+        return _bits.ungaps(_bits.varint_decode(varints, nnz, what), n, what)
+
+
+@register_codec
+class ZstdValues(ValueCodec):
+    """Byte-shuffled values compressed with zstd; lossless for every dtype.
+
+    Parameters
+    ----------
+    level : int, default 3
+        zstd compression level, 1 (fastest) to 22 (smallest).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from deepreduce.codecs.zstd import ZstdValues
+    >>> codec = ZstdValues()
+    >>> values = np.repeat(np.float32([0.5, -0.25]), 500)
+    >>> data = codec.encode(values)
+    >>> len(data) < 100
+    True
+    >>> np.array_equal(codec.decode(data, nnz=1000, dtype=np.float32), values)
+    True
+    """
+
+    codec_id = "zstd"
+
+    def __init__(self, level: int = 3):
+        self.level = _check_level(level)
+
+    def encode(self, values):
+        values = check_values(values)
+        if values.size == 0:
+            return b""
+        return zstd_compress(shuffle_bytes(values), self.level)
+
+    def decode(self, data, nnz, dtype):
+        dtype = value_dtype(dtype, DecodeError)
+        what = f"zstd {dtype.name} values"
+        nnz = check_nnz(nnz, what)
+        if nnz == 0:
+            expect_length(data, 0, what)
+            return np.zeros(0, dtype=dtype)
+        size = nnz * dtype.itemsize
+        shuffled = zstd_decompress(data, size, what)
+        expect_length(shuffled, size, what + " (decompressed)")
+        return unshuffle_bytes(shuffled, nnz, dtype)
