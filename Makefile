@@ -1,0 +1,79 @@
+# The one place that knows how to set deepreduce up.
+#
+#   make demo    set up (if needed), capture real gradients, compare the codecs on them
+#   make test    set up (if needed), run the test suite
+#   make venv    only set up: .venv in this checkout with TensorFlow, Horovod and deepreduce
+#
+# Needs python3 (3.9 to 3.11: TensorFlow 2.15 has no wheels for newer ones) with its
+# venv module, gcc/g++ and cmake (Horovod is compiled from source), and pip access.
+
+# TensorFlow 2.15.1 supports Python 3.9-3.11; prefer an interpreter in that range.
+PYTHON ?= $(firstword $(shell command -v python3.11 python3.10 python3.9 2>/dev/null) python3)
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+STAMP := $(VENV)/.deepreduce-installed
+GRADIENTS := benchmarks/cache/gradients.npz
+
+# Horovod 0.28.1 (its last release) does not build against newer TensorFlow (XLA
+# headers). Keras 2.15 needs numpy < 2.
+TENSORFLOW := tensorflow-cpu==2.15.1
+HOROVOD := horovod==0.28.1
+# Only TensorFlow and Gloo: no MPI needed to run several ranks on one machine.
+# CMAKE_POLICY_VERSION_MINIMUM lets a CMake 4 (which rejects the bundled Gloo's
+# cmake_minimum_required 2.8) build it too; CMake 3.x ignores it.
+HOROVOD_BUILD_ENV := HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+	HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 CMAKE_POLICY_VERSION_MINIMUM=3.5
+
+ifdef CI
+export PIP_PROGRESS_BAR := off
+endif
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: venv test demo clean help
+
+help:
+	@echo "make demo    set up (if needed), capture real gradients, compare the codecs on them"
+	@echo "make test    set up (if needed), run the test suite"
+	@echo "make venv    only set up .venv (TensorFlow, Horovod, deepreduce with its extras)"
+	@echo "make clean   remove .venv, the gradient cache and build leftovers"
+
+venv: $(STAMP)
+
+# The stamp lives inside .venv, so deleting .venv starts over. Every step below is
+# idempotent; re-running after an edit of setup.cfg only installs what changed.
+# Horovod is compiled only when `import horovod.tensorflow` fails; pip's wheel cache
+# (kept on purpose) makes a rebuild in a new venv take seconds instead of minutes.
+$(STAMP): setup.cfg pyproject.toml Makefile
+	@for tool in gcc g++ cmake; do command -v $$tool >/dev/null || { \
+		echo "make: $$tool not found; Horovod is compiled from source and needs gcc, g++ and cmake" \
+		     "(Debian: apt-get install build-essential cmake python3-venv)" >&2; exit 1; }; done
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -c 'import sys; sys.exit(not (3, 9) <= sys.version_info[:2] <= (3, 11))' || { \
+		echo "make: $(VENV) uses Python $$($(BIN)/python -V); TensorFlow 2.15 needs 3.9-3.11." \
+		     "Remove $(VENV) and run again with PYTHON=/path/to/python3.11" >&2; exit 1; }
+	$(PIP) install --upgrade pip setuptools wheel
+	$(PIP) install $(TENSORFLOW) "numpy<2" packaging wheel
+	$(BIN)/python -c 'import horovod.tensorflow' 2>/dev/null \
+		|| $(HOROVOD_BUILD_ENV) $(PIP) install --no-build-isolation $(HOROVOD)
+	@$(BIN)/python -c 'import horovod.tensorflow' || { \
+		echo "make: horovod is installed but horovod.tensorflow does not import. A wheel built" \
+		     "without TensorFlow may sit in pip's cache: run '$(PIP) uninstall -y horovod;" \
+		     "$(PIP) cache remove horovod' and make again" >&2; exit 1; }
+	$(PIP) install -e ".[horovod,dev,notebooks]"
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# Until the Horovod integration lands, the demo is the codec comparison on real
+# gradients. They are captured once and kept until gradients.py changes.
+demo: $(GRADIENTS)
+	$(BIN)/deepreduce bench $(GRADIENTS)
+
+$(GRADIENTS): benchmarks/gradients.py | $(STAMP)
+	$(BIN)/python benchmarks/gradients.py --out $(GRADIENTS:.npz=.partial.npz)
+	mv $(GRADIENTS:.npz=.partial.npz) $@
+
+clean:
+	rm -rf $(VENV) benchmarks/cache build *.egg-info .pytest_cache .hypothesis
