@@ -200,7 +200,8 @@ def varint_decode_prefix(data, count: int | None, what: str,
             raise DecodeError(f"{what}: varint truncated at the end of the stream")
         count = ends.size
     elif ends.size < count:
-        raise DecodeError(f"{what}: stream holds {ends.size} complete varints, "
+        cut = " and ends inside a varint" if buffer.size and buffer[-1] >= 0x80 else ""
+        raise DecodeError(f"{what}: stream holds {ends.size} complete varints{cut}, "
                           f"expected {count}")
     if count == 0:
         return np.zeros(0, dtype=np.uint64), offset
