@@ -1,0 +1,498 @@
+"""deepreduce payloads as Horovod + TensorFlow gradients.
+
+A Horovod training script changes one or two lines::
+
+    import tensorflow as tf, horovod.tensorflow as hvd, deepreduce as dr
+    import deepreduce.horovod.tensorflow as drh
+
+    hvd.init()
+    compression = drh.Compression(sparsifier=dr.TopK(0.01), index="auto", value="fp16",
+                                  memory="residual")        # error feedback on by default
+    tape = drh.DistributedGradientTape(tape, compression=compression)       # custom loops
+    opt = drh.DistributedOptimizer(tf.keras.optimizers.SGD(0.1),
+                                   compression=compression)                 # Keras fit
+
+How it travels. Horovod's allreduce sums what it is given, and summed payload
+bytes mean nothing, so deepreduce uses the **allgather communicator**: each rank
+encodes all its gradients of a step into one bundle (one payload per gradient,
+framed by :mod:`deepreduce.horovod.fusion`), one ``hvd.allgather`` moves every
+rank's bundle to every rank (their sizes may differ), and every rank decodes
+all of them and sums in rank order (dividing by the number of ranks for
+``op=hvd.Average``), so all ranks apply the same gradient. Encoding and
+decoding are numpy code, run directly in eager mode and through
+``tf.numpy_function`` inside ``tf.function`` and ``model.fit``.
+
+``tf.IndexedSlices`` gradients (embeddings) are encoded as sparse tensors of the
+variable's shape, never densified, and come back as ``tf.IndexedSlices`` of the
+rows any rank touched (unless ``sparse_as_dense=True``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+
+from deepreduce.errors import DecodeError
+from deepreduce.pipeline import DEFAULT_INDEX, DEFAULT_VALUE, decode
+from deepreduce.sparse import SparseTensor
+from deepreduce.horovod.fusion import GradientCompression
+from deepreduce.horovod.stats import CompressionStats, StepStats
+
+__all__ = ["Compression", "DistributedGradientTape", "DistributedOptimizer",
+           "CompressionStatsCallback", "allreduce", "grouped_allreduce",
+           "CompressionStats", "StepStats"]
+
+MISUSE_HINT = (
+    "the deepreduce payload reaching Compression.decompress does not decode. Horovod's "
+    "allreduce sums what it is given, and summed payload bytes are not a payload: pass "
+    "deepreduce.horovod.tensorflow.Compression to drh.DistributedGradientTape, "
+    "drh.DistributedOptimizer or drh.allreduce (import deepreduce.horovod.tensorflow as "
+    "drh), which allgather the payloads, instead of horovod's own wrappers")
+
+
+# Entry points called from user code that TensorFlow may be autograph-converting
+# (tf.function, model.fit) are marked do_not_convert: they are plain Python that
+# builds ops, and the numpy functions they define must run as written.
+_plain_python = tf.autograph.experimental.do_not_convert
+
+
+def _host_call(fn, inputs, tout):
+    """Run numpy ``fn`` on ``inputs``: directly when eager, as a graph op otherwise.
+
+    Returns a list of tensors (one per dtype in ``tout``). Eager calls raise
+    ``fn``'s own exceptions; inside a graph TensorFlow reports them as
+    ``tf.errors.InvalidArgumentError`` (for ValueError and DecodeError) with
+    the same message.
+    """
+    if tf.executing_eagerly():
+        outputs = fn(*[t.numpy() for t in inputs])
+        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outputs, tout)]
+    return tf.numpy_function(fn, inputs, tout, stateful=True)
+
+
+class Compression(GradientCompression):
+    """Compression of gradients for Horovod: sparsifier, codecs, error feedback.
+
+    Parameters
+    ----------
+    sparsifier : callable, str or None
+        ``dr.TopK(0.01)``, ``dr.RandomK(0.01)``, ``"threshold:1e-3"``... None
+        sends every non-zero (lossless with a lossless value codec).
+    index : str, dict or IndexCodec, default "auto"
+        Index codec name, spec or instance.
+    value : str, dict or ValueCodec, default "raw"
+        Value codec, e.g. ``"fp16"``.
+    memory : "residual", None or ResidualMemory, default "residual"
+        Error feedback per variable (``residual = input - received``, exactly).
+    min_size : int, default 1024
+        Gradients with fewer elements travel losslessly in the same bundle.
+    seed : int, default 0
+        Seed for sparsifiers/codecs named by spec strings that take one.
+
+    Notes
+    -----
+    The object follows Horovod's compressor protocol (:meth:`compress` returns
+    the payload as a 1-D ``tf.uint8`` tensor, :meth:`decompress` decodes one),
+    but Horovod's own ``DistributedGradientTape``/``DistributedOptimizer``
+    allreduce (sum) the compressed tensors. Given to them, :meth:`decompress`
+    raises :class:`~deepreduce.DecodeError` explaining to use this module's
+    wrappers (inside ``tf.function`` TensorFlow reports it as
+    ``tf.errors.InvalidArgumentError`` with that message); if the ranks'
+    payloads differ in length Horovod itself refuses the mismatched allreduce.
+    A wrong gradient is never returned: every payload carries a CRC32.
+
+    ``stats`` (a :class:`~deepreduce.horovod.stats.CompressionStats`) counts
+    the bytes and times of every step this object compresses in the
+    communicator: ``compression.stats.last.ratio``,
+    ``compression.stats.as_dict()``.
+    """
+
+    def __init__(self, sparsifier=None, index=DEFAULT_INDEX, value=DEFAULT_VALUE,
+                 memory="residual", min_size: int = 1024, seed: int = 0):
+        super().__init__(sparsifier, index=index, value=value, memory=memory,
+                         min_size=min_size, seed=seed)
+
+    # -- Horovod's compressor protocol ---------------------------------------
+    @_plain_python
+    def compress(self, tensor):
+        """Encode ``tensor`` into a payload (1-D uint8 tensor); ctx is its dtype and shape.
+
+        No error feedback here: the protocol does not say which variable a
+        tensor belongs to. The communicator of this module does.
+        """
+        tensor = tf.convert_to_tensor(tensor)
+
+        def encode_one(x):
+            return (np.frombuffer(self.encode_tensor(x)[0], dtype=np.uint8),)
+
+        (payload,) = _host_call(encode_one, [tensor], [tf.uint8])
+        payload.set_shape([None])
+        return payload, (tensor.dtype, tensor.shape)
+
+    @_plain_python
+    def decompress(self, tensor, ctx):
+        """Decode one payload back into a dense tensor of the original dtype and shape."""
+        dtype, shape = ctx
+
+        def decode_one(payload):
+            try:
+                st = decode(payload.tobytes())
+            except DecodeError as exc:
+                raise DecodeError(f"{MISUSE_HINT} (decoder: {exc})") from exc
+            return (st.to_dense().astype(dtype.as_numpy_dtype, copy=False),)
+
+        (dense,) = _host_call(decode_one, [tensor], [dtype])
+        dense.set_shape(shape)
+        return dense
+
+
+def _check_compression(compression):
+    if compression is None:
+        return Compression()
+    if not isinstance(compression, GradientCompression):
+        raise ValueError("compression must be a deepreduce.horovod.tensorflow.Compression "
+                         f"(horovod's own compressors are for allreduce), got {compression!r}")
+    return compression
+
+
+def _source_keys(sources) -> list[str]:
+    """Stable names for error feedback: variable names, made unique; positions otherwise."""
+    keys, seen = [], {}
+    for i, source in enumerate(sources):
+        try:
+            name = source.name
+        except AttributeError:  # eager tensors have no meaningful name
+            name = None
+        if not isinstance(name, str):
+            name = f"#{i}"
+        seen[name] = seen.get(name, 0) + 1
+        keys.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return keys
+
+
+class _AllgatherReducer:
+    """Reduces a list of gradients over one allgather of one bundle per rank."""
+
+    def __init__(self, compression, op, sparse_as_dense, gradient_predivide_factor,
+                 process_set):
+        if op not in (hvd.Average, hvd.Sum):
+            raise ValueError("op must be hvd.Average or hvd.Sum (deepreduce sums decoded "
+                             f"payloads), got {op!r}")
+        if gradient_predivide_factor != 1.0 and op != hvd.Average:
+            raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
+        self.compression = _check_compression(compression)
+        self.op, self.sparse_as_dense = op, bool(sparse_as_dense)
+        self.predivide = float(gradient_predivide_factor)
+        self.process_set = process_set
+
+    @_plain_python
+    def __call__(self, grads, keys):
+        """Reduce ``grads`` (tensors, IndexedSlices or None) named ``keys`` across ranks."""
+        todo = [(i, g) for i, g in enumerate(grads) if g is not None]
+        if not todo:
+            return list(grads)
+        inputs, kinds, names, templates = [], [], [], []
+        for i, g in todo:
+            if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
+                g = tf.convert_to_tensor(g)
+            if self.predivide != 1.0:
+                g = (tf.IndexedSlices(g.values / self.predivide, g.indices, g.dense_shape)
+                     if isinstance(g, tf.IndexedSlices) else g / self.predivide)
+            if isinstance(g, tf.IndexedSlices):
+                inputs += [g.values, g.indices, tf.cast(g.dense_shape, tf.int64)]
+                kinds.append("rows")
+            else:
+                inputs.append(tf.convert_to_tensor(g))
+                kinds.append("dense")
+            names.append(keys[i])
+            templates.append(g)
+
+        compression, ranks = self.compression, self.process_set.size()
+        rank, average = self.process_set.rank(), self.op == hvd.Average
+
+        def encode(*arrays):
+            tensors, pos = [], 0
+            for kind in kinds:
+                if kind == "dense":
+                    tensors.append(arrays[pos])
+                    pos += 1
+                else:
+                    tensors.append(_slices_to_sparse(*arrays[pos:pos + 3]))
+                    pos += 3
+            bundle = compression.encode_bundle(names, tensors)
+            return (np.frombuffer(bundle, dtype=np.uint8),)
+
+        def decode_all(gathered):
+            reduced = compression.decode_bundles(gathered, ranks, rank, average,
+                                                 as_rows=[k == "rows" for k in kinds])
+            outputs = []
+            for kind, template, result in zip(kinds, templates, reduced):
+                if kind == "dense":
+                    outputs.append(result.astype(template.dtype.as_numpy_dtype, copy=False))
+                else:
+                    values, rows = result
+                    outputs += [values.astype(template.values.dtype.as_numpy_dtype, copy=False),
+                                rows]
+            return outputs
+
+        tout = []
+        for kind, template in zip(kinds, templates):
+            tout += [template.dtype] if kind == "dense" else [template.values.dtype, tf.int64]
+        (bundle,) = _host_call(encode, inputs, [tf.uint8])
+        bundle.set_shape([None])
+        gathered = hvd.allgather(bundle, process_set=self.process_set)
+        outputs = _host_call(decode_all, [gathered], tout)
+
+        reduced, pos = list(grads), 0
+        for (i, _), kind, template in zip(todo, kinds, templates):
+            if kind == "dense":
+                result = outputs[pos]
+                result.set_shape(template.shape)
+                pos += 1
+            else:
+                values, rows = outputs[pos], outputs[pos + 1]
+                values.set_shape(tf.TensorShape([None]).concatenate(template.values.shape[1:]))
+                rows.set_shape([None])
+                result = tf.IndexedSlices(values, tf.cast(rows, template.indices.dtype),
+                                          template.dense_shape)
+                pos += 2
+            if self.predivide != 1.0:
+                result = (tf.IndexedSlices(result.values * self.predivide, result.indices,
+                                           result.dense_shape)
+                          if isinstance(result, tf.IndexedSlices) else result * self.predivide)
+            reduced[i] = result
+        return reduced
+
+
+def _slices_to_sparse(values, indices, dense_shape) -> SparseTensor:
+    """An IndexedSlices (rows of a tensor) as a flat SparseTensor; repeated rows are summed."""
+    shape = tuple(int(d) for d in dense_shape)
+    row_size = int(np.prod(shape[1:], dtype=np.int64))
+    rows = np.asarray(indices, dtype=np.int64)
+    if rows.size and (rows.min() < 0 or rows.max() >= shape[0]):
+        raise ValueError(f"IndexedSlices rows must lie in [0, {shape[0]})")
+    flat = (rows[:, None] * row_size + np.arange(row_size, dtype=np.int64)).reshape(-1)
+    return SparseTensor.from_pairs(np.asarray(values).reshape(-1), flat, shape)
+
+
+@_plain_python
+def _reduce_with_local(reducer, grads, sources, local_refs, scale_local_gradients):
+    """Reduce the gradients of non-local sources; scale local ones as Horovod does."""
+    keys = _source_keys(sources)
+    is_local = [s.ref() in local_refs if hasattr(s, "ref") else False for s in sources]
+    shared = reducer([None if local else g for g, local in zip(grads, is_local)], keys)
+    out = []
+    for g, r, local in zip(grads, shared, is_local):
+        if not local:
+            out.append(r)
+        elif g is None or not scale_local_gradients:
+            out.append(g)
+        elif isinstance(g, tf.IndexedSlices):
+            out.append(tf.IndexedSlices(g.values / reducer.process_set.size(), g.indices,
+                                        g.dense_shape))
+        else:
+            out.append(g / reducer.process_set.size())
+    return out
+
+
+@_plain_python
+def grouped_allreduce(tensors, compression=None, op=hvd.Average, names=None,
+                      process_set=hvd.global_process_set, sparse_as_dense=False):
+    """Reduce several tensors across ranks in one allgather of deepreduce payloads.
+
+    Parameters
+    ----------
+    tensors : list of tf.Tensor or tf.IndexedSlices
+    compression : Compression, optional
+        Defaults to a lossless ``Compression()``.
+    op : hvd.Average or hvd.Sum
+    names : list of str, optional
+        Keys of the error-feedback residuals; required when error feedback is
+        on and a tensor is compressed lossily, so residuals never mix.
+    process_set : hvd.ProcessSet
+    sparse_as_dense : bool
+        Densify IndexedSlices before sending.
+
+    Returns
+    -------
+    list
+        The reduced tensors (IndexedSlices stay IndexedSlices), equal on every rank.
+    """
+    reducer = _AllgatherReducer(compression, op, sparse_as_dense, 1.0, process_set)
+    tensors = list(tensors)
+    if names is None:
+        if reducer.compression.memory is not None:
+            raise ValueError("names= is required with error feedback (memory='residual'): "
+                             "residuals are kept per name")
+        names = [f"#{i}" for i in range(len(tensors))]
+    return reducer(tensors, list(names))
+
+
+def allreduce(tensor, compression=None, op=hvd.Average, name=None,
+              process_set=hvd.global_process_set, sparse_as_dense=False):
+    """Reduce one tensor across ranks through deepreduce payloads and allgather.
+
+    See :func:`grouped_allreduce`; ``name`` keys the error-feedback residual.
+    """
+    return grouped_allreduce([tensor], compression, op, None if name is None else [name],
+                             process_set, sparse_as_dense)[0]
+
+
+class _DistributedTapeMixin:
+    """Placed before the user's tape class: gradients are reduced before returning."""
+
+    def __init__(self, tape, reducer, persistent, watch_accessed_variables,
+                 scale_local_gradients):
+        super().__init__(persistent, watch_accessed_variables)
+        self._tape = tape._tape  # the recording made under the user's `with` block
+        self._dr_reducer = reducer
+        self._dr_local_sources = set()
+        self._dr_scale_local = scale_local_gradients
+
+    def register_local_source(self, source):
+        """Keep this source's gradient local (not reduced), as in Horovod."""
+        self._dr_local_sources.add(source.ref())
+
+    @_plain_python
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
+        flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
+        reduced = _reduce_with_local(self._dr_reducer, flat_grads, flat_sources,
+                                     self._dr_local_sources, self._dr_scale_local)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def _check_unsupported(backward_passes_per_step, average_aggregated_gradients):
+    if backward_passes_per_step != 1 or average_aggregated_gradients:
+        raise ValueError("backward_passes_per_step > 1 (local gradient aggregation) is not "
+                         "supported by deepreduce's wrappers; accumulate gradients yourself "
+                         "and reduce them with drh.grouped_allreduce")
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
+                            sparse_as_dense=False, op=hvd.Average,
+                            gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                            process_set=hvd.global_process_set, scale_local_gradients=True):
+    """A tape whose ``gradient()`` returns gradients reduced through deepreduce payloads.
+
+    Drop-in replacement for ``hvd.DistributedGradientTape`` with the same
+    arguments. All gradients of one ``gradient()`` call travel in one bundle
+    per rank over one ``hvd.allgather``, so ``num_groups``/``groups`` (Horovod's
+    allreduce grouping) have nothing left to group and are accepted for
+    compatibility only, as are ``device_dense``/``device_sparse`` (codecs run
+    on the host CPU).
+
+    Parameters
+    ----------
+    gradtape : tf.GradientTape
+        The tape that recorded the forward pass.
+    compression : Compression, optional
+        Defaults to a lossless ``Compression()``.
+    sparse_as_dense : bool
+        Densify ``tf.IndexedSlices`` gradients before sending.
+    op : hvd.Average or hvd.Sum
+    gradient_predivide_factor : float
+        With Average, gradients are divided by it before encoding and the
+        average multiplied by it after (as Horovod does).
+    process_set : hvd.ProcessSet
+        Reduce over these ranks only.
+    scale_local_gradients : bool
+        Divide gradients of sources registered with ``register_local_source``
+        by the number of ranks, as Horovod does.
+    """
+    del device_dense, device_sparse, num_groups, groups  # one bundle; host codecs
+    reducer = _AllgatherReducer(compression, op, sparse_as_dense, gradient_predivide_factor,
+                                process_set)
+    cls = type(gradtape.__class__.__name__, (_DistributedTapeMixin, gradtape.__class__), {})
+    return cls(gradtape, reducer, gradtape._persistent, gradtape._watch_accessed_variables,
+               scale_local_gradients)
+
+
+class _DistributedOptimizerMixin:
+    """Common part of the optimizer mixins: the reduction and local variables."""
+
+    def register_local_var(self, var):
+        """Keep this variable's gradient local (not reduced), as in Horovod."""
+        self._dr_local_vars.add(var.ref())
+
+    @_plain_python
+    def _dr_reduce(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            return grads_and_vars
+        grads, variables = zip(*grads_and_vars)
+        reduced = _reduce_with_local(self._dr_reducer, list(grads), list(variables),
+                                     self._dr_local_vars, self._dr_scale_local)
+        return list(zip(reduced, variables))
+
+
+class _ReduceInComputeGradients(_DistributedOptimizerMixin):
+    """Keras 2.11+ optimizers: minimize() -> compute_gradients() -> apply_gradients()."""
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        return self._dr_reduce(super().compute_gradients(loss, var_list, tape))
+
+
+class _ReduceInLegacyHooks(_DistributedOptimizerMixin):
+    """Legacy (optimizer_v2) optimizers: minimize() -> _compute_gradients(); get_gradients()."""
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        return self._dr_reduce(super()._compute_gradients(loss, var_list, grad_loss, tape))
+
+    def get_gradients(self, loss, params):
+        grads = super().get_gradients(loss, params)
+        return [g for g, _ in self._dr_reduce(zip(grads, params))]
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                         compression=None, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=hvd.Average,
+                         backward_passes_per_step=1, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=hvd.global_process_set,
+                         scale_local_gradients=True):
+    """Wrap a Keras optimizer so the gradients it computes travel as deepreduce payloads.
+
+    Drop-in replacement for ``horovod.tensorflow.keras.DistributedOptimizer``
+    (Keras 2 / ``tf.keras``, new and legacy optimizers): ``model.fit`` and
+    ``optimizer.minimize`` reduce the gradients over one allgather per step.
+    The returned optimizer has the wrapped optimizer's class name and config,
+    so saved models load without deepreduce. ``name``, ``device_*``,
+    ``num_groups`` and ``groups`` are accepted for compatibility (one bundle
+    per step leaves nothing to group); ``backward_passes_per_step`` must be 1.
+    Gradients passed straight to ``apply_gradients`` are not reduced (as in
+    Horovod): custom loops use :func:`DistributedGradientTape`.
+
+    Parameters
+    ----------
+    optimizer : tf.keras.optimizers.Optimizer
+    compression : Compression, optional
+        Defaults to a lossless ``Compression()``.
+    sparse_as_dense, gradient_predivide_factor, op, process_set, scale_local_gradients
+        As for :func:`DistributedGradientTape`.
+    """
+    del name, device_dense, device_sparse, num_groups, groups
+    _check_unsupported(backward_passes_per_step, average_aggregated_gradients)
+    reducer = _AllgatherReducer(compression, op, sparse_as_dense, gradient_predivide_factor,
+                                process_set)
+    base = optimizer.__class__
+    # hook the methods this optimizer generation calls; same class name, so
+    # saved models load without deepreduce
+    mixin = _ReduceInComputeGradients if hasattr(base, "compute_gradients") \
+        else _ReduceInLegacyHooks
+    cls = type(base.__name__, (mixin, base), {})
+    distributed = cls.from_config(optimizer.get_config())
+    distributed._dr_reducer = reducer
+    distributed._dr_local_vars = set()
+    distributed._dr_scale_local = scale_local_gradients
+    return distributed
+
+
+def __getattr__(name):
+    # the Keras callback lives in deepreduce.horovod.keras; re-exported lazily
+    if name == "CompressionStatsCallback":
+        from deepreduce.horovod.keras import CompressionStatsCallback
+
+        return CompressionStatsCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
