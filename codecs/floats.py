@@ -28,6 +28,10 @@ except ImportError:  # the core works without it; only bfloat16 values need it
 #: ``np.dtype(ml_dtypes.bfloat16)``, or None when ml_dtypes is missing.
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16) if ml_dtypes is not None else None
 
+#: Float casts here overflow to infinity on purpose, and signalling NaNs
+#: raise the "invalid" flag when converted; neither deserves a warning.
+_QUIET_CASTS = {"over": "ignore", "invalid": "ignore"}
+
 #: Every dtype a value codec accepts.
 SUPPORTED_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16, np.dtype(np.float32),
                                      np.dtype(np.float64)) if d is not None)
@@ -137,13 +141,14 @@ def _float64_to_float32_round_to_odd(x: np.ndarray) -> np.ndarray:
     bits than the final one (float32: 24, bfloat16: 8), so float64 values
     reach bfloat16 without double-rounding errors.
     """
-    with np.errstate(over="ignore"):
+    with np.errstate(**_QUIET_CASTS):
         nearest = x.astype(np.float32)
+        widened = nearest.astype(np.float64)
     bits = nearest.view(np.uint32).copy()
-    inexact = (nearest.astype(np.float64) != x) & ~np.isnan(x)
+    inexact = (widened != x) & ~np.isnan(x)
     # Sign-magnitude: stepping the magnitude bits down by one moves toward
     # zero, undoing a round-up (including one that overflowed to infinity).
-    rounded_up = inexact & (np.abs(nearest.astype(np.float64)) > np.abs(x))
+    rounded_up = inexact & (np.abs(widened) > np.abs(x))
     bits[rounded_up] -= np.uint32(1)
     bits[inexact] |= np.uint32(1)
     return bits.view(np.float32)
@@ -153,7 +158,7 @@ def to_float32(values: np.ndarray) -> np.ndarray:
     """Float32 copy of supported values (exact for float16 and bfloat16)."""
     if is_bfloat16(values.dtype):
         return bfloat16_bits_to_float32(values.view(np.uint16))
-    with np.errstate(over="ignore"):
+    with np.errstate(**_QUIET_CASTS):
         return values.astype(np.float32)
 
 
@@ -161,7 +166,7 @@ def from_float32(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Cast float32 values to ``dtype`` (round to nearest even when narrowing)."""
     if is_bfloat16(dtype):
         return float32_to_bfloat16_bits(x).view(BFLOAT16)
-    with np.errstate(over="ignore"):
+    with np.errstate(**_QUIET_CASTS):
         return x.astype(dtype)
 
 
@@ -216,19 +221,23 @@ class _NarrowingValues(ValueCodec):
         raise NotImplementedError
 
     def encode(self, values):
-        return self._narrow(check_values(values)).astype(self.wire_dtype).tobytes()
+        values = check_values(values)
+        with np.errstate(**_QUIET_CASTS):
+            return self._narrow(values).astype(self.wire_dtype).tobytes()
 
     def decode(self, data, nnz, dtype):
         dtype = value_dtype(dtype, DecodeError)
         what = f"{self.codec_id} values"
         nnz = check_nnz(nnz, what)
         expect_length(data, nnz * self.wire_dtype.itemsize, what)
-        return self._widen(np.frombuffer(data, dtype=self.wire_dtype), dtype)
+        with np.errstate(**_QUIET_CASTS):
+            return self._widen(np.frombuffer(data, dtype=self.wire_dtype), dtype)
 
     def encode_and_receive(self, values):
         values = check_values(values)
-        wire = self._narrow(values).astype(self.wire_dtype)
-        return wire.tobytes(), self._widen(wire, values.dtype)
+        with np.errstate(**_QUIET_CASTS):
+            wire = self._narrow(values).astype(self.wire_dtype)
+            return wire.tobytes(), self._widen(wire, values.dtype)
 
 
 @register_codec
