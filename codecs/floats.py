@@ -91,21 +91,29 @@ def from_le_bytes(data, dtype: np.dtype) -> np.ndarray:
 
 
 def shuffle_bytes(values: np.ndarray) -> bytes:
-    """Byte-shuffle little-endian values: all first bytes, then all second bytes, ...
+    """Byte-shuffle values: all least significant bytes, then all next bytes, ...
 
     Grouping bytes of equal significance (the sign/exponent bytes are highly
     repetitive in gradients) makes general-purpose compressors much more
-    effective than on the interleaved values.
+    effective than on the interleaved values. Planes are cut with integer
+    shifts, which is both byte-order independent and several times faster
+    than transposing a strided byte view.
     """
     itemsize = values.dtype.itemsize
-    planes = np.frombuffer(to_le_bytes(values), dtype=np.uint8).reshape(values.size, itemsize)
-    return planes.T.tobytes()
+    words = values.view(f"u{itemsize}")
+    planes = np.empty((itemsize, values.size), dtype=np.uint8)
+    for byte in range(itemsize):
+        planes[byte] = words >> (8 * byte)  # the assignment keeps the low 8 bits
+    return planes.tobytes()
 
 
 def unshuffle_bytes(data, nnz: int, dtype: np.dtype) -> np.ndarray:
     """Inverse of :func:`shuffle_bytes`; ``data`` must hold ``nnz * itemsize`` bytes."""
     planes = np.frombuffer(data, dtype=np.uint8).reshape(dtype.itemsize, nnz)
-    return from_le_bytes(planes.T.tobytes(), dtype)
+    words = planes[0].astype(f"u{dtype.itemsize}")
+    for byte in range(1, dtype.itemsize):
+        words |= planes[byte].astype(words.dtype) << (8 * byte)
+    return words.view(dtype)
 
 
 # ----------------------------------------------------------------- bfloat16 by bits

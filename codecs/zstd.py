@@ -53,7 +53,10 @@ def zstd_decompress(data, limit: int, what: str) -> bytes:
     if declared > limit:
         raise DecodeError(f"{what}: zstd frame declares {declared} bytes, "
                           f"more than the {limit} possible")
-    decompressor = zstandard.ZstdDecompressor(format=_FORMAT).decompressobj()
+    # One output buffer of the declared size: bounded, and much faster than
+    # the default 128 KiB chunks for large streams.
+    decompressor = zstandard.ZstdDecompressor(format=_FORMAT).decompressobj(
+        write_size=max(declared, 1))
     try:
         out = decompressor.decompress(data)
     except zstandard.ZstdError as exc:
