@@ -128,8 +128,9 @@ def _as_int(value, name, error):
 def gaps(indices: np.ndarray) -> np.ndarray:
     """Delta-code strictly increasing indices: ``[i0, i1-i0-1, i2-i1-1, ...]`` (uint64).
 
-    Subtracting one makes every value as small as possible (adjacent indices
-    give 0) and makes every uint64 sequence decode to a valid set.
+    Subtracting one makes adjacent indices give 0 and makes the code a
+    bijection: any gap sequence whose sum stays below ``n`` decodes to a
+    strictly increasing set, so decoders need no separate ordering check.
     """
     indices = np.asarray(indices, dtype=np.int64)
     out = np.empty(indices.size, dtype=np.uint64)
@@ -194,9 +195,7 @@ def varint_decode_prefix(data, count: int | None, what: str,
     buffer = np.frombuffer(data, dtype=np.uint8)[offset:]
     ends = np.flatnonzero(buffer < 0x80)
     if count is None:
-        if ends.size == 0 and buffer.size:
-            raise DecodeError(f"{what}: varint truncated at the end of the stream")
-        if ends.size and ends[-1] != buffer.size - 1:
+        if buffer.size and (ends.size == 0 or ends[-1] != buffer.size - 1):
             raise DecodeError(f"{what}: varint truncated at the end of the stream")
         count = ends.size
     elif ends.size < count:

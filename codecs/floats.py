@@ -49,7 +49,7 @@ def value_dtype(dtype, error=ValueError) -> np.dtype:
         raise error("value dtype must be given, got None")
     try:
         dtype = np.dtype(dtype)
-    except TypeError:
+    except (TypeError, ValueError):
         raise error(f"not a dtype: {dtype!r}") from None
     if dtype.byteorder not in "=|":
         dtype = dtype.newbyteorder("=")
