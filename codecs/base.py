@@ -9,6 +9,7 @@ parameter) travels inside the encoded stream itself.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import numpy as np
@@ -34,10 +35,11 @@ class Codec:
     lossless: bool = True
 
     @classmethod
+    @functools.cache  # spec() runs for every payload; inspect.signature is slow
     def _parameters(cls):
         sig = inspect.signature(cls.__init__)
-        return [p for name, p in sig.parameters.items() if name != "self"
-                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        return tuple(p for name, p in sig.parameters.items() if name != "self"
+                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
     def get_config(self) -> dict:
         """JSON-safe configuration: ``{"id": codec_id, **constructor kwargs}``."""
