@@ -1,0 +1,345 @@
+"""What every communicator shares: inputs, the signature check, results and handles.
+
+A reduction has two halves. :meth:`Communicator._encode` runs in the caller's
+thread: it sparsifies the input and encodes what leaves this rank. The rest
+(:meth:`Communicator._communicate`: the collectives, the reduction at the
+owners, decoding) runs on the transport's communication thread. The
+asynchronous form returns after the first half, so the caller can encode the
+next tensor while this one travels.
+
+If the first half fails on a rank (a bad argument, an unsupported input), that
+rank still takes part in the first collective with an ERROR frame, so every
+rank raises instead of waiting forever for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepreduce.collectives import frames
+from deepreduce.collectives.transport import Traffic, get_transport
+from deepreduce.pipeline import Pipeline
+from deepreduce.sparse import BFLOAT16, SparseTensor
+
+_OPS = {"sum": "sum", "average": "average", "mean": "average"}
+
+
+def op_name(op) -> str:
+    """``"sum"`` or ``"average"`` from a name or Horovod's ``hvd.Sum`` / ``hvd.Average``."""
+    if isinstance(op, str) and op.lower() in _OPS:
+        return _OPS[op.lower()]
+    if not isinstance(op, str):
+        try:
+            from horovod.tensorflow import Average, Sum
+        except ImportError:
+            Average = Sum = None
+        if Sum is not None and op == Sum:
+            return "sum"
+        if Average is not None and op == Average:
+            return "average"
+    raise ValueError(f"op must be 'sum' or 'average' (or hvd.Sum / hvd.Average), got {op!r}")
+
+
+@dataclass
+class Reduction:
+    """The result of one reduction on one rank.
+
+    Attributes
+    ----------
+    output : numpy.ndarray or tf.Tensor
+        The reduced dense tensor, with the input's shape and dtype (a
+        ``tf.Tensor`` when the input was a TensorFlow tensor). Every rank gets
+        the same values.
+    sent : SparseTensor
+        What this rank's input contributed after the sparsifier and the codecs:
+        ``input - sent`` is the error-feedback residual.
+    traffic : Traffic
+        Bytes this rank handed to the collectives and received from the others.
+    """
+
+    output: object
+    sent: SparseTensor
+    traffic: Traffic
+
+
+class Handle:
+    """A reduction in flight; :meth:`wait` returns its :class:`Reduction`."""
+
+    def __init__(self, future, finish):
+        self._future, self._finish = future, finish
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Reduction:
+        """Block until the reduction is complete; re-raise its error, on every rank."""
+        return self._finish(self._future.result(timeout))
+
+
+@dataclass
+class _Input:
+    selected: SparseTensor          # after the sparsifier: flat, all pieces one after another
+    dense: np.ndarray | None        # flat dense source, when the input was one dense tensor
+    pieces: list                    # (shape, framework) of each tensor, in order
+    single: bool                    # reduce() rather than reduce_many()
+
+    @property
+    def dtype(self):
+        return self.selected.dtype
+
+
+def _from_tensorflow(x):
+    """A TensorFlow tensor or IndexedSlices as a numpy array or SparseTensor."""
+    if hasattr(x, "dense_shape") and hasattr(x, "indices") and hasattr(x, "values"):
+        values = np.asarray(x.values.numpy() if hasattr(x.values, "numpy") else x.values)
+        rows = np.asarray(x.indices).astype(np.int64).reshape(-1)
+        shape = tuple(int(d) for d in np.asarray(x.dense_shape))
+        if values.dtype.kind != "f" and values.dtype != BFLOAT16:
+            values = values.astype(np.float32)
+        row_size = math.prod(shape[1:])
+        if values.shape != (rows.size, *shape[1:]):
+            raise ValueError(f"IndexedSlices values {values.shape} do not match "
+                             f"{rows.size} rows of {shape[1:]}")
+        if rows.size and (rows.min() < 0 or rows.max() >= shape[0]):
+            raise ValueError(f"IndexedSlices rows leave [0, {shape[0]})")
+        flat = (rows[:, None] * row_size + np.arange(row_size, dtype=np.int64)).reshape(-1)
+        return SparseTensor.from_pairs(values.reshape(-1), flat, shape, values.dtype)
+    return x.numpy()
+
+
+class Communicator:
+    """Base class of the reducing communicators (``allgather``, ``sparse_allreduce``, ``block``).
+
+    Parameters
+    ----------
+    pipeline : Pipeline, optional
+        Sparsifier and codecs of what travels; ``Pipeline()`` (every non-zero,
+        automatic index codec, raw values) by default.
+    op : {"sum", "average"} or hvd.Sum / hvd.Average
+    process_set : horovod ProcessSet, optional
+        Reduce within this Horovod process set (the global one by default).
+    transport : Transport, optional
+        Instead of Horovod: e.g. a member of ``ThreadTransport.group(P)``.
+    """
+
+    name = ""
+    #: The collective each reduction starts with; a failing rank joins it with an ERROR frame.
+    first_collective = "alltoall"
+
+    def __init__(self, pipeline=None, op="sum", process_set=None, transport=None):
+        if pipeline is None:
+            pipeline = Pipeline()
+        if not isinstance(pipeline, Pipeline):
+            raise ValueError(f"pipeline must be a deepreduce.Pipeline, got "
+                             f"{type(pipeline).__name__}")
+        if transport is not None and process_set is not None:
+            raise ValueError("give a transport or a process_set, not both")
+        self.pipeline, self.op = pipeline, op_name(op)
+        self._process_set, self._transport = process_set, transport
+        #: Bytes sent and received by all reductions of this communicator so far.
+        self.traffic = Traffic()
+
+    def __repr__(self):
+        return f"{type(self).__name__}(pipeline={self.pipeline!r}, op={self.op!r})"
+
+    @property
+    def transport(self):
+        if self._transport is None:
+            self._transport = get_transport(None, self._process_set)
+        return self._transport
+
+    # -- public API -------------------------------------------------------------
+    def reduce(self, x) -> Reduction:
+        """Reduce ``x`` (ndarray, SparseTensor, tf.Tensor or tf.IndexedSlices) over all ranks."""
+        return self.reduce_async(x).wait()
+
+    def reduce_async(self, x) -> Handle:
+        """Encode ``x`` now and return a :class:`Handle`; the collectives run in the background.
+
+        Every rank must start its reductions in the same order.
+        """
+        return self._start(lambda: self._input([x], single=True))
+
+    def reduce_many(self, xs) -> list:
+        """Reduce several tensors of one dtype in one set of collectives (fusion).
+
+        Each tensor goes through the sparsifier on its own; the selections are
+        laid end to end and reduced together. Returns one :class:`Reduction`
+        per tensor (they share one ``traffic``).
+        """
+        return self.reduce_many_async(xs).wait()
+
+    def reduce_many_async(self, xs) -> Handle:
+        """Like :meth:`reduce_many`, returning a :class:`Handle`."""
+        return self._start(lambda: self._input(list(xs), single=False))
+
+    # -- steps ----------------------------------------------------------------------
+    def _start(self, make_input) -> Handle:
+        transport = self.transport
+        try:
+            inp = make_input()
+            signature = self._signature(inp)
+            plan = self._encode(inp, transport.rank, transport.size)
+            error = None
+        except (ValueError, TypeError) as exc:
+            inp = plan = None
+            signature, error = "", exc
+        future = transport.submit(self._run, transport, inp, signature, plan, error)
+        return Handle(future, self._finish)
+
+    def _input(self, xs: list, single: bool) -> _Input:
+        selections, pieces, dense = [], [], None
+        for x in xs:
+            framework = "numpy"
+            if type(x).__module__.startswith("tensorflow"):
+                x, framework = _from_tensorflow(x), "tensorflow"
+            selected, dense = self.pipeline.sparsify(x)
+            selections.append(selected)
+            pieces.append((selected.shape, framework))
+        if single:
+            flat = SparseTensor._trusted(selections[0].values, selections[0].indices,
+                                         (selections[0].size,))
+            return _Input(flat, dense, pieces, True)
+        if not selections:
+            raise ValueError("reduce_many needs at least one tensor")
+        dtypes = {st.dtype for st in selections}
+        if len(dtypes) > 1:
+            raise ValueError(f"reduce_many needs tensors of one dtype, got "
+                             f"{', '.join(sorted(d.name for d in dtypes))}")
+        offsets = np.cumsum([0] + [st.size for st in selections])
+        fused = SparseTensor._trusted(
+            np.concatenate([st.values for st in selections]),
+            np.concatenate([st.indices + offset for st, offset in zip(selections, offsets)]),
+            (int(offsets[-1]),))
+        return _Input(fused, None, pieces, False)
+
+    def _signature(self, inp: _Input) -> str:
+        shapes = ",".join("x".join(map(str, shape)) for shape, _ in inp.pieces)
+        fields = {"communicator": self.name, "dtype": inp.dtype.name, "shapes": shapes,
+                  "op": self.op, **self._settings()}
+        return ";".join(f"{key}={value}" for key, value in fields.items())
+
+    def _settings(self) -> dict:
+        """Settings that must agree across ranks, beyond shape, dtype and op."""
+        return {}
+
+    def _encode(self, inp: _Input, rank: int, size: int):
+        raise NotImplementedError
+
+    def _communicate(self, transport, inp, signature, plan, traffic):
+        raise NotImplementedError
+
+    def _run(self, transport, inp, signature, plan, error):
+        traffic = Traffic()
+        if error is not None:
+            self._fail(transport, signature, error, traffic)
+        output, sent = self._communicate(transport, inp, signature, plan, traffic)
+        if self.op == "average":
+            output /= output.dtype.type(transport.size)
+        self.traffic += traffic
+        return inp, output, sent, traffic
+
+    def _fail(self, transport, signature, error, traffic):
+        fail_collectively(self.first_collective, transport, signature, error, traffic)
+
+    def _finish(self, result):
+        inp, output, sent, traffic = result
+        reductions, offset = [], 0
+        for shape, framework in inp.pieces:
+            size = math.prod(shape)
+            piece = output[offset:offset + size].reshape(shape)
+            start, end = np.searchsorted(sent.indices, [offset, offset + size])
+            piece_sent = SparseTensor._trusted(sent.values[start:end],
+                                               sent.indices[start:end] - offset, shape)
+            if framework == "tensorflow":
+                import tensorflow as tf
+
+                piece = tf.convert_to_tensor(piece)
+            reductions.append(Reduction(piece, piece_sent, traffic))
+            offset += size
+        return reductions[0] if inp.single else reductions
+
+
+def fail_collectively(first_collective, transport, signature, error, traffic=None):
+    """Take part in a reduction's first collective with an ERROR frame, then raise ``error``.
+
+    The other ranks read the frame and raise too, instead of waiting forever.
+    """
+    frame = frames.signed(signature, frames.error_frame(f"{type(error).__name__}: {error}"))
+    traffic = Traffic() if traffic is None else traffic
+    if first_collective == "allgather":
+        transport.allgather(frame, traffic, "gather")
+    else:
+        transport.alltoall([b"" if r == transport.rank else frame
+                            for r in range(transport.size)], traffic, "scatter")
+    raise error
+
+
+def check_peers(received: dict, signature: str, rank: int) -> dict:
+    """Read the signed first frames of the other ranks; raise on errors or disagreement.
+
+    ``received`` maps each other rank to its frame. Returns ``{rank: frame body}``.
+    Every rank sees the same frames, so every rank raises the same way.
+    """
+    bodies, errors, mismatches = {}, [], []
+    for peer, frame in received.items():
+        theirs, body = frames.read_signed(frame)
+        if len(body) and body[0] == frames.ERROR:
+            errors.append(f"rank {peer}: {bytes(body[1:]).decode('utf-8', 'replace')}")
+        elif theirs != signature:
+            mismatches.append((peer, theirs))
+        bodies[peer] = body
+    if errors:
+        raise frames.PeerError("another rank could not take part in the reduction: "
+                               + "; ".join(errors))
+    if mismatches:
+        everyone = {peer: theirs for peer, theirs in mismatches}
+        everyone.update((peer, signature) for peer in bodies if peer not in everyone)
+        everyone[rank] = signature
+        fields = {peer: dict(field.split("=", 1) for field in sig.split(";") if "=" in field)
+                  for peer, sig in sorted(everyone.items())}
+        details = []
+        for key in fields[rank]:
+            by_value = {}
+            for peer, theirs in fields.items():
+                by_value.setdefault(theirs.get(key, "?"), []).append(str(peer))
+            if len(by_value) > 1:
+                details.append(f"{key}: " + "; ".join(
+                    f"{value} on rank{'s' if len(peers) > 1 else ''} {', '.join(peers)}"
+                    for value, peers in by_value.items()))
+        raise ValueError("ranks disagree on the reduction: " + " | ".join(details))
+    return bodies
+
+
+def ranges(n: int, parts: int) -> np.ndarray:
+    """Boundaries of ``parts`` contiguous, near-equal ranges of ``[0, n)`` (length parts + 1)."""
+    return (np.arange(parts + 1, dtype=np.int64) * n) // parts
+
+
+def sum_sparse(parts: list, length: int, dtype) -> SparseTensor:
+    """Sum SparseTensors over ``[0, length)``; the support of the sum is the union of supports.
+
+    Sums are accumulated in float64 and rounded once to ``dtype``, so the
+    result does not depend on the order of the parts.
+    """
+    parts = [p for p in parts if p.nnz]
+    if not parts:
+        return SparseTensor._trusted(np.zeros(0, dtype), np.zeros(0, np.int64), (length,))
+    if len(parts) == 1:
+        return SparseTensor._trusted(parts[0].values.astype(dtype, copy=False),
+                                     parts[0].indices, (length,))
+    indices = np.concatenate([p.indices for p in parts])
+    weights = np.concatenate([p.values.astype(np.float64) for p in parts])
+    if indices.size * 8 >= length:
+        # Many entries for the range: one pass over a dense accumulator beats a sort.
+        totals = np.bincount(indices, weights=weights, minlength=length)
+        touched = np.zeros(length, dtype=bool)
+        touched[indices] = True
+        support = np.flatnonzero(touched)
+        return SparseTensor._trusted(totals[support].astype(dtype), support, (length,))
+    support, inverse = np.unique(indices, return_inverse=True)
+    totals = np.bincount(inverse, weights=weights, minlength=support.size)
+    return SparseTensor._trusted(totals.astype(dtype), support, (length,))

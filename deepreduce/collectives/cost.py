@@ -1,0 +1,182 @@
+"""Alpha-beta cost model of the communicators: bytes per rank and operations.
+
+Every function returns a :class:`Cost` for one rank of ``P``, assuming the
+index space splits evenly over the owners and the non-zeros spread evenly over
+the index space (random supports). ``sent`` and ``received`` count what
+:class:`~deepreduce.collectives.Traffic` measures: the bytes of the tensors a
+rank hands to the collectives for the others and gets from the others. The
+time estimate is ``ops * alpha_op + messages * alpha + received * beta``:
+``alpha_op`` is the fixed price of one Horovod operation (its negotiation
+round, about a millisecond with Gloo on one machine), ``alpha`` the latency of
+one point-to-point message, ``beta`` seconds per byte. docs/collectives.md
+derives each formula.
+
+``index_bytes`` is bytes per index, either a number or a function of the
+density of the index set (codecs spend fewer bits per index on denser sets);
+:func:`entropy_index_bytes` is the lower bound, :func:`codec_index_bytes`
+measures a codec.
+
+Examples
+--------
+>>> from deepreduce.collectives import cost
+>>> P, n, k = 4, 25_000_000, 250_000
+>>> union = cost.union_size(n, k, P)
+>>> round(union / n, 4)
+0.0394
+>>> ag = cost.allgather(P, n, k, index_bytes=1.2, value_bytes=4)
+>>> sar = cost.sparse_allreduce(P, n, k, union, index_bytes=1.2, value_bytes=4)
+>>> dense = cost.dense_allreduce(P, n, value_bytes=4)
+>>> round(ag.received / 1e6, 2), round(sar.received / 1e6, 2), round(dense.received / 1e6)
+(3.9, 4.6, 150)
+>>> identical = cost.sparse_allreduce(P, n, k, k, index_bytes=1.2, value_bytes=4)
+>>> round(identical.received / 1e6, 2)
+1.95
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Bytes around each frame: payload header and CRC, the frame kind, and the
+#: 8-byte length the Horovod transport adds to allgathered frames. A
+#: typical value for 1-D tensors; it only matters for tiny tensors.
+FRAME_OVERHEAD = 40
+#: Bytes of the signature on the first frame of a reduction.
+SIGNATURE = 60
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Predicted traffic of one rank in one reduction."""
+
+    sent: float
+    received: float
+    ops: int          # Horovod operations (each pays one negotiation round)
+    messages: int     # point-to-point messages per rank on the critical path
+
+    def time(self, beta: float, alpha: float = 0.0, alpha_op: float = 0.0) -> float:
+        """Seconds: ``ops * alpha_op + messages * alpha + received * beta``."""
+        return self.ops * alpha_op + self.messages * alpha + self.received * beta
+
+
+def _rate(index_bytes, density: float) -> float:
+    return float(index_bytes(density) if callable(index_bytes) else index_bytes)
+
+
+def union_size(n: int, k: float, P: int, shared: float = 0.0) -> float:
+    """Expected non-zeros of a sum of ``P`` supports of ``k`` indices each out of ``n``.
+
+    A fraction ``shared`` of every support is common to all ranks (1: identical
+    supports); the rest is drawn uniformly at random, independently per rank.
+    Disjoint supports give ``min(n, P * k)``, beyond this model.
+    """
+    if not 0.0 <= shared <= 1.0:
+        raise ValueError(f"shared must be in [0, 1], got {shared}")
+    common = shared * k
+    free = n - common
+    if free <= 0:
+        return float(n)
+    return common + free * (1.0 - (1.0 - (k - common) / free) ** P)
+
+
+def allgather(P: int, n: int, k: float, index_bytes, value_bytes: float,
+              overhead: float = FRAME_OVERHEAD + SIGNATURE) -> Cost:
+    """Every rank's payload to every other rank: receive ``(P - 1)`` payloads.
+
+    With Gloo's ring allgather the wire carries the same volume: each rank
+    forwards ``P - 1`` payloads and receives ``P - 1``.
+    """
+    payload = k * (_rate(index_bytes, k / n if n else 0.0) + value_bytes) + overhead
+    return Cost(sent=payload, received=(P - 1) * payload, ops=1, messages=P - 1)
+
+
+def _range_bytes(P, n, union, index_bytes, value_bytes, overhead):
+    sparse = union / P * (_rate(index_bytes, union / n if n else 0.0) + value_bytes)
+    return min(sparse, n / P * value_bytes) + overhead
+
+
+def sparse_allreduce(P: int, n: int, k: float, union: float, index_bytes, value_bytes: float,
+                     overhead: float = FRAME_OVERHEAD) -> Cost:
+    """SSAR_Split_allgather with the dense switch (DSAR) per range.
+
+    Scatter: ``(P - 1) / P`` of the own ``k`` entries leave, as much arrives.
+    Gather: the own reduced range (``union / P`` entries, or ``n / P`` dense
+    values when smaller) goes out once and ``P - 1`` ranges arrive.
+    """
+    scatter = (P - 1) / P * k * (_rate(index_bytes, k / n if n else 0.0) + value_bytes) \
+        + (P - 1) * (overhead + SIGNATURE)
+    one_range = _range_bytes(P, n, union, index_bytes, value_bytes, overhead)
+    return Cost(sent=scatter + one_range, received=scatter + (P - 1) * one_range,
+                ops=2, messages=2 * (P - 1))
+
+
+def block(P: int, n: int, block_size: int, blocks: float, union_blocks: float, index_bytes,
+          value_bytes: float, overhead: float = FRAME_OVERHEAD) -> Cost:
+    """OmniReduce-style blocks: ``blocks`` non-zero per rank, ``union_blocks`` after the sum.
+
+    ``index_bytes`` is per block number, in the universe of ``ceil(n / block_size)``
+    blocks. A block carries ``block_size`` values whatever its fill.
+    """
+    total = -(-n // block_size)
+    per_block_in = _rate(index_bytes, blocks / total if total else 0.0) \
+        + block_size * value_bytes
+    scatter = (P - 1) / P * blocks * per_block_in + (P - 1) * (overhead + SIGNATURE)
+    per_block_out = _rate(index_bytes, union_blocks / total if total else 0.0) \
+        + block_size * value_bytes
+    one_range = min(union_blocks / P * per_block_out, n / P * value_bytes) + overhead
+    return Cost(sent=scatter + one_range, received=scatter + (P - 1) * one_range,
+                ops=2, messages=2 * (P - 1))
+
+
+def dense_allreduce(P: int, n: int, value_bytes: float) -> Cost:
+    """Ring allreduce (reduce-scatter + allgather): ``2 (P - 1) / P * n * value_bytes`` each way."""
+    volume = 2 * (P - 1) / P * n * value_bytes
+    return Cost(sent=volume, received=volume, ops=1, messages=2 * (P - 1))
+
+
+def recursive_doubling(P: int, n: int, k: float, index_bytes, value_bytes: float,
+                       shared: float = 0.0, overhead: float = FRAME_OVERHEAD) -> Cost:
+    """SparCML's SSAR_Recursive_double (P a power of two), for comparison.
+
+    In round ``i`` a rank swaps its partial sum, the union of ``2**i`` supports,
+    with the rank ``2**i`` away: ``log2 P`` messages and, over Horovod, as many
+    operations. Not implemented as a communicator: see docs/collectives.md.
+    """
+    if P < 1 or P & (P - 1):
+        raise ValueError(f"recursive doubling needs a power-of-two P, got {P}")
+    received = 0.0
+    for i in range(int(math.log2(P))):
+        union = union_size(n, k, 2 ** i, shared)
+        sparse = union * (_rate(index_bytes, union / n if n else 0.0) + value_bytes)
+        received += min(sparse, n * value_bytes) + overhead
+    rounds = int(math.log2(P))
+    return Cost(sent=received, received=received, ops=rounds, messages=rounds)
+
+
+def entropy_index_bytes(density: float) -> float:
+    """Information-theoretic bytes per index of a random set: H(density) / density / 8."""
+    if density <= 0.0 or density >= 1.0:
+        return 0.0
+    entropy = -(density * math.log2(density) + (1 - density) * math.log2(1 - density))
+    return entropy / density / 8
+
+
+def codec_index_bytes(index_codec, universe: int, seed: int = 0):
+    """A function ``density -> bytes per index`` measured with ``index_codec``.
+
+    It encodes one random set of that density in ``[0, universe)``; the
+    communicators' ranges hold ``n / P`` elements, so pass that as ``universe``.
+    """
+    rng = np.random.default_rng(seed)
+
+    def rate(density: float) -> float:
+        count = int(round(density * universe))
+        if count == 0:
+            return 0.0
+        indices = np.sort(rng.choice(universe, size=count, replace=False)).astype(np.int64)
+        return len(index_codec.encode(indices, universe)) / count
+
+    return rate

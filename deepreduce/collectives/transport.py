@@ -1,0 +1,228 @@
+"""Byte transports under the communicators: Horovod's collectives, or threads in one process.
+
+A transport moves byte frames between the ``size`` members of a group with two
+collectives, both called by every member in the same order:
+
+* ``alltoall(frames)``: ``frames[r]`` goes to member ``r``; returns the frame
+  each member sent to this one (the own slot is never sent: it is ``b""``);
+* ``allgather(frame)``: returns every member's frame, in rank order.
+
+Each transport owns one communication thread. Every collective of every
+communicator on that transport runs there, in submission order, so at most one
+of them is in flight per process (Horovod keys in-flight operations by name)
+and the caller's thread stays free to encode the next tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Traffic:
+    """Bytes one member handed to the collectives and got back from the others.
+
+    ``sent`` counts the bytes of the tensors this member contributes for other
+    members (its own slot of an alltoall and the copy of its own frame in an
+    allgather result are not counted); ``received`` counts the bytes of the
+    tensors it gets from other members. ``stages`` keeps the same two numbers
+    per named stage, in order.
+    """
+
+    sent: int = 0
+    received: int = 0
+    stages: list = field(default_factory=list)
+
+    def add(self, stage: str, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+        self.stages.append((stage, sent, received))
+
+    def __iadd__(self, other: "Traffic"):
+        for stage in other.stages:
+            self.add(*stage)
+        return self
+
+
+class Transport:
+    """Base class: ``rank``, ``size``, the two collectives and the communication thread."""
+
+    rank: int
+    size: int
+
+    def __init__(self):
+        self._executor = None
+        self._executor_lock = threading.Lock()
+
+    def submit(self, fn, *args):
+        """Run ``fn(*args)`` on this transport's communication thread; return a Future."""
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1,
+                                                    thread_name_prefix="deepreduce-comm")
+        return self._executor.submit(fn, *args)
+
+    def alltoall(self, frames: list, traffic: Traffic, stage: str) -> list:
+        raise NotImplementedError
+
+    def allgather(self, frame, traffic: Traffic, stage: str) -> list:
+        raise NotImplementedError
+
+
+class HorovodTransport(Transport):
+    """Horovod's ``alltoall`` and ``allgather`` on uint8 tensors of one process set.
+
+    The operations are traced once into ``tf.function``s with fixed names:
+    in eager mode Horovod ignores ``name=`` and keys every operation by its type
+    (two eager allgathers in flight at once fail with "a tensor with the same
+    name ... is currently being processed"), whereas a traced operation keeps
+    its name. Ours are therefore never confused with the user's own eager
+    collectives, and the communication thread keeps ours to one at a time.
+    """
+
+    def __init__(self, process_set=None):
+        super().__init__()
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+
+        if not hvd.is_initialized():
+            raise RuntimeError("Horovod is not initialised: call hvd.init() before using "
+                               "deepreduce.collectives")
+        self.process_set = hvd.global_process_set if process_set is None else process_set
+        if not self.process_set.included():
+            raise ValueError(f"this process (rank {hvd.rank()}) is not in {self.process_set}")
+        self.rank, self.size = self.process_set.rank(), self.process_set.size()
+        self._tf = tf
+        tag = f"deepreduce_collectives_ps{self.process_set.process_set_id}"
+        process_set = self.process_set
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.uint8),
+                                      tf.TensorSpec([None], tf.int32)])
+        def alltoall(data, splits):
+            return hvd.alltoall(data, splits=splits, name=f"{tag}_alltoall",
+                                process_set=process_set)
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.uint8)])
+        def allgather(data):
+            return hvd.allgather(data, name=f"{tag}_allgather", process_set=process_set)
+
+        self._alltoall, self._allgather = alltoall, allgather
+
+    def alltoall(self, frames, traffic, stage):
+        lengths = [0 if r == self.rank else len(f) for r, f in enumerate(frames)]
+        data = np.frombuffer(b"".join(f for r, f in enumerate(frames) if r != self.rank),
+                             dtype=np.uint8)
+        received, splits = self._alltoall(self._tf.constant(data),
+                                          self._tf.constant(lengths, dtype=self._tf.int32))
+        received = received.numpy()
+        traffic.add(stage, data.size, received.size)
+        return _split(received, splits.numpy())
+
+    def allgather(self, frame, traffic, stage):
+        data = np.frombuffer(bytes(frame), dtype=np.uint8)
+        # Horovod's allgather does not return the lengths: gather them alongside
+        # as 8 bytes per member, the only bookkeeping our frames do not carry.
+        head = np.array([data.size], dtype="<u8").view(np.uint8)
+        gathered = self._allgather(self._tf.constant(np.concatenate([head, data]))).numpy()
+        own = head.size + data.size
+        traffic.add(stage, own, gathered.size - own)
+        return _split_prefixed(gathered, self.size)
+
+
+def _split(buffer: np.ndarray, lengths) -> list:
+    view = memoryview(buffer).cast("B")
+    ends = np.cumsum(lengths)
+    return [view[end - length:end] for end, length in zip(ends.tolist(), list(lengths))]
+
+
+def _split_prefixed(buffer: np.ndarray, count: int) -> list:
+    view, frames, pos = memoryview(buffer).cast("B"), [], 0
+    for _ in range(count):
+        (length,) = np.frombuffer(view[pos:pos + 8], dtype="<u8")
+        frames.append(view[pos + 8:pos + 8 + int(length)])
+        pos += 8 + int(length)
+    return frames
+
+
+class ThreadTransport(Transport):
+    """``size`` members in one process, one per thread: for tests and experiments.
+
+    Build the group with :meth:`group`; hand member ``r`` to the thread that
+    plays rank ``r``. The collectives meet at a barrier, as real ranks would.
+
+    Examples
+    --------
+    >>> from concurrent.futures import ThreadPoolExecutor
+    >>> from deepreduce.collectives.transport import ThreadTransport, Traffic
+    >>> members = ThreadTransport.group(3)
+    >>> with ThreadPoolExecutor(3) as pool:
+    ...     out = list(pool.map(lambda t: [bytes(f) for f in
+    ...                                     t.allgather(bytes([t.rank]), Traffic(), "demo")],
+    ...                         members))
+    >>> out[0]
+    [b'\\x00', b'\\x01', b'\\x02']
+    """
+
+    def __init__(self, rank, size, shared):
+        super().__init__()
+        self.rank, self.size, self._shared = rank, size, shared
+
+    @classmethod
+    def group(cls, size: int) -> list:
+        if size < 1:
+            raise ValueError(f"a group needs at least one member, got size={size}")
+        shared = {"barrier": threading.Barrier(size), "slots": [None] * size}
+        return [cls(rank, size, shared) for rank in range(size)]
+
+    def _exchange(self, item):
+        slots, barrier = self._shared["slots"], self._shared["barrier"]
+        slots[self.rank] = item
+        barrier.wait()
+        everything = list(slots)
+        barrier.wait()  # nobody overwrites a slot before all have read
+        return everything
+
+    def alltoall(self, frames, traffic, stage):
+        everything = self._exchange([b"" if r == self.rank else bytes(f)
+                                     for r, f in enumerate(frames)])
+        received = [everything[r][self.rank] for r in range(self.size)]
+        traffic.add(stage, sum(map(len, everything[self.rank])), sum(map(len, received)))
+        return [memoryview(f) for f in received]
+
+    def allgather(self, frame, traffic, stage):
+        everything = self._exchange(bytes(frame))
+        own = len(everything[self.rank])
+        traffic.add(stage, own, sum(map(len, everything)) - own)
+        return [memoryview(f) for f in everything]
+
+
+_HOROVOD_TRANSPORTS: dict = {}
+_HOROVOD_LOCK = threading.Lock()
+
+
+def horovod_transport(process_set=None) -> HorovodTransport:
+    """The shared transport of a Horovod process set (the global one by default)."""
+    import horovod.tensorflow as hvd
+
+    key = (hvd.global_process_set if process_set is None else process_set).process_set_id
+    with _HOROVOD_LOCK:
+        transport = _HOROVOD_TRANSPORTS.get(key)
+        if transport is None:
+            transport = _HOROVOD_TRANSPORTS[key] = HorovodTransport(process_set)
+        return transport
+
+
+def get_transport(transport=None, process_set=None) -> Transport:
+    """``transport`` itself when given, else Horovod's for ``process_set``."""
+    if transport is not None:
+        if process_set is not None:
+            raise ValueError("give a transport or a process_set, not both")
+        if not isinstance(transport, Transport):
+            raise ValueError(f"transport must be a deepreduce.collectives Transport, got "
+                             f"{type(transport).__name__}")
+        return transport
+    return horovod_transport(process_set)
