@@ -63,16 +63,20 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	$(PIP) install -e ".[horovod,dev,notebooks]"
 	touch $@
 
+# .venv/bin goes first on PATH so that tools the tests start by name (horovodrun,
+# deepreduce, notebook kernels) are the environment's own.
+RUN := PATH="$(CURDIR)/$(BIN):$$PATH"
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(RUN) $(BIN)/python -m pytest -q
 
 # Until the Horovod integration lands, the demo is the codec comparison on real
 # gradients. They are captured once and kept until gradients.py changes.
 demo: $(GRADIENTS)
-	$(BIN)/deepreduce bench $(GRADIENTS)
+	$(RUN) $(BIN)/deepreduce bench $(GRADIENTS)
 
 $(GRADIENTS): benchmarks/gradients.py | $(STAMP)
-	$(BIN)/python benchmarks/gradients.py --out $(GRADIENTS:.npz=.partial.npz)
+	$(RUN) $(BIN)/python benchmarks/gradients.py --out $(GRADIENTS:.npz=.partial.npz)
 	mv $(GRADIENTS:.npz=.partial.npz) $@
 
 clean:
