@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from dataclasses import asdict, dataclass, fields
 
 
@@ -37,6 +38,9 @@ class StepStats:
     encode_seconds, decode_seconds : float
         Wall time of error feedback + sparsification + encoding, and of
         decoding + summing every rank's payloads.
+    exchange_seconds : float
+        Wall time from the end of encoding to the start of decoding: the
+        allgather, including waiting for the slowest rank.
 
     Examples
     --------
@@ -54,6 +58,7 @@ class StepStats:
     dense_bytes: int = 0
     encode_seconds: float = 0.0
     decode_seconds: float = 0.0
+    exchange_seconds: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -71,7 +76,7 @@ class StepStats:
         return {**asdict(self), "ratio": self.ratio}
 
     def per_step(self) -> dict:
-        """Means per step: bytes, tensor counts, ``encode_ms``/``decode_ms``, ``ratio``."""
+        """Means per step: bytes, tensor counts, ``ratio``, ``encode_ms``, ``decode_ms``, ``exchange_ms``."""
         steps = max(self.steps, 1)
         return {"steps": self.steps, "tensors": self.tensors / steps,
                 "compressed_tensors": self.compressed_tensors / steps,
@@ -79,7 +84,8 @@ class StepStats:
                 "bytes_received": self.bytes_received / steps,
                 "dense_bytes": self.dense_bytes / steps, "ratio": self.ratio,
                 "encode_ms": 1e3 * self.encode_seconds / steps,
-                "decode_ms": 1e3 * self.decode_seconds / steps}
+                "decode_ms": 1e3 * self.decode_seconds / steps,
+                "exchange_ms": 1e3 * self.exchange_seconds / steps}
 
 
 class CompressionStats:
@@ -115,20 +121,25 @@ class CompressionStats:
             self.last = StepStats()
             self.total = StepStats()
             self._pending = None
+            self._encoded_at = 0.0
 
     def record_encode(self, *, tensors: int, compressed_tensors: int, bytes_sent: int,
                       dense_bytes: int, seconds: float) -> None:
         """Open a step with what the encoder did (the communicator calls this)."""
         with self._lock:
             self._pending = StepStats(1, tensors, compressed_tensors, bytes_sent, 0,
-                                      dense_bytes, seconds, 0.0)
+                                      dense_bytes, seconds)
+            self._encoded_at = time.perf_counter()
 
     def record_decode(self, *, bytes_received: int, seconds: float) -> None:
         """Close the open step with what the decoder did."""
+        now = time.perf_counter()
         with self._lock:
             step = self._pending or StepStats(steps=1)
             step.bytes_received += bytes_received
             step.decode_seconds += seconds
+            if self._pending is not None:
+                step.exchange_seconds += max(0.0, now - seconds - self._encoded_at)
             self._pending = None
             self.last = step
             self.total = self.total + step
@@ -143,7 +154,7 @@ class CompressionStats:
 
         Keys: ``steps`` (completed so far), ``tensors``, ``compressed_tensors``,
         ``bytes_sent``, ``bytes_received``, ``dense_bytes``, ``ratio``,
-        ``encode_ms``, ``decode_ms`` of the latest step, and ``total_bytes_sent``,
+        ``encode_ms``, ``decode_ms``, ``exchange_ms`` of the latest step, and ``total_bytes_sent``,
         ``total_dense_bytes``, ``total_ratio``, ``total_encode_seconds``,
         ``total_decode_seconds``.
         """

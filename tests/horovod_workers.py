@@ -1,0 +1,268 @@
+"""Multi-rank checks of deepreduce.horovod.tensorflow, run by tests/test_horovod.py.
+
+Launched as ``horovodrun -np 2 -H localhost:2 --gloo python tests/horovod_workers.py OUT``:
+every rank runs every check and writes its findings to ``OUT/rank<r>.json``;
+the pytest side asserts on them. One launch holds all checks because each one
+pays TensorFlow's import time.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+import horovod.tensorflow.keras as hvd_keras
+
+import deepreduce as dr
+import deepreduce.horovod.tensorflow as drh
+
+INDEX = "varint"
+
+
+def lossless(**kwargs):
+    return drh.Compression(None, index=INDEX, value="raw", **kwargs)
+
+
+def equal(a, b) -> bool:
+    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+
+
+def gathered(value):
+    """Every rank's ``value`` (JSON-able), in rank order."""
+    return hvd.allgather_object(value)
+
+
+def check_lossless(rank):
+    rng = np.random.default_rng(100 + rank)
+    sparse = rng.standard_normal((50, 50)).astype(np.float32)
+    sparse[rng.random((50, 50)) < 0.9] = 0
+    tensors = [tf.constant(rng.standard_normal((300, 40)).astype(np.float32)),
+               tf.constant(rng.standard_normal(7).astype(np.float32)),   # below min_size
+               tf.constant(sparse),
+               tf.constant(np.zeros(2000, np.float32)),
+               tf.constant(rng.standard_normal((20, 30)).astype(np.float64))]
+    names = [f"t{i}" for i in range(len(tensors))]
+    out = {}
+    for op_name, op in (("average", hvd.Average), ("sum", hvd.Sum)):
+        compression = lossless(min_size=100)
+        expected = [hvd.allreduce(t, op=op) for t in tensors]
+        eager = drh.grouped_allreduce(tensors, compression, op=op, names=names)
+        graph = tf.function(lambda *ts: drh.grouped_allreduce(list(ts), compression, op=op,
+                                                              names=names))(*tensors)
+        out[f"{op_name}_eager_equal"] = [equal(a, b) for a, b in zip(eager, expected)]
+        out[f"{op_name}_graph_equal"] = [equal(a, b) for a, b in zip(graph, expected)]
+        out[f"{op_name}_dtypes"] = [g.dtype.name for g in graph]
+        out[f"{op_name}_checksum"] = float(sum(np.abs(g.numpy()).sum() for g in graph))
+    return out
+
+
+def check_different_sizes(rank):
+    x = np.zeros(5000, np.float32)
+    count = 10 if rank == 0 else 3000
+    x[np.random.default_rng(rank).choice(5000, count, replace=False)] = 1.5 + rank
+    compression = lossless(min_size=0)
+    result = drh.allreduce(tf.constant(x), compression, op=hvd.Sum, name="x")
+    expected = hvd.allreduce(tf.constant(x), op=hvd.Sum)
+    return {"equal": equal(result, expected), "bytes_sent": compression.stats.last.bytes_sent,
+            "bytes_received": compression.stats.last.bytes_received}
+
+
+def check_error_feedback(rank):
+    compression = drh.Compression(dr.TopK(0.02), index=INDEX, value="fp16", min_size=0)
+    names, shapes = ["a", "b"], [(1000,), (40, 50)]
+    rng = np.random.default_rng(7 + rank)
+
+    @tf.function
+    def step(a, b):
+        return drh.grouped_allreduce([a, b], compression, op=hvd.Sum, names=names)
+
+    delivered = [np.zeros(s) for s in shapes]
+    inputs = [np.zeros(s) for s in shapes]
+    nonzeros = []
+    for _ in range(6):
+        grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+        for total, g in zip(inputs, grads):
+            total += g
+        results = step(*[tf.constant(g) for g in grads])
+        for total, r in zip(delivered, results):
+            total += r.numpy()
+        nonzeros.append([int(np.count_nonzero(r.numpy())) for r in results])
+    residuals = [compression.memory.residual(n).astype(np.float64) for n in names]
+    # the sum over ranks of inputs and residuals, by allreduce in float64
+    all_inputs = [hvd.allreduce(tf.constant(x), op=hvd.Sum).numpy() for x in inputs]
+    all_residuals = [hvd.allreduce(tf.constant(x), op=hvd.Sum).numpy() for x in residuals]
+    errors = [float(np.abs(d + r - i).max())
+              for d, r, i in zip(delivered, all_residuals, all_inputs)]
+    return {"mass_error": errors, "nonzeros": nonzeros,
+            "residual_norm": [float(np.abs(r).sum()) for r in residuals],
+            "delivered_checksum": float(sum(np.abs(d).sum() for d in delivered)),
+            "ratio": compression.stats.last.ratio}
+
+
+def check_indexed_slices(rank):
+    emb = tf.Variable(np.arange(800, dtype=np.float32).reshape(100, 8) / 100)
+    ids = tf.constant([1, 5, 5, 7] if rank == 0 else [5, 60, 99, 99, 99])
+    weight = float(rank + 2)
+    out = {}
+
+    def loss_fn():
+        return tf.reduce_sum(tf.gather(emb, ids) * weight)
+
+    with tf.GradientTape() as tape:
+        loss = loss_fn()
+    local = tape.gradient(loss, emb)
+    expected = hvd.allreduce(tf.convert_to_tensor(local), op=hvd.Average)
+
+    compression = lossless(min_size=0)
+    with tf.GradientTape() as tape:
+        loss = loss_fn()
+    grad = drh.DistributedGradientTape(tape, compression=compression).gradient(loss, emb)
+    out["local_is_slices"] = isinstance(local, tf.IndexedSlices)
+    out["is_slices"] = isinstance(grad, tf.IndexedSlices)
+    out["rows"] = sorted(grad.indices.numpy().tolist())
+    out["equal"] = equal(tf.convert_to_tensor(grad), expected)
+    out["bytes_sent"] = compression.stats.last.bytes_sent
+    out["dense_bytes"] = compression.stats.last.dense_bytes
+
+    # sparse_as_dense, and TopK with error feedback inside tf.function
+    with tf.GradientTape() as tape:
+        loss = loss_fn()
+    dense = drh.DistributedGradientTape(tape, compression=lossless(min_size=0),
+                                        sparse_as_dense=True).gradient(loss, emb)
+    out["sparse_as_dense_is_tensor"] = isinstance(dense, tf.Tensor)
+    out["sparse_as_dense_equal"] = equal(dense, expected)
+
+    topk = drh.Compression(dr.TopK(0.25), index=INDEX, value="fp16", min_size=0)
+
+    @tf.function
+    def sparse_step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn()
+        g = drh.DistributedGradientTape(tape, compression=topk).gradient(loss, emb)
+        return g.values, g.indices
+
+    for _ in range(3):
+        values, rows = sparse_step()
+    out["topk_value_shape"] = values.shape.as_list()
+    out["topk_rows_unique"] = len(set(rows.numpy().tolist())) == int(rows.shape[0])
+    out["topk_residual_nonzero"] = int(np.count_nonzero(topk.memory.residual("Variable:0")))
+    return out
+
+
+def check_misuse(rank):
+    out = {}
+    compression = lossless(memory=None)
+    v = tf.Variable(tf.ones((32, 32)))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * v * float(rank + 1))
+    try:
+        hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, [v])
+        out["tape_error"] = None
+    except Exception as exc:  # noqa: BLE001 - the type is what is checked
+        out["tape_error"] = type(exc).__name__
+        out["tape_message"] = str(exc)
+    x = tf.constant(np.full((16, 16), rank + 1.0, np.float32))
+    try:
+        hvd.allreduce(x, op=hvd.Sum, compression=compression)
+        out["eager_error"] = None
+    except Exception as exc:  # noqa: BLE001
+        out["eager_error"] = type(exc).__name__
+        out["eager_is_decode_error"] = isinstance(exc, dr.DecodeError)
+        out["eager_message"] = str(exc)
+    return out
+
+
+def digits_shard(rank, size):
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.data / 16.0 - 0.3).astype(np.float32)
+    y = digits.target.astype(np.int64)
+    return x[rank::size], y[rank::size]
+
+
+def small_model():
+    tf.keras.utils.set_random_seed(0)
+    return tf.keras.Sequential([tf.keras.Input(shape=(64,)),
+                                tf.keras.layers.Dense(128, activation="relu"),
+                                tf.keras.layers.Dense(10)])
+
+
+def weights_checksum(model):
+    return float(sum(np.abs(w).astype(np.float64).sum() for w in model.get_weights()))
+
+
+def check_keras_fit(rank, size, log_dir):
+    x, y = digits_shard(rank, size)
+    out = {}
+    for label, optimizer in (("new", tf.keras.optimizers.SGD(0.05, momentum=0.9)),
+                             ("legacy", tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9))):
+        compression = drh.Compression(dr.TopK(0.05), index=INDEX, value="fp16")
+        model = small_model()
+        model.compile(optimizer=drh.DistributedOptimizer(optimizer, compression=compression),
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+                     drh.CompressionStatsCallback(compression,
+                                                  log_dir=log_dir if rank == 0 else None)]
+        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=callbacks)
+        out[label] = {"loss": history.history["loss"],
+                      "dr_ratio": history.history.get("dr_ratio"),
+                      "class_name": type(model.optimizer).__name__,
+                      "steps": compression.stats.total.steps,
+                      "checksum": weights_checksum(model)}
+    out["event_files"] = sorted(os.listdir(log_dir)) if rank == 0 else []
+    return out
+
+
+def check_custom_loop(rank, size):
+    x, y = digits_shard(rank, size)
+    model = small_model()
+    optimizer = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    compression = drh.Compression(dr.TopK(0.05), index=INDEX, value="fp16")
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        tape = drh.DistributedGradientTape(tape, compression=compression)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    losses = []
+    for epoch in range(3):
+        for start in range(0, len(x) - 31, 32):
+            losses.append(float(train_step(x[start:start + 32], y[start:start + 32])))
+    return {"first": float(np.mean(losses[:5])), "last": float(np.mean(losses[-5:])),
+            "checksum": weights_checksum(model), "steps": compression.stats.total.steps}
+
+
+def main(out_dir):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    results = {"size": size}
+    checks = [("lossless", lambda: check_lossless(rank)),
+              ("different_sizes", lambda: check_different_sizes(rank)),
+              ("error_feedback", lambda: check_error_feedback(rank)),
+              ("indexed_slices", lambda: check_indexed_slices(rank)),
+              ("misuse", lambda: check_misuse(rank)),
+              ("keras_fit", lambda: check_keras_fit(rank, size, tempfile.mkdtemp())),
+              ("custom_loop", lambda: check_custom_loop(rank, size))]
+    for name, check in checks:
+        try:
+            results[name] = check()
+        except Exception:  # noqa: BLE001 - reported to the test, which fails on it
+            results[name] = {"exception": traceback.format_exc()}
+        # cross-rank comparisons: every rank records what every rank saw
+        results[name]["all_ranks"] = gathered(json.loads(json.dumps(results[name])))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,314 @@
+"""deepreduce.horovod: bundle framing and reduction in numpy, and real two-rank Horovod runs.
+
+The multi-rank checks run once, in a single ``horovodrun -np 2 --gloo`` launch of
+tests/horovod_workers.py (each launch pays TensorFlow's import time); the tests
+below assert on what every rank recorded.
+"""
+
+import doctest
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import deepreduce as dr
+from deepreduce.horovod import fusion, stats
+from deepreduce.horovod.fusion import GradientCompression, pack_bundle, split_bundles
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ----------------------------------------------------------------- numpy side
+
+@pytest.mark.parametrize("module", [fusion, stats])
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
+
+
+payload_lists = st.lists(st.lists(st.binary(max_size=300), max_size=6), min_size=1, max_size=4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(payload_lists)
+def test_bundles_round_trip(bundles):
+    data = b"".join(pack_bundle(b) for b in bundles)
+    split = split_bundles(data, len(bundles))
+    assert [[bytes(p) for p in bundle] for bundle in split] == bundles
+
+
+def test_every_truncation_and_extension_raises_decode_error():
+    data = pack_bundle([b"abc", b"", b"x" * 200]) + pack_bundle([b"yz"])
+    for cut in range(len(data)):
+        with pytest.raises(dr.DecodeError):
+            split_bundles(data[:cut], 2)
+    with pytest.raises(dr.DecodeError, match="after the 2 bundles"):
+        split_bundles(data + b"\0", 2)
+    with pytest.raises(dr.DecodeError):
+        split_bundles(data, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64), st.integers(1, 3))
+def test_garbage_raises_only_decode_error(data, ranks):
+    for candidate in (data, fusion.BUNDLE_MAGIC + bytes((1,)) + data):
+        try:
+            split_bundles(candidate, ranks)
+        except dr.DecodeError:
+            pass
+
+
+def test_lying_headers_are_rejected_before_allocating():
+    head = fusion.BUNDLE_MAGIC + bytes((fusion.BUNDLE_VERSION,))
+    with pytest.raises(dr.DecodeError, match="declares"):
+        split_bundles(head + b"\xff\xff\xff\xff\x0f", 1)          # 2**32 - 1 payloads
+    with pytest.raises(dr.DecodeError, match="add up to more"):
+        split_bundles(head + b"\x01\xff\xff\xff\xff\x0f" + b"abc", 1)  # one huge payload
+    with pytest.raises(dr.DecodeError, match="version"):
+        split_bundles(fusion.BUNDLE_MAGIC + b"\x07\x00", 1)
+    with pytest.raises(dr.DecodeError, match="magic"):
+        split_bundles(b"DR\x01\x00", 1)
+
+
+def gradients(seed, shapes=((100, 50), (10,), (300,))):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def test_lossless_sum_and_average_match_numpy():
+    names = ["w", "b", "v"]
+    ranks = [gradients(r) for r in range(3)]
+    for average in (False, True):
+        c = GradientCompression(None, index="varint", min_size=50)
+        data = b"".join(c.encode_bundle(names, g) for g in ranks)
+        results = c.decode_bundles(data, ranks=3, rank=1, average=average)
+        for i, result in enumerate(results):
+            expected = ranks[0][i] + ranks[1][i] + ranks[2][i]
+            if average:
+                expected = (expected.astype(np.float64) * (1 / 3)).astype(np.float32)
+            assert result.dtype == np.float32 and np.array_equal(result, expected)
+
+
+def test_error_feedback_is_exact_and_small_tensors_are_lossless():
+    c = GradientCompression(dr.TopK(0.05), index="varint", value="fp16", min_size=20)
+    names = ["w", "b", "v"]
+    previous = {n: 0.0 for n in names}
+    for step in range(4):
+        grads = gradients(step)
+        bundle = c.encode_bundle(names, grads)
+        payloads = split_bundles(bundle, 1)[0]
+        for name, g, payload in zip(names, grads, payloads):
+            received = dr.decompress(payload).to_dense()
+            compensated = g + previous[name]
+            if g.size < 20:
+                assert np.array_equal(received, g) and c.memory.residual(name) is None
+                continue
+            residual = c.memory.residual(name)
+            # what was delivered plus what is kept is exactly what was to be sent
+            assert np.array_equal(received + residual, compensated)
+            assert np.count_nonzero(received) == int(np.ceil(0.05 * g.size))
+            previous[name] = residual
+    assert c.stats.total.steps == 0 and c.stats.last.bytes_sent == 0  # no decode yet
+    c.decode_bundles(bundle, ranks=1, rank=0)
+    assert c.stats.total.steps == 1 and c.stats.last.bytes_sent == len(bundle)
+    assert c.stats.last.dense_bytes == 4 * (5000 + 10 + 300) and c.stats.last.ratio > 5
+
+
+def test_memory_off_and_shared_memory():
+    assert GradientCompression(dr.TopK(1), index="varint", memory=None).memory is None
+    memory = dr.ResidualMemory(beta=0.5)
+    c = GradientCompression(dr.TopK(1), index="varint", memory=memory, min_size=0)
+    c.encode_bundle(["x"], [np.array([1.0, 3.0], np.float32)])
+    assert np.array_equal(memory.residual("x"), [1.0, 0.0])
+
+
+def test_sparse_inputs_reduce_to_rows():
+    shape = (6, 3)
+    a = dr.SparseTensor.from_pairs(np.ones(6, np.float32), [0, 1, 2, 12, 13, 14], shape)
+    b = dr.SparseTensor.from_pairs(np.full(3, 2, np.float32), [12, 13, 14], shape)
+    c = GradientCompression(None, index="varint", min_size=0)
+    data = c.encode_bundle(["e"], [a]) + c.encode_bundle(["e"], [b])
+    (values, rows), = c.decode_bundles(data, ranks=2, rank=0, as_rows=[True])
+    assert rows.tolist() == [0, 4]
+    assert np.array_equal(values, [[1, 1, 1], [3, 3, 3]]) and values.dtype == np.float32
+    (dense,) = c.decode_bundles(data, ranks=2, rank=0, average=True)
+    assert np.array_equal(dense, (a.to_dense() + b.to_dense()) / 2)
+
+
+def test_sparse_input_with_error_feedback_stays_sparse_selection():
+    c = GradientCompression(dr.TopK(2), index="varint", min_size=0)
+    st1 = dr.SparseTensor([5.0, -1.0, 0.5], [3, 10, 40], (50,))
+    payload, received = c.encode_tensor(st1, "e")
+    assert received.indices.tolist() == [3, 10]
+    # the residual (0.5 at 40) joins the next sparse gradient's entries
+    payload, received = c.encode_tensor(dr.SparseTensor([0.25], [41], (50,)), "e")
+    assert received.indices.tolist() == [40, 41]
+    assert np.count_nonzero(c.memory.residual("e")) == 0
+
+
+def test_mismatched_ranks_raise_decode_error():
+    c = GradientCompression(None, index="varint")
+    one = c.encode_bundle(["a"], [np.ones(3, np.float32)])
+    two = c.encode_bundle(["a", "b"], [np.ones(3, np.float32), np.ones(2, np.float32)])
+    with pytest.raises(dr.DecodeError, match="same gradients"):
+        c.decode_bundles(one + two, ranks=2, rank=0)
+    other_shape = c.encode_bundle(["a"], [np.ones(4, np.float32)])
+    with pytest.raises(dr.DecodeError, match="rank 1 sent"):
+        c.decode_bundles(one + other_shape, ranks=2, rank=0)
+    corrupt = bytearray(one)
+    corrupt[-1] ^= 1
+    with pytest.raises(dr.DecodeError, match="CRC"):
+        c.decode_bundles(bytes(corrupt), ranks=1, rank=0)
+
+
+def test_seed_reaches_specs_and_makes_runs_reproducible():
+    g = [np.random.default_rng(0).standard_normal(5000).astype(np.float32)]
+
+    def bundles(**kwargs):
+        c = GradientCompression(index="varint", memory=None, **kwargs)
+        return [c.encode_bundle(["g"], g) for _ in range(3)]
+
+    assert bundles(sparsifier="randomk:0.01", seed=3) == bundles(sparsifier="randomk:0.01",
+                                                                 seed=3)
+    assert bundles(sparsifier="randomk:0.01", seed=3) != bundles(sparsifier="randomk:0.01",
+                                                                 seed=4)
+    # a seed in the spec wins over the Compression's
+    assert bundles(sparsifier="randomk:0.01,seed=9", seed=3) == \
+        bundles(sparsifier="randomk:0.01,seed=9", seed=4)
+    assert GradientCompression("randomk:0.01", index="varint", seed=5).pipeline.sparsifier.seed == 5
+
+
+@pytest.mark.parametrize("kwargs", [{"min_size": -1}, {"min_size": 1.5}, {"memory": "yes"},
+                                    {"seed": "0"}, {"sparsifier": "nosuch"},
+                                    {"value": "nosuch"}])
+def test_bad_arguments_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        GradientCompression(**{"index": "varint", **kwargs})
+
+
+def test_stats_counters():
+    s = stats.CompressionStats()
+    s.record_encode(tensors=2, compressed_tensors=1, bytes_sent=100, dense_bytes=1000,
+                    seconds=0.5)
+    s.record_decode(bytes_received=200, seconds=0.25)
+    before = s.snapshot()
+    s.record_encode(tensors=2, compressed_tensors=1, bytes_sent=300, dense_bytes=1000,
+                    seconds=0.5)
+    s.record_decode(bytes_received=600, seconds=0.25)
+    epoch = (s.snapshot() - before).per_step()
+    assert epoch["bytes_sent"] == 300 and epoch["decode_ms"] == 250
+    assert s.total.steps == 2 and s.total.ratio == 5.0 and s.last.bytes_received == 600
+    d = s.as_dict()
+    assert d["steps"] == 2 and d["bytes_sent"] == 300 and d["total_bytes_sent"] == 400
+    s.reset()
+    assert s.total.steps == 0
+
+
+# ------------------------------------------------------------ two Horovod ranks
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Run tests/horovod_workers.py on two Gloo ranks; return each rank's findings."""
+    pytest.importorskip("horovod.tensorflow")
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    if not os.path.exists(horovodrun):
+        horovodrun = shutil.which("horovodrun")
+    if horovodrun is None:
+        pytest.skip("horovodrun not found")
+    out = tmp_path_factory.mktemp("horovod")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2",
+           "HOROVOD_GLOO_TIMEOUT_SECONDS": "60", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo",
+                           sys.executable, os.path.join(HERE, "horovod_workers.py"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    files = [out / f"rank{r}.json" for r in range(2)]
+    if proc.returncode or not all(f.exists() for f in files):
+        pytest.fail(f"horovodrun failed ({proc.returncode}):\n{proc.stdout[-5000:]}\n"
+                    f"{proc.stderr[-5000:]}")
+    return [json.loads(f.read_text()) for f in files]
+
+
+def findings(ranks, check):
+    """Each rank's findings of one check; fails with the traceback if it raised."""
+    per_rank = [r[check] for r in ranks]
+    for rank, found in enumerate(per_rank):
+        assert "exception" not in found, f"rank {rank}:\n{found['exception']}"
+    return per_rank
+
+
+def test_lossless_pipeline_equals_horovod_allreduce(ranks):
+    for found in findings(ranks, "lossless"):
+        for key in ("average_eager_equal", "average_graph_equal", "sum_eager_equal",
+                    "sum_graph_equal"):
+            assert all(found[key]), key
+        assert found["average_dtypes"] == ["float32"] * 4 + ["float64"]
+    assert len({f["sum_checksum"] for f in findings(ranks, "lossless")}) == 1
+
+
+def test_ranks_with_different_payload_sizes(ranks):
+    found = findings(ranks, "different_sizes")
+    assert all(f["equal"] for f in found)
+    sent = [f["bytes_sent"] for f in found]
+    assert sent[0] * 10 < sent[1]
+    assert found[0]["bytes_received"] == found[1]["bytes_received"] == sum(sent)
+
+
+def test_topk_with_error_feedback_loses_no_mass(ranks):
+    found = findings(ranks, "error_feedback")
+    for f in found:
+        # delivered sums + every rank's residual == every input, to float32 rounding
+        assert max(f["mass_error"]) < 1e-4
+        assert all(0 < r for r in f["residual_norm"])
+        # TopK 2% of 1000 and of 2000 per rank, summed over two ranks
+        assert all(a <= 40 and b <= 80 for a, b in f["nonzeros"])
+        assert f["ratio"] > 15
+    assert found[0]["delivered_checksum"] == found[1]["delivered_checksum"]
+
+
+def test_indexed_slices_stay_sparse(ranks):
+    for f in findings(ranks, "indexed_slices"):
+        assert f["local_is_slices"] and f["is_slices"]
+        assert f["rows"] == [1, 5, 7, 60, 99]
+        assert f["equal"]
+        assert f["bytes_sent"] < f["dense_bytes"] / 4  # sent sparse, not densified
+        assert f["sparse_as_dense_is_tensor"] and f["sparse_as_dense_equal"]
+        assert f["topk_value_shape"][1] == 8 and f["topk_rows_unique"]
+        assert f["topk_residual_nonzero"] > 0
+
+
+def test_compression_in_plain_horovod_tape_fails_loudly(ranks):
+    for f in findings(ranks, "misuse"):
+        # inside Horovod's tf.function the DecodeError surfaces as a TensorFlow error
+        assert f["tape_error"] == "InvalidArgumentError"
+        assert "DecodeError" in f["tape_message"]
+        assert "drh.DistributedGradientTape" in f["tape_message"]
+        # eager hvd.allreduce: the DecodeError itself
+        assert f["eager_is_decode_error"]
+        assert "drh.DistributedGradientTape" in f["eager_message"]
+
+
+def test_keras_fit_reduces_the_loss(ranks):
+    found = findings(ranks, "keras_fit")
+    for f in found:
+        for generation in ("new", "legacy"):
+            run = f[generation]
+            assert run["loss"][-1] < 0.5 * run["loss"][0], generation
+            assert run["class_name"] == "SGD"
+            assert run["steps"] == 3 * 29  # 899 samples per rank, batch 32, 3 epochs
+            assert len(run["dr_ratio"]) == 3 and min(run["dr_ratio"]) > 10
+    assert found[0]["event_files"]  # TensorBoard events from the stats callback
+    for generation in ("new", "legacy"):
+        assert found[0][generation]["checksum"] == found[1][generation]["checksum"]
+
+
+def test_custom_loop_reduces_the_loss(ranks):
+    found = findings(ranks, "custom_loop")
+    for f in found:
+        assert f["last"] < 0.5 * f["first"]
+        assert f["steps"] == 3 * 28
+    assert found[0]["checksum"] == found[1]["checksum"]
