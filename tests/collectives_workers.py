@@ -88,7 +88,17 @@ def _run_checks():
                    for row in gathered)
 
     lossless = dr.Pipeline(index="eliasfano", value="raw")
-    names = ("allgather", "sparse_allreduce", "block")
+    names = ("allgather", "sparse_allreduce", "recursive_doubling", "block")
+
+    def communicator(name, **kwargs):
+        if name == "recursive_doubling":
+            return dc.SparseAllreduce(algorithm="recursive_doubling", **kwargs)
+        return dc.get_communicator(name, **kwargs)
+
+    def allreduce(x, name, **kwargs):
+        if name == "recursive_doubling":
+            name, kwargs = "sparse_allreduce", dict(kwargs, algorithm="recursive_doubling")
+        return dc.allreduce(x, name, **kwargs)
 
     for scenario in SCENARIOS:
         x = make_input(scenario, size, rank)
@@ -97,7 +107,7 @@ def _run_checks():
             settings = {"block_size": 16} if name == "block" else {}
 
             def exact(x=x, expected=expected, name=name, settings=settings):
-                reduction = dc.get_communicator(name, pipeline=lossless, **settings).reduce(x)
+                reduction = communicator(name, pipeline=lossless, **settings).reduce(x)
                 out = reduction.output
                 return (np.array_equal(out, expected) and out.dtype == x.dtype
                         and np.array_equal(reduction.sent.to_dense(), x)), \
@@ -121,8 +131,8 @@ def _run_checks():
         expected = dense_sum(x)
         for name in names:
             def typed(x=x, expected=expected, name=name):
-                out = dc.allreduce(x, name, pipeline=lossless, block_size=7) if name == "block" \
-                    else dc.allreduce(x, name, pipeline=lossless)
+                out = allreduce(x, name, pipeline=lossless, block_size=7) if name == "block" \
+                    else allreduce(x, name, pipeline=lossless)
                 return out.shape == x.shape and out.dtype == x.dtype and \
                     np.array_equal(out, expected), f"{out.dtype} {out.shape}"
             check(f"{name}/{np.dtype(dtype).name}_2d", typed)
@@ -143,7 +153,7 @@ def _run_checks():
     g = np.random.default_rng(rank).integers(-100, 100, 5000).astype(np.float32)
     for name in names:
         def topk(name=name):
-            reduction = dc.get_communicator(
+            reduction = communicator(
                 name, pipeline=dr.Pipeline(dr.TopK(0.02), index="varint")).reduce(g)
             sent = reduction.sent.to_dense()
             nonzero_sent = np.flatnonzero(sent)
@@ -155,7 +165,7 @@ def _run_checks():
     gf = np.random.default_rng(rank + 10).standard_normal(3000).astype(np.float32)
     for name in names:
         def fp16(name=name):
-            out = dc.allreduce(gf, name, pipeline=dr.Pipeline(index="varint", value="fp16"))
+            out = allreduce(gf, name, pipeline=dr.Pipeline(index="varint", value="fp16"))
             err = np.abs(out - dense_sum(gf)).max()
             return same_everywhere(out) and err < 0.02 * size, f"max error {err}"
         check(f"{name}/fp16_values", fp16)
@@ -168,8 +178,8 @@ def _run_checks():
     slices_dense = tf.convert_to_tensor(slices).numpy()
     for name in names:
         def tensorflow_inputs(name=name):
-            out = dc.allreduce(tf.constant(xt), name, pipeline=lossless)
-            out_slices = dc.allreduce(slices, name, pipeline=lossless)
+            out = allreduce(tf.constant(xt), name, pipeline=lossless)
+            out_slices = allreduce(slices, name, pipeline=lossless)
             return (isinstance(out, tf.Tensor) and np.array_equal(out.numpy(), dense_sum(xt))
                     and np.array_equal(out_slices.numpy(), dense_sum(slices_dense))), ""
         check(f"{name}/tensorflow", tensorflow_inputs)
@@ -178,7 +188,7 @@ def _run_checks():
     parts = [make_input("overlap", size, rank, n=m, seed=m) for m in (100, 1, 2500)]
     for name in names:
         def fused(name=name):
-            reductions = dc.get_communicator(name, pipeline=lossless).reduce_many(
+            reductions = communicator(name, pipeline=lossless).reduce_many(
                 [parts[0].reshape(10, 10), parts[1], parts[2]])
             return all(np.array_equal(r.output.reshape(-1), dense_sum(p))
                        and np.array_equal(r.sent.to_dense().reshape(-1), p)
@@ -189,7 +199,7 @@ def _run_checks():
     xa = make_input("overlap", size, rank)
     for name in names:
         def average(name=name):
-            out = dc.allreduce(xa, name, pipeline=lossless, op=hvd.Average)
+            out = allreduce(xa, name, pipeline=lossless, op=hvd.Average)
             return np.allclose(out, dense_sum(xa, hvd.Average), rtol=0, atol=1e-6), ""
         check(f"{name}/average", average)
 
@@ -198,7 +208,7 @@ def _run_checks():
     expected_all = [dense_sum(x) for x in inputs]
     for name in names:
         def asynchronous(name=name):
-            comm = dc.get_communicator(name, pipeline=lossless)
+            comm = communicator(name, pipeline=lossless)
             handles = [comm.reduce_async(x) for x in inputs[:2]]
             user = hvd.allreduce(tf.constant([float(rank)]), op=hvd.Sum).numpy()
             handles += [comm.reduce_async(x) for x in inputs[2:]]
@@ -212,25 +222,16 @@ def _run_checks():
         def mismatch(name=name):
             x = np.ones(100 + (rank == size - 1), np.float32)
             try:
-                dc.allreduce(x, name, pipeline=lossless)
+                allreduce(x, name, pipeline=lossless)
             except ValueError as exc:
                 return "shapes" in str(exc) and "rank" in str(exc), str(exc)
             return False, "no error"
         check(f"{name}/shape_mismatch", mismatch)
 
-        def bad_block_size(name=name):
-            try:
-                dc.allreduce(np.ones(10, np.float32), "block", pipeline=lossless,
-                             block_size=0 if rank == 1 else 4)
-            except ValueError as exc:
-                return "block_size" in str(exc), str(exc)
-            return False, "no error"
-        check(f"{name}/bad_block_size_one_rank", bad_block_size)
-
         def dtype_mismatch(name=name):
             x = np.ones(50, np.float64 if rank == 0 else np.float32)
             try:
-                dc.allreduce(x, name, pipeline=lossless)
+                allreduce(x, name, pipeline=lossless)
             except ValueError as exc:
                 return "dtype" in str(exc), str(exc)
             return False, "no error"
@@ -238,8 +239,17 @@ def _run_checks():
 
         def after_errors(name=name):
             x = make_input("overlap", size, rank)
-            return np.array_equal(dc.allreduce(x, name, pipeline=lossless), dense_sum(x)), ""
+            return np.array_equal(allreduce(x, name, pipeline=lossless), dense_sum(x)), ""
         check(f"{name}/after_errors", after_errors)
+
+    def bad_block_size():
+        try:
+            dc.allreduce(np.ones(10, np.float32), "block", pipeline=lossless,
+                         block_size=0 if rank == 1 else 4)
+        except ValueError as exc:
+            return "block_size" in str(exc), str(exc)
+        return False, "no error"
+    check("block/bad_block_size_one_rank", bad_block_size)
 
     def block_size_everywhere():
         try:

@@ -322,8 +322,9 @@ def ranges(n: int, parts: int) -> np.ndarray:
 def sum_sparse(parts: list, length: int, dtype) -> SparseTensor:
     """Sum SparseTensors over ``[0, length)``; the support of the sum is the union of supports.
 
-    Sums are accumulated in float64 and rounded once to ``dtype``, so the
-    result does not depend on the order of the parts.
+    Sums are accumulated in float64, part after part, and rounded once to
+    ``dtype``: narrower dtypes get the correctly rounded sum of up to 2**29
+    parts whatever their order, float64 the sequential sum in the parts' order.
     """
     parts = [p for p in parts if p.nnz]
     if not parts:

@@ -141,9 +141,10 @@ class BlockReduce(Communicator):
         received = transport.alltoall(signed, traffic, "scatter")
         bodies = check_peers({r: received[r] for r in range(size) if r != rank},
                              signature, rank)
-        parts = [own]
-        for r in sorted(bodies):
-            decoded = frames.read_frame(bodies[r], length, dtype, self.block_size)
+        parts = []  # in rank order, as every sum here
+        for r in range(size):
+            decoded = own if r == rank else frames.read_frame(bodies[r], length, dtype,
+                                                              self.block_size)
             if not isinstance(decoded, Blocks):
                 raise DecodeError(f"rank {r} sent a frame that holds no blocks")
             parts.append(decoded)
@@ -192,12 +193,11 @@ def _sum_blocks(parts: list, block_size, dtype) -> Blocks:
         return Blocks(np.zeros(0, np.int64), np.zeros((0, block_size), dtype))
     if len(parts) == 1:
         return Blocks(parts[0].ids, parts[0].rows.astype(dtype, copy=False))
-    ids = np.concatenate([p.ids for p in parts])
-    order = np.argsort(ids, kind="stable")
-    ids = ids[order]
-    rows = np.concatenate([p.rows.astype(np.float64) for p in parts])[order]
-    firsts = np.flatnonzero(np.diff(ids, prepend=-1))
-    return Blocks(ids[firsts], np.add.reduceat(rows, firsts, axis=0).astype(dtype))
+    union = np.unique(np.concatenate([p.ids for p in parts]))
+    totals = np.zeros((union.size, block_size), dtype=np.float64)
+    for part in parts:  # one pass per rank, in rank order: block numbers are unique per part
+        totals[np.searchsorted(union, part.ids)] += part.rows
+    return Blocks(union, totals.astype(dtype))
 
 
 def _expand(blocks: Blocks, block_size, start, end, shape) -> SparseTensor:

@@ -172,10 +172,12 @@ class ThreadTransport(Transport):
         self.rank, self.size, self._shared = rank, size, shared
 
     @classmethod
-    def group(cls, size: int) -> list:
+    def group(cls, size: int, timeout: float | None = None) -> list:
+        """``size`` members; a collective waiting longer than ``timeout`` seconds fails
+        with ``threading.BrokenBarrierError`` on every member."""
         if size < 1:
             raise ValueError(f"a group needs at least one member, got size={size}")
-        shared = {"barrier": threading.Barrier(size), "slots": [None] * size}
+        shared = {"barrier": threading.Barrier(size, timeout=timeout), "slots": [None] * size}
         return [cls(rank, size, shared) for rank in range(size)]
 
     def _exchange(self, item):

@@ -1,0 +1,300 @@
+"""Collectives benchmark: bytes each rank receives, measured with real Gloo ranks vs the cost model.
+
+Runs ``P`` Horovod ranks (Gloo, this machine) on n = 25M float32 with 1% non-zeros
+per rank and compares, per scenario, the communicators ``allgather``,
+``sparse_allreduce`` and ``block`` and Horovod's dense allreduce:
+
+* measured bytes: the sum of the sizes of the tensors a rank receives from the
+  collectives (``Reduction.traffic``; mean over ranks);
+* predicted bytes: :mod:`deepreduce.collectives.cost`, with the index codec's
+  bytes per index measured on a random set of the right density, and the
+  expected union of random supports (or, for the block-clustered inputs, the
+  union computed from the generated supports);
+* wall time of the reduction (max over ranks; two cores shared by P ranks, so
+  only indicative).
+
+Dense allreduce bytes come from the model (Gloo's ring: 2 (P-1)/P n 4 bytes):
+Horovod does not expose the bytes its allreduce moves.
+
+Targets (issue 6), random supports, P = 4, n = 25M, k = 1%: sparse_allreduce
+below allgather and below dense allreduce, within 10% of the model; block
+below allgather on block-clustered inputs. Writes
+``benchmarks/results/collectives.md``.
+
+    python benchmarks/collectives.py            # P = 4, n = 25M (a few minutes)
+    python benchmarks/collectives.py --n 1000000 --np 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).parent / "results"
+BLOCK = 256
+
+# (name, description, support kind, shared fraction, value codec, communicators)
+SCENARIOS = [
+    ("random", "random supports, fp32 values", "random", 0.0, "raw",
+     ("allgather", "sparse_allreduce", "block", "dense")),
+    ("random-fp16", "random supports, fp16 values", "random", 0.0, "fp16",
+     ("allgather", "sparse_allreduce")),
+    ("shared-50", "half of each support common to all ranks", "random", 0.5, "raw",
+     ("allgather", "sparse_allreduce")),
+    ("identical", "identical supports", "random", 1.0, "raw",
+     ("allgather", "sparse_allreduce")),
+    ("clustered", f"block-clustered: whole rows of {BLOCK} (embedding-like), Zipf row "
+                  "popularity", "rows", 0.0, "raw", ("allgather", "sparse_allreduce", "block")),
+]
+
+
+def default_index():
+    import deepreduce as dr
+
+    return "auto" if "auto" in dr.registered_codecs("index") else "eliasfano"
+
+
+def support(kind, shared, n, k, rank, seed=0):
+    """Sorted indices of one rank's non-zeros (a function of the seed: every rank can build all)."""
+    rng = np.random.default_rng([seed, rank])
+    if kind == "rows":
+        rows = n // BLOCK
+        popularity = 1.0 / np.arange(1, rows + 1)
+        popularity /= popularity.sum()
+        chosen = np.unique(rng.choice(rows, size=k // BLOCK, p=popularity))
+        # Zipf draws repeat; top up with uniform rows to keep k non-zeros per rank
+        missing = k // BLOCK - chosen.size
+        extra = np.setdiff1d(rng.choice(rows, size=4 * missing + 8, replace=False), chosen)
+        chosen = np.sort(np.concatenate([chosen, extra[:missing]]))
+        return (chosen[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)
+    common = np.random.default_rng([seed, 10**6]).choice(n, size=int(shared * k), replace=False)
+    own = rng.choice(n, size=k - common.size + k // 50, replace=False)
+    own = np.setdiff1d(own, common)[:k - common.size]
+    return np.sort(np.concatenate([common, own]))
+
+
+def worker(args):
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import deepreduce as dr
+    from deepreduce import collectives as dc
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    n, k = args.n, int(args.n * args.density)
+    records = []
+    for name, _, kind, shared, value, communicators in SCENARIOS:
+        indices = support(kind, shared, n, k, rank)
+        values = np.random.default_rng([1, rank]).standard_normal(indices.size)
+        x = dr.SparseTensor(values.astype(np.float32), indices, (n,))
+        pipeline = dr.Pipeline(index=args.index, value=value)
+        outputs = {}
+        for comm_name in communicators:
+            hvd.allreduce(tf.constant([0.0]), name=f"barrier.{name}.{comm_name}")
+            start = time.perf_counter()
+            if comm_name == "dense":
+                out = hvd.allreduce(tf.constant(x.to_dense()), op=hvd.Sum).numpy()
+                traffic = None
+            else:
+                settings = {"block_size": BLOCK} if comm_name == "block" else {}
+                reduction = dc.get_communicator(comm_name, pipeline=pipeline,
+                                                **settings).reduce(x)
+                out, traffic = reduction.output, reduction.traffic
+            seconds = time.perf_counter() - start
+            outputs[comm_name] = out
+            records.append({
+                "scenario": name, "communicator": comm_name, "seconds": seconds,
+                "sent": traffic.sent if traffic else None,
+                "received": traffic.received if traffic else None,
+                "stages": traffic.stages if traffic else None})
+        # Every communicator sums in float64 and rounds once: identical results
+        reference = outputs[communicators[0]]
+        for comm_name, out in outputs.items():
+            exact = np.array_equal(out, reference) if comm_name != "dense" else \
+                np.allclose(out, reference, rtol=1e-5, atol=1e-5)
+            if value == "raw" and not exact:
+                raise SystemExit(f"{name}: {comm_name} disagrees with {communicators[0]}")
+        del outputs
+    print("RESULT " + json.dumps({"rank": rank, "size": size, "records": records}), flush=True)
+
+
+def predictions(args, size):
+    """Cost-model bytes received per rank, per (scenario, communicator)."""
+    import deepreduce as dr
+    from deepreduce.collectives import cost
+
+    n, k = args.n, int(args.n * args.density)
+    index_codec = dr.Pipeline(index=args.index).index_codec
+    rate = cost.codec_index_bytes(index_codec, n // size)
+    block_rate = cost.codec_index_bytes(index_codec, -(-n // BLOCK) // size)
+    predicted = {}
+    for name, _, kind, shared, value, communicators in SCENARIOS:
+        vbytes = 2 if value == "fp16" else 4
+        supports = [support(kind, shared, n, k, r) for r in range(size)]
+        if kind == "rows":
+            union = np.unique(np.concatenate(supports)).size
+        else:
+            union = cost.union_size(n, k, size, shared)
+        blocks = [np.unique(s // BLOCK) for s in supports]
+        union_blocks = np.unique(np.concatenate(blocks)).size
+        mean_blocks = float(np.mean([b.size for b in blocks]))
+        models = {
+            "allgather": cost.allgather(size, n, k, rate, vbytes),
+            "sparse_allreduce": cost.sparse_allreduce(size, n, k, union, rate, vbytes),
+            "block": cost.block(size, n, BLOCK, mean_blocks, union_blocks, block_rate, vbytes),
+            "dense": cost.dense_allreduce(size, n, 4),
+        }
+        for comm_name in communicators:
+            predicted[name, comm_name] = models[comm_name].received
+        predicted[name, "union"] = union
+    return predicted
+
+
+def model_tables(args):
+    """Cost-model projections: where the split-allgather overtakes the allgather."""
+    import deepreduce as dr
+    from deepreduce.collectives import cost
+
+    n, k = args.n, int(args.n * args.density)
+    index_codec = dr.Pipeline(index=args.index).index_codec
+    lines = ["", f"Model only (random supports, k = {args.density:.2%} of n per rank, fp32 "
+             "values, measured index-codec rates): MB received per rank as P grows.", "",
+             "| P | non-zeros of the sum | allgather | sparse_allreduce | dense allreduce "
+             "| sparse_allreduce / allgather |", "|---:|---:|---:|---:|---:|---:|"]
+    for size in (2, 4, 8, 16, 32, 64, 128):
+        rate = cost.codec_index_bytes(index_codec, n // size)
+        union = cost.union_size(n, k, size)
+        ag = cost.allgather(size, n, k, rate, 4).received
+        sar = cost.sparse_allreduce(size, n, k, union, rate, 4).received
+        dense = cost.dense_allreduce(size, n, 4).received
+        lines.append(f"| {size} | {union / n:.1%} | {ag / 1e6:.2f} | {sar / 1e6:.2f} | "
+                     f"{dense / 1e6:.1f} | {sar / ag:.2f} |")
+    rate = cost.codec_index_bytes(index_codec, n // 4)
+    low, high = 0.0, 1.0
+    for _ in range(40):  # bisection on the shared fraction where both cost the same at P = 4
+        mid = (low + high) / 2
+        union = cost.union_size(n, k, 4, mid)
+        if cost.sparse_allreduce(4, n, k, union, rate, 4).received < \
+                cost.allgather(4, n, k, rate, 4).received:
+            high = mid
+        else:
+            low = mid
+    lines += ["", f"At P = 4 the split-allgather receives less than the allgather once more "
+              f"than {high:.0%} of each rank's support is common to all ranks."]
+    return lines
+
+
+def report(args, runs, predicted):
+    size = runs[0]["size"]
+    n, k = args.n, int(args.n * args.density)
+    lines = [f"# Collectives: bytes received per rank, P = {size}, n = {n:,}, "
+             f"k = {k:,} ({args.density:.2%}) per rank",
+             "",
+             f"Index codec `{args.index}`; measured = sum of the sizes of the tensors a rank "
+             "receives from the collectives, mean over ranks; predicted = "
+             "`deepreduce.collectives.cost`; time = max over ranks (P ranks share 2 cores: "
+             "indicative only). Dense allreduce: Gloo ring model, Horovod does not report its "
+             "bytes.",
+             "",
+             "| scenario | communicator | measured MB | predicted MB | measured / predicted "
+             "| vs allgather | time s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    by_key = {}
+    for run in runs:
+        for rec in run["records"]:
+            by_key.setdefault((rec["scenario"], rec["communicator"]), []).append(rec)
+    summary = {}
+    for name, description, *_, communicators in SCENARIOS:
+        base = np.mean([r["received"] for r in by_key[name, "allgather"]])
+        for comm_name in communicators:
+            recs = by_key[name, comm_name]
+            predicted_bytes = predicted[name, comm_name]
+            seconds = max(r["seconds"] for r in recs)
+            if comm_name == "dense":
+                measured, ratio, versus = predicted_bytes, "", predicted_bytes / base
+                measured_text = "(model)"
+            else:
+                measured = float(np.mean([r["received"] for r in recs]))
+                ratio, versus = f"{measured / predicted_bytes:.3f}", measured / base
+                measured_text = f"{measured / 1e6:.3f}"
+            summary[name, comm_name] = (measured, predicted_bytes)
+            lines.append(f"| {name} | {comm_name} | {measured_text} | "
+                         f"{predicted_bytes / 1e6:.3f} | {ratio} | {versus:.2f}x | "
+                         f"{seconds:.2f} |")
+    lines += ["", "Scenarios:", ""]
+    for name, description, kind, *_ in SCENARIOS:
+        union = predicted[name, "union"]
+        lines.append(f"- **{name}**: {description}; non-zeros of the sum: {union:,.0f} "
+                     f"({union / n:.2%} of n)")
+    lines += ["", "Per stage (rank 0): bytes received in the scatter (alltoall) and gather "
+              "(allgather) stages.", "", "| scenario | communicator | scatter MB | gather MB |",
+              "|---|---|---:|---:|"]
+    for rec in runs[0]["records"]:
+        if rec["stages"] and rec["communicator"] != "allgather":
+            stages = {stage: received for stage, _, received in rec["stages"]}
+            lines.append(f"| {rec['scenario']} | {rec['communicator']} | "
+                         f"{stages.get('scatter', 0) / 1e6:.3f} | "
+                         f"{stages.get('gather', 0) / 1e6:.3f} |")
+    lines += model_tables(args)
+    checks = []
+    sar, ag = summary["random", "sparse_allreduce"], summary["random", "allgather"]
+    dense = summary["random", "dense"]
+    checks.append(("random: sparse_allreduce below allgather", sar[0] < ag[0]))
+    checks.append(("random: sparse_allreduce below dense allreduce", sar[0] < dense[0]))
+    checks.append(("random: sparse_allreduce within 10% of the model",
+                   abs(sar[0] / sar[1] - 1) <= 0.10))
+    checks.append(("clustered: block below allgather",
+                   summary["clustered", "block"][0] < summary["clustered", "allgather"][0]))
+    checks.append(("identical: sparse_allreduce below allgather",
+                   summary["identical", "sparse_allreduce"][0]
+                   < summary["identical", "allgather"][0]))
+    lines += ["", "Targets:", ""]
+    lines += [f"- {'met' if ok else 'NOT met'}: {text}" for text, ok in checks]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--np", type=int, default=4, dest="size")
+    parser.add_argument("--n", type=int, default=25_000_000)
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--index", default=None, help="index codec spec (default: auto)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--output", default=str(RESULTS / "collectives.md"))
+    args = parser.parse_args()
+    args.index = args.index or default_index()
+    if args.worker:
+        vars(args).update(json.loads(os.environ["DEEPREDUCE_BENCH"]))
+        worker(args)
+        return
+    horovodrun = Path(sys.executable).with_name("horovodrun")
+    # Settings reach the ranks through the environment: horovodrun would take
+    # options such as --n after the script for abbreviations of its own.
+    command = [str(horovodrun), "-np", str(args.size), "-H", f"localhost:{args.size}",
+               "--gloo", sys.executable, __file__, "--worker"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               DEEPREDUCE_BENCH=json.dumps({"n": args.n, "density": args.density,
+                                            "index": args.index}))
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    runs = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines()
+            if "RESULT " in line]
+    if done.returncode or len(runs) != args.size:
+        sys.stderr.write(done.stdout[-5000:] + done.stderr[-5000:])
+        raise SystemExit(f"benchmark ranks failed (exit code {done.returncode})")
+    text = report(args, sorted(runs, key=lambda run: run["rank"]),
+                  predictions(args, args.size))
+    print(text)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
