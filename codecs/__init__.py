@@ -14,3 +14,7 @@ from deepreduce.codecs import bitmap  # noqa: F401
 from deepreduce.codecs import rle  # noqa: F401
 from deepreduce.codecs import eliasfano  # noqa: F401
 from deepreduce.codecs import floats  # noqa: F401
+from deepreduce.codecs import golomb  # noqa: F401
+from deepreduce.codecs import huffman  # noqa: F401
+from deepreduce.codecs import runs  # noqa: F401
+from deepreduce.codecs import auto  # noqa: F401

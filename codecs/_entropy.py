@@ -1,0 +1,493 @@
+"""Vectorised bitstream and entropy-coding building blocks for the gap codecs.
+
+Used by :mod:`.golomb`, :mod:`.huffman`, :mod:`.runs` and :mod:`.auto`.
+Every stream here is **MSB-first**: stream bit ``b`` is bit ``7 - b % 8`` of
+byte ``b // 8`` (``np.packbits``'s default order), so a code read left to
+right is read from the most significant bit down, which is what unary codes,
+canonical Huffman codes and table-driven decoders want.
+
+All functions work on whole numpy arrays. The only Python loops run over
+the 8 lanes of a packing group, over code lengths (at most 64) or over the
+alphabet of a Huffman code (at most a few hundred symbols), never over the
+elements of a stream.
+
+API
+---
+Fixed-width fields
+    :func:`pack_fixed` / :func:`unpack_fixed`: value ``i`` in stream bits
+    ``[i*width, (i+1)*width)``. Eight values fill exactly ``width`` bytes,
+    so both directions work on groups of eight with constant shifts.
+Variable-width fields
+    :func:`pack_varlen` / :func:`unpack_varlen`: values of given bit lengths
+    written back to back; the reader gathers a 64-bit window per value.
+Bitmaps of positions
+    :func:`positions_to_bits` / :func:`bits_to_positions`.
+Peeking
+    :func:`byte_windows`: a big-endian 64-bit window starting at every byte,
+    for table-driven decoders that look at the next few bits of many lanes.
+Canonical Huffman codes
+    :func:`huffman_lengths` (length-limited), :func:`canonical_codes`,
+    :func:`decode_table`, :func:`pack_code_lengths` / :func:`unpack_code_lengths`.
+Geometric model
+    :func:`golomb_parameter`, :func:`golomb_rice_parameter`,
+    :func:`golomb_expected_bits`: the optimal Golomb parameter for a
+    geometric source of a given mean and the expected code length.
+Bucketing of positive integers
+    :func:`bucket_symbols` / :func:`bucket_values`: an Elias-gamma-like
+    split of ``v >= 1`` into a small symbol (bit length and the ``precision``
+    bits below the leading one) and raw offset bits.
+
+Examples
+--------
+>>> import numpy as np
+>>> from deepreduce.codecs import _entropy
+>>> data = _entropy.pack_fixed(np.array([5, 2, 7], np.uint64), 3)
+>>> data.hex()  # 101 010 111, MSB first
+'ab80'
+>>> _entropy.unpack_fixed(data, 3, 3, "demo").tolist()
+[5, 2, 7]
+>>> values, lengths = np.array([1, 0, 5], np.uint64), np.array([1, 2, 3])
+>>> packed, nbits = _entropy.pack_varlen(values, lengths)
+>>> packed.hex(), nbits  # 1 00 101
+('94', 6)
+>>> _entropy.unpack_varlen(packed, lengths, "demo").tolist()
+[1, 0, 5]
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from deepreduce.errors import DecodeError
+
+_U64 = np.uint64
+_BE64 = np.dtype(">u8")
+
+#: Longest Huffman code built here. Decode tables have ``2**MAX_CODE_LENGTH``
+#: entries, and three codes plus a 7-bit misalignment fit in one 64-bit window.
+MAX_CODE_LENGTH = 15
+
+
+# ------------------------------------------------------------ fixed width
+
+def packed_bytes(nbits: int) -> int:
+    """Bytes holding ``nbits`` bits: ``ceil(nbits / 8)``."""
+    return (nbits + 7) // 8
+
+
+def _group_layout(width: int):
+    """Where each of the 8 values of a group sits: ``(word, shift_in_word)``.
+
+    A group of 8 values of ``width`` bits is ``width`` bytes, i.e. at most
+    ``width / 8`` uint64 words; value ``j`` starts at group bit ``j * width``.
+    """
+    return [((j * width) >> 6, (j * width) & 63) for j in range(8)]
+
+
+def pack_fixed(values: np.ndarray, width: int) -> bytes:
+    """Pack non-negative integers into ``width`` bits each (0 <= width <= 64), MSB first.
+
+    Values must already fit in ``width`` bits (callers compute them so); the
+    last byte's padding bits are zero. Returns ``ceil(len(values) * width / 8)`` bytes.
+    """
+    count = values.size
+    if width == 0 or count == 0:
+        return b""
+    groups = -(-count // 8)
+    if width <= 8:
+        return _pack_narrow(values, width, groups)[:packed_bytes(count * width)]
+    lanes = np.zeros((groups, 8), dtype=_U64)
+    lanes.reshape(-1)[:count] = values
+    words_per_group = -(-width // 8)
+    words = np.zeros((groups, words_per_group), dtype=_U64)
+    for j, (word, shift) in enumerate(_group_layout(width)):
+        lane = lanes[:, j]
+        head = 64 - shift - width
+        if head >= 0:
+            words[:, word] |= lane << _U64(head)
+        else:
+            words[:, word] |= lane >> _U64(-head)
+            words[:, word + 1] |= lane << _U64(64 + head)
+    raw = words.astype(_BE64).view(np.uint8).reshape(groups, 8 * words_per_group)
+    return raw[:, :width].tobytes()[:packed_bytes(count * width)]
+
+
+def _pack_narrow(values, width, groups) -> bytes:
+    """Widths up to 8: a group of 8 values is one 64-bit word (its top ``8*width`` bits).
+
+    The words are stored at byte stride ``width``, so consecutive 8-byte
+    stores overlap; each word is first completed with the leading bytes of
+    the groups that follow it, making every overlapping store write the
+    same bytes, whatever order numpy stores them in.
+    """
+    if values.size != 8 * groups:
+        values = np.concatenate([values, np.zeros(8 * groups - values.size, values.dtype)])
+    lanes = values.reshape(groups, 8).astype(_U64, copy=False)
+    words = lanes[:, 0] << _U64(64 - width)
+    for j in range(1, 8):
+        words |= lanes[:, j] << _U64(64 - (j + 1) * width)
+    for ahead in range(1, 8):
+        if 8 * width * ahead >= 64:
+            break
+        words[:-ahead] |= words[ahead:] >> _U64(8 * width * ahead)
+    out = np.zeros(groups * width + 8, dtype=np.uint8)
+    np.ndarray(shape=(groups,), dtype=_BE64, buffer=out, strides=(width,))[:] = words
+    return out[:groups * width].tobytes()
+
+
+def unpack_fixed(data, count: int, width: int, what: str, exact: bool = True) -> np.ndarray:
+    """Inverse of :func:`pack_fixed`; returns ``count`` values.
+
+    With ``exact`` (the default) ``data`` must be exactly the packed length
+    and its padding bits zero; otherwise only its first bytes are read (the
+    caller owns the bits that follow, as when another field continues in
+    the last byte). The result is uint16 for widths up to 8 (callers widen
+    it in their first arithmetic step), uint64 otherwise.
+    """
+    nbytes = packed_bytes(count * width)
+    if len(data) < nbytes or (exact and len(data) != nbytes):
+        raise DecodeError(f"{what}: stream holds {len(data)} bytes, expected "
+                          f"{'' if exact else 'at least '}{nbytes} for {count} "
+                          f"values of {width} bits")
+    if width == 0 or count == 0:
+        return np.zeros(count, dtype=np.uint16)
+    padding = 8 * nbytes - count * width
+    if exact and padding and data[nbytes - 1] & ((1 << padding) - 1):
+        raise DecodeError(f"{what}: padding bits of the last byte are not zero")
+    groups = -(-count // 8)
+    if width <= 8:
+        # Byte pairs as 16-bit words; value j of a group sits in pair
+        # (j*width) // 8 at a constant shift.
+        raw = np.zeros(groups * width + 1, dtype=np.uint8)
+        raw[:nbytes] = np.frombuffer(data, dtype=np.uint8, count=nbytes)
+        pairs = raw[:-1].astype(np.uint16) << 8
+        pairs |= raw[1:]
+        pairs = pairs.reshape(groups, width)
+        starts = np.arange(8) * width
+        lanes = pairs[:, starts >> 3]
+        lanes >>= (16 - (starts & 7) - width).astype(np.uint16)
+        lanes &= np.uint16((1 << width) - 1)
+        return lanes.reshape(-1)[:count]
+    words_per_group = -(-width // 8)
+    raw = np.zeros((groups, 8 * words_per_group), dtype=np.uint8)
+    flat = np.zeros(groups * width, dtype=np.uint8)
+    flat[:nbytes] = np.frombuffer(data, dtype=np.uint8, count=nbytes)
+    raw[:, :width] = flat.reshape(groups, width)
+    words = raw.view(_BE64).astype(_U64)
+    lanes = np.empty((groups, 8), dtype=_U64)
+    mask = _U64((1 << width) - 1) if width < 64 else _U64(2**64 - 1)
+    for j, (word, shift) in enumerate(_group_layout(width)):
+        head = 64 - shift - width
+        if head >= 0:
+            lanes[:, j] = (words[:, word] >> _U64(head)) & mask
+        else:
+            lanes[:, j] = ((words[:, word] << _U64(-head))
+                           | (words[:, word + 1] >> _U64(64 + head))) & mask
+    return lanes.reshape(-1)[:count]
+
+
+# ------------------------------------------------------------ variable width
+
+def pack_varlen(values: np.ndarray, lengths: np.ndarray) -> tuple[bytes, int]:
+    """Write ``values[i]`` in ``lengths[i]`` bits (0..64), back to back, MSB first.
+
+    Returns ``(data, nbits)``: the zero-padded bytes and the number of bits
+    written. Values must fit their lengths.
+    """
+    values = np.asarray(values, dtype=_U64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    nbits = int(ends[-1]) if ends.size else 0
+    if nbits == 0:
+        return b"", 0
+    starts = ends - lengths
+    present = np.flatnonzero(lengths)
+    if present.size != lengths.size:
+        values, lengths, starts = values[present], lengths[present], starts[present]
+    word = starts >> 6
+    head = 64 - (starts & 63) - lengths  # < 0: the value spills into the next word
+    spills = head < 0
+    parts = np.where(spills, values >> np.where(spills, -head, 0).astype(_U64),
+                     values << np.maximum(head, 0).astype(_U64))
+    words = np.zeros((nbits + 63) // 64 + 1, dtype=_U64)
+    # Fields sharing a word have disjoint bits, so OR-reducing each run of
+    # equal word numbers (they are sorted) assembles the word in one pass;
+    # at most one field spills into any word.
+    run_starts = np.flatnonzero(np.diff(word, prepend=-1))
+    words[word[run_starts]] = np.bitwise_or.reduceat(parts, run_starts)
+    spilling = np.flatnonzero(spills)
+    words[word[spilling] + 1] |= values[spilling] << (64 + head[spilling]).astype(_U64)
+    return words.astype(_BE64).tobytes()[:packed_bytes(nbits)], nbits
+
+
+def byte_windows(data, extra: int = 0) -> np.ndarray:
+    """Big-endian uint64 window starting at every byte of ``data`` (zeros past its end).
+
+    Entry ``i`` holds bytes ``i .. i+7``; ``extra`` more entries past the end
+    are available (all zero bytes). Returns a read-only strided view: index
+    it with an array to gather windows.
+    """
+    padded = np.zeros(len(data) + extra + 8, dtype=np.uint8)
+    padded[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return np.ndarray(shape=(len(data) + extra + 1,), dtype=_BE64, buffer=padded,
+                      strides=(1,))
+
+
+def unpack_varlen(data, lengths: np.ndarray, what: str, bit_offset: int = 0,
+                  starts: np.ndarray | None = None) -> np.ndarray:
+    """Read fields of the given bit lengths (0..64) written by :func:`pack_varlen`.
+
+    Fields start at ``bit_offset`` and follow each other; pass ``starts``
+    (their bit positions) when the caller already has them. Raises
+    DecodeError when ``data`` holds fewer bits than the fields need. Bits
+    after the last field are not looked at.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0:
+        return np.zeros(0, dtype=_U64)
+    if starts is None:
+        ends = np.cumsum(lengths)
+        needed = bit_offset + int(ends[-1])
+        starts = ends - lengths
+        starts += bit_offset
+    else:
+        needed = int(starts[-1] + lengths[-1])
+    if needed > 8 * len(data):
+        raise DecodeError(f"{what}: fields need {needed} bits, stream holds {8 * len(data)}")
+    windows = byte_windows(data, extra=1)
+    byte, shift = starts >> 3, (starts & 7).astype(_U64)
+    values = windows[byte].astype(_U64) << shift
+    if int(lengths.max()) > 57:
+        # A 64-bit window starting at the field's byte holds only 64 - shift
+        # of its bits; the ninth byte supplies the rest.
+        ninth = windows[byte + 1].astype(_U64) & _U64(0xFF)
+        values |= ninth >> (_U64(8) - shift)
+    # numpy defines shifts by 64 or more as 0, which empty fields rely on.
+    return values >> (64 - lengths).astype(_U64)
+
+
+# ------------------------------------------------------------ bitmaps of positions
+
+def positions_to_bits(positions: np.ndarray, nbits: int) -> bytes:
+    """MSB-first bitmap of ``nbits`` bits with the given positions set."""
+    bits = np.zeros(nbits, dtype=np.uint8)
+    bits[positions] = 1
+    return np.packbits(bits).tobytes()
+
+
+def bits_to_positions(data, bit_offset: int = 0) -> np.ndarray:
+    """Positions (int64, relative to ``bit_offset``) of the set bits of ``data``."""
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8)[bit_offset >> 3:])
+    return np.flatnonzero(bits[bit_offset & 7:])
+
+
+# ------------------------------------------------------------ geometric model
+
+def golomb_parameter(mean: float) -> int:
+    """Optimal Golomb parameter for geometric values of the given mean.
+
+    Gallager and Van Voorhis: for ``P(v) = (1 - t) t**v`` the smallest
+    ``m`` with ``t**m + t**(m + 1) <= 1`` is optimal; ``t = mean / (mean + 1)``.
+    """
+    if not mean > 0:
+        return 1
+    theta = mean / (mean + 1.0)
+    return max(1, math.ceil(math.log1p(theta) / math.log1p(1.0 / mean) - 1e-12))
+
+
+def golomb_expected_bits(mean: float, m: int) -> float:
+    """Expected Golomb code length (bits) of a geometric value of the given mean."""
+    if not mean > 0:
+        return 1.0 + math.floor(math.log2(m))
+    log_theta = -math.log1p(1.0 / mean)
+    width = m.bit_length() - 1
+    threshold = (1 << (width + 1)) - m
+    tail = math.exp(m * log_theta)  # P(v >= m)
+    quotient = tail / -math.expm1(m * log_theta)
+    long_codes = (math.exp(threshold * log_theta) - tail) / -math.expm1(m * log_theta)
+    return quotient + 1 + width + long_codes
+
+
+def golomb_rice_parameter(mean: float) -> int:
+    """The power of two ``m`` with the smallest expected code length."""
+    m = golomb_parameter(mean)
+    low = 1 << (m.bit_length() - 1)
+    if low == m:
+        return m
+    return min((low, 2 * low), key=lambda c: golomb_expected_bits(mean, c))
+
+
+# ------------------------------------------------------------ bucketing
+
+def bucket_count(precision: int) -> int:
+    """Size of the bucket alphabet for values in ``[1, 2**63)``."""
+    return (1 << (precision + 1)) + (62 - precision) * (1 << precision)
+
+
+def _floor_log2(values: np.ndarray) -> np.ndarray:
+    """Exact ``floor(log2(v))`` of positive int64 values, as int64."""
+    exponent = np.frexp(values.astype(np.float64))[1].astype(np.int64) - 1
+    if values.size and int(values.max()) >= 1 << 52:
+        # Rounding to float64 can carry into the next power of two.
+        exponent -= (values >> exponent) == 0
+    return exponent
+
+
+def bucket_symbols(values: np.ndarray, precision: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symbols and offset bit lengths of positive int64 values.
+
+    Values below ``2**(precision + 1)`` are their own symbol and carry no
+    offset bits. A larger value with ``floor(log2 v) = e`` carries its low
+    ``e - precision`` bits raw; its symbol names ``e`` and the ``precision``
+    bits below the leading one.
+    """
+    offset_bits = np.maximum(_floor_log2(values) - precision, 0)
+    # With o = e - precision > 0 offset bits, v >> o is the leading one and
+    # the mantissa, in [2**precision, 2**(precision+1)); adding o * 2**precision
+    # lands every (e, mantissa) pair above the small values, which keep v.
+    symbols = (values >> offset_bits) + (offset_bits << precision)
+    return symbols, offset_bits
+
+
+def bucket_base(precision: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per symbol: the smallest value it stands for and its number of offset bits."""
+    symbols = np.arange(bucket_count(precision), dtype=np.int64)
+    small = 1 << (precision + 1)
+    offset_bits = np.maximum((symbols - small) >> precision, -1) + 1
+    mantissa = (symbols - small) & ((1 << precision) - 1)
+    base = np.where(symbols < small, symbols,
+                    ((1 << precision) + mantissa) << np.maximum(offset_bits, 0))
+    return base, offset_bits
+
+
+def bucket_values(symbols: np.ndarray, offsets: np.ndarray, precision: int) -> np.ndarray:
+    """Inverse of :func:`bucket_symbols`: ``base[symbol] + offset``."""
+    base, _ = bucket_base(precision)
+    return base[symbols] + offsets.astype(np.int64)
+
+
+# ------------------------------------------------------------ canonical Huffman
+
+def huffman_lengths(counts: np.ndarray, max_length: int = MAX_CODE_LENGTH) -> np.ndarray:
+    """Huffman code lengths (int64, 0 for unused symbols), none above ``max_length``.
+
+    A single used symbol gets length 1. When the optimal code is too deep,
+    the counts are flattened (halved, keeping every used symbol at least 1)
+    and the code rebuilt, the usual way to limit lengths at a tiny loss.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    lengths = np.zeros(counts.size, dtype=np.int64)
+    used = np.flatnonzero(counts)
+    if used.size == 0:
+        return lengths
+    if used.size == 1:
+        lengths[used] = 1
+        return lengths
+    if used.size > 1 << max_length:
+        raise ValueError(f"{used.size} symbols cannot have codes of at most {max_length} bits")
+    weights = counts[used].copy()
+    while True:
+        depth = _huffman_depths(weights.tolist())
+        if max(depth) <= max_length:
+            lengths[used] = depth
+            return lengths
+        weights = np.maximum(weights >> 1, 1)
+
+
+def _huffman_depths(weights: list) -> list:
+    """Leaf depths of a Huffman tree over ``weights`` (a loop over the alphabet)."""
+    heap = [(w, i, (i,)) for i, w in enumerate(weights)]
+    heapq.heapify(heap)
+    depth = [0] * len(weights)
+    tie = len(weights)
+    while len(heap) > 1:
+        w1, _, leaves1 = heapq.heappop(heap)
+        w2, _, leaves2 = heapq.heappop(heap)
+        for leaf in leaves1 + leaves2:
+            depth[leaf] += 1
+        heapq.heappush(heap, (w1 + w2, tie, leaves1 + leaves2))
+        tie += 1
+    return depth
+
+
+def canonical_codes(lengths: np.ndarray) -> np.ndarray:
+    """Canonical codes (uint64) for the given lengths: shorter codes first, then by symbol."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    codes = np.zeros(lengths.size, dtype=_U64)
+    order = np.lexsort((np.arange(lengths.size), lengths))
+    order = order[lengths[order] > 0]
+    code = 0
+    previous = 0
+    for symbol in order.tolist():
+        length = int(lengths[symbol])
+        code <<= length - previous
+        codes[symbol] = code
+        code += 1
+        previous = length
+    return codes
+
+
+def kraft_ok(lengths: np.ndarray) -> bool:
+    """Whether code lengths form a complete prefix code (or a single 1-bit code)."""
+    used = lengths[lengths > 0]
+    if used.size == 0:
+        return False
+    if used.size == 1:
+        return int(used[0]) == 1
+    top = int(used.max())
+    return int(np.sum(np.left_shift(1, top - used))) == 1 << top
+
+
+def decode_table(lengths: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """Lookup tables for a canonical code: ``(peek_bits, symbol_of, length_of)``.
+
+    ``symbol_of[w]`` and ``length_of[w]`` give the symbol whose code is a
+    prefix of the ``peek_bits``-bit word ``w`` and that code's length. A
+    single-symbol code ``0`` leaves the words starting with 1 at length 0,
+    which decoders treat as invalid.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    codes = canonical_codes(lengths)
+    peek = int(lengths.max())
+    symbol_of = np.zeros(1 << peek, dtype=np.int64)
+    length_of = np.zeros(1 << peek, dtype=np.int64)
+    for symbol in np.flatnonzero(lengths).tolist():
+        length = int(lengths[symbol])
+        first = int(codes[symbol]) << (peek - length)
+        symbol_of[first:first + (1 << (peek - length))] = symbol
+        length_of[first:first + (1 << (peek - length))] = length
+    return peek, symbol_of, length_of
+
+
+def pack_code_lengths(lengths: np.ndarray) -> bytes:
+    """Code lengths as ``first symbol, count, 4-bit lengths`` (bytes: 2 + ceil(count/2))."""
+    used = np.flatnonzero(lengths)
+    first, last = int(used[0]), int(used[-1])
+    span = lengths[first:last + 1].astype(_U64)
+    return bytes([first, last - first]) + pack_fixed(span, 4)
+
+
+def unpack_code_lengths(data, offset: int, alphabet: int, what: str) -> tuple[np.ndarray, int]:
+    """Inverse of :func:`pack_code_lengths`; returns ``(lengths, offset_after)``.
+
+    Raises DecodeError when the table is truncated, names symbols outside
+    the alphabet, or is not a complete prefix code.
+    """
+    if len(data) < offset + 2:
+        raise DecodeError(f"{what}: code table truncated")
+    first, span = data[offset], data[offset + 1] + 1
+    if first + span > alphabet:
+        raise DecodeError(f"{what}: code table names symbols up to {first + span - 1}, "
+                          f"the alphabet has {alphabet}")
+    nbytes = packed_bytes(4 * span)
+    if len(data) < offset + 2 + nbytes:
+        raise DecodeError(f"{what}: code table truncated")
+    lengths = np.zeros(alphabet, dtype=np.int64)
+    lengths[first:first + span] = unpack_fixed(data[offset + 2:offset + 2 + nbytes], span, 4,
+                                               what)
+    if lengths[first] == 0 or lengths[first + span - 1] == 0 or not kraft_ok(lengths):
+        raise DecodeError(f"{what}: code lengths do not form a complete prefix code")
+    return lengths, offset + 2 + nbytes

@@ -1,0 +1,198 @@
+"""Automatic choice of the smallest exact index code, per tensor.
+
+No single index code is best everywhere: a bitmap wins on dense sets, Golomb
+codes on uniformly sparse ones, run codes on clustered ones, Huffman codes
+on skewed gap distributions, and LZ compressors (deflate, zstd) on the
+repetitive column patterns that Top-k of real layers often has. ``auto``
+picks per tensor and writes its choice in the first byte of the stream.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deepreduce.codecs import _bits, _entropy, golomb, huffman, runs
+from deepreduce.codecs.base import IndexCodec, expect_length
+from deepreduce.errors import DecodeError
+from deepreduce.registry import registered_codecs, register_codec
+
+#: Sub-codec of each tag value, always in its default configuration. The
+#: order is part of the stream format: append new codecs, never reorder.
+TAGS = ("bitmap", "golomb", "huffman", "runs", "eliasfano", "bitpack", "varint",
+        "deflate", "zstd", "rle", "raw")
+
+#: Flag in the tag byte: the sub-codec stream holds the complement set.
+COMPLEMENT = 0x80
+
+#: Up to this many indices every available sub-codec is simply tried.
+TRIAL_LIMIT = 1024
+
+#: Gap values the Huffman size estimate looks at, at most.
+HUFFMAN_SAMPLE = 1 << 15
+
+#: Consecutive indices the LZ codecs are tried on to detect repetitive
+#: structure; when the sample compresses within LZ_MARGIN of the best
+#: estimate, deflate and zstd are tried on the whole set.
+LZ_SAMPLE = 2048
+LZ_MARGIN = 1.05
+
+#: When the runner-up's estimate is within this fraction of the best, both
+#: are encoded and the smaller stream kept.
+CLOSE_CALL = 0.005
+
+_LZ = ("deflate", "zstd")
+
+
+def _sub_codec(tag: int):
+    """Default-configured codec of a tag, or None when its module is not loaded."""
+    cls = registered_codecs("index").get(TAGS[tag])
+    return cls() if cls is not None else None
+
+
+def complement(indices: np.ndarray, n: int) -> np.ndarray:
+    """The sorted indices of ``[0, n)`` not in ``indices`` (allocates ``n`` bytes)."""
+    mask = np.ones(n, dtype=bool)
+    mask[indices] = False
+    return np.flatnonzero(mask)
+
+
+@register_codec
+class AutoIndices(IndexCodec):
+    """The smallest of the exact index codecs, chosen per tensor; one tag byte says which.
+
+    The first byte is the sub-codec's position in :data:`TAGS`, plus
+    :data:`COMPLEMENT` when the sub-codec codes the absent indices instead
+    (only for sets holding more than half the universe); the rest is that
+    codec's stream. An empty set is an empty stream.
+
+    Up to :data:`TRIAL_LIMIT` indices every sub-codec (and, for dense sets,
+    every sub-codec on the complement) is tried and the smallest stream
+    kept, so ``auto`` is never more than one byte larger than any of them.
+    Above that, sizes come from cheap estimates instead of trial encodings:
+    exact closed forms for the bitmap, Golomb and run codes (one pass over
+    the gaps), the symbol histogram of a gap sample for Huffman, and a
+    trial of zstd on a slice of the set to detect repetitive structure
+    that only the LZ codecs exploit.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from deepreduce.codecs.auto import AutoIndices, TAGS
+    >>> codec = AutoIndices()
+    >>> rng = np.random.default_rng(0)
+    >>> sparse = np.sort(rng.choice(1_000_000, 10_000, replace=False))
+    >>> data = codec.encode(sparse, n=1_000_000)
+    >>> TAGS[data[0]], round(8 * len(data) / sparse.size, 2)
+    ('golomb', 8.11)
+    >>> rows = (np.array([7, 30, 31])[:, None] * 64 + np.arange(64)).ravel()
+    >>> TAGS[codec.encode(rows, n=64_000)[0]]
+    'runs'
+    >>> np.array_equal(codec.decode(data, n=1_000_000, nnz=sparse.size), sparse)
+    True
+    """
+
+    codec_id = "auto"
+
+    def choose(self, indices: np.ndarray, n: int) -> tuple[int, bytes]:
+        """``(tag byte, sub-codec stream)`` for a valid, non-empty index set."""
+        if indices.size <= TRIAL_LIMIT:
+            return self._try_all(indices, n)
+        return self._estimate(indices, n)
+
+    def _try_all(self, indices, n):
+        best = None
+        sets = [(0, indices)]
+        if 2 * indices.size > n:
+            sets.append((COMPLEMENT, complement(indices, n)))
+        for flag, members in sets:
+            for tag in range(len(TAGS)):
+                codec = _sub_codec(tag)
+                if codec is None:
+                    continue
+                data = codec.encode(members, n) if members.size else b""
+                if best is None or len(data) < len(best[1]):
+                    best = (tag | flag, data)
+        return best
+
+    def _estimate(self, indices, n):
+        gaps = golomb.index_gaps(indices)
+        m = golomb.choose_parameter(golomb.mean_gap(indices))
+        sizes = {TAGS.index("golomb"): golomb.stream_size(gaps, m)}
+        if _sub_codec(TAGS.index("bitmap")) is not None:
+            sizes[TAGS.index("bitmap")] = _entropy.packed_bytes(n)
+        # Runs only pay when many neighbours are adjacent (gap 0).
+        if 4 * np.count_nonzero(gaps == 0) > indices.size:
+            sizes[TAGS.index("runs")] = runs.stream_size(indices)
+        sample = gaps[::-(-gaps.size // HUFFMAN_SAMPLE)]
+        codec = huffman.HuffmanIndices()
+        sample_bits = huffman.estimate_bits(sample + 1, codec.precision, codec.block)
+        sizes[TAGS.index("huffman")] = int(sample_bits * gaps.size / sample.size) // 8
+        ranked = sorted(sizes, key=sizes.get)
+        tried = [ranked[0]]
+        if self._lz_worth_trying(indices, sizes[ranked[0]]):
+            tried += [TAGS.index(name) for name in _LZ if _sub_codec(TAGS.index(name))]
+        best = None
+        for tag in tried:
+            data = self._encode_with(tag, indices, n, gaps, m)
+            if best is None or len(data) < len(best[1]):
+                best = (tag, data)
+        for tag in ranked[1:]:
+            if sizes[tag] > (1 + CLOSE_CALL) * len(best[1]):
+                break
+            data = self._encode_with(tag, indices, n, gaps, m)
+            if len(data) < len(best[1]):
+                best = (tag, data)
+        if 2 * indices.size > n:
+            tag, data = self.choose(complement(indices, n), n)
+            if len(data) < len(best[1]):
+                best = (tag | COMPLEMENT, data)
+        return best
+
+    @staticmethod
+    def _lz_worth_trying(indices, best_size) -> bool:
+        """Whether zstd, on a slice of the set, comes close to the best estimate."""
+        codec = _sub_codec(TAGS.index("zstd"))
+        if codec is None or indices.size < 4 * LZ_SAMPLE:
+            return codec is not None
+        start = (indices.size - LZ_SAMPLE) // 2
+        piece = indices[start:start + LZ_SAMPLE] - indices[start]
+        piece_bits = 8 * len(codec.encode(piece, int(piece[-1]) + 1))
+        return piece_bits * indices.size / LZ_SAMPLE < LZ_MARGIN * 8 * best_size
+
+    @staticmethod
+    def _encode_with(tag, indices, n, gaps, m) -> bytes:
+        if TAGS[tag] == "golomb":
+            return golomb.encode_index_gaps(gaps, m)
+        return _sub_codec(tag).encode(indices, n)
+
+    def encode(self, indices, n):
+        indices = _bits.check_indices(indices, n)
+        if indices.size == 0:
+            return b""
+        tag, data = self.choose(indices, n)
+        return bytes([tag]) + data
+
+    def decode(self, data, n, nnz):
+        what = "auto indices"
+        n, nnz = _bits.check_counts(n, nnz, what)
+        if nnz == 0:
+            expect_length(data, 0, what)
+            return np.zeros(0, dtype=np.int64)
+        if len(data) == 0:
+            raise DecodeError(f"{what}: empty stream for {nnz} indices")
+        tag, flag = data[0] & ~COMPLEMENT, data[0] & COMPLEMENT
+        if tag >= len(TAGS):
+            raise DecodeError(f"{what}: unknown codec tag {tag}")
+        codec = _sub_codec(tag)
+        if codec is None:
+            raise DecodeError(f"{what}: codec {TAGS[tag]!r} is not available")
+        if not flag:
+            return codec.decode(data[1:], n, nnz)
+        if 2 * nnz <= n:
+            raise DecodeError(f"{what}: complement flag on a set of {nnz} of {n} "
+                              f"(at most half)")
+        absent = codec.decode(data[1:], n, n - nnz) if n > nnz else None
+        if absent is None:
+            expect_length(data, 1, what)
+            return np.arange(n, dtype=np.int64)
+        return complement(absent, n)
