@@ -153,6 +153,41 @@ def check_indexed_slices(rank):
     return out
 
 
+def check_tape_options(rank):
+    """gradient_predivide_factor, local sources, nested sources, tensor sources."""
+    rng = np.random.default_rng(rank)
+    a = tf.Variable(rng.standard_normal((40, 40)).astype(np.float32), name="a")
+    b = tf.Variable(rng.standard_normal(30).astype(np.float32), name="b")
+    x = tf.constant(rng.standard_normal(30).astype(np.float32))
+
+    def loss_fn():
+        return tf.reduce_sum(a * a) + tf.reduce_sum(b * x * x)
+
+    out = {}
+    with tf.GradientTape() as tape:
+        loss = loss_fn()
+    local_a, local_b = tape.gradient(loss, [a, b])
+    expected_a = hvd.allreduce(local_a, op=hvd.Average)
+
+    with tf.GradientTape() as tape:
+        loss = loss_fn()
+    tape = drh.DistributedGradientTape(tape, compression=lossless(min_size=0),
+                                       gradient_predivide_factor=4.0)
+    tape.register_local_source(b)
+    grads = tape.gradient(loss, {"a": a, "b": b})
+    out["nested_keys"] = sorted(grads)
+    out["predivide_close"] = bool(np.allclose(grads["a"].numpy(), expected_a.numpy(),
+                                              rtol=1e-6, atol=0))
+    out["local_scaled"] = equal(grads["b"], local_b / hvd.size())
+
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.reduce_sum(x * x * float(rank + 1))
+    (gx,) = drh.DistributedGradientTape(tape, compression=lossless()).gradient(y, [x])
+    out["tensor_source_equal"] = equal(gx, hvd.allreduce(2 * x * float(rank + 1)))
+    return out
+
+
 def check_misuse(rank):
     out = {}
     compression = lossless(memory=None)
@@ -250,6 +285,7 @@ def main(out_dir):
               ("different_sizes", lambda: check_different_sizes(rank)),
               ("error_feedback", lambda: check_error_feedback(rank)),
               ("indexed_slices", lambda: check_indexed_slices(rank)),
+              ("tape_options", lambda: check_tape_options(rank)),
               ("misuse", lambda: check_misuse(rank)),
               ("keras_fit", lambda: check_keras_fit(rank, size, tempfile.mkdtemp())),
               ("custom_loop", lambda: check_custom_loop(rank, size))]

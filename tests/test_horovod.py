@@ -281,6 +281,13 @@ def test_indexed_slices_stay_sparse(ranks):
         assert f["topk_residual_nonzero"] > 0
 
 
+def test_tape_options_like_horovod(ranks):
+    for f in findings(ranks, "tape_options"):
+        assert f["nested_keys"] == ["a", "b"]
+        assert f["predivide_close"] and f["local_scaled"]
+        assert f["tensor_source_equal"]
+
+
 def test_compression_in_plain_horovod_tape_fails_loudly(ranks):
     for f in findings(ranks, "misuse"):
         # inside Horovod's tf.function the DecodeError surfaces as a TensorFlow error
