@@ -15,6 +15,11 @@ from deepreduce.codecs import rle  # noqa: F401
 from deepreduce.codecs import eliasfano  # noqa: F401
 from deepreduce.codecs import floats  # noqa: F401
 from deepreduce.codecs import golomb  # noqa: F401
+from deepreduce.codecs import bloom  # noqa: F401
 from deepreduce.codecs import huffman  # noqa: F401
 from deepreduce.codecs import runs  # noqa: F401
 from deepreduce.codecs import auto  # noqa: F401
+from deepreduce.codecs import qsgd  # noqa: F401
+from deepreduce.codecs import sign  # noqa: F401
+from deepreduce.codecs import polyfit  # noqa: F401
+from deepreduce.codecs import dexp  # noqa: F401

@@ -1,0 +1,234 @@
+"""QSGD: stochastic quantisation of values to a few levels per bucket (lossy, unbiased).
+
+Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient
+Quantization and Encoding" (NeurIPS 2017), as DeepReduce uses it for the
+values of sparse gradients. The values are cut into buckets of ``bucket``
+consecutive values; each bucket keeps a norm ``||x||`` as a float32 and
+every value becomes ``sign(x) * ||x|| * l / s`` with ``s = 2**(bits-1) -
+1`` levels and ``l`` in ``[0, s]`` drawn by stochastic rounding: with ``a
+= |x| / ||x|| * s``, ``l = floor(a) + 1`` with probability ``a -
+floor(a)``, else ``floor(a)``. Then ``E[decoded] = x`` exactly (the norm is
+rounded *up* to float32, so ``a <= s`` always holds and the estimator stays
+unbiased with respect to the stored norm).
+
+``norm="max"`` (the default) scales by the bucket's largest magnitude, the
+variant QSGD's authors use in practice: every level is reachable and the
+variance is far smaller than with ``norm="l2"``, the paper's analysed
+scaling (at 4 bits and 512-value buckets of Gaussian values the relative
+L2 error is about 0.19 against 1.26).
+
+Stream: ``seed u32`` (the generator seed of this call: the codec's
+``seed`` mixed with a per-call counter, so calls differ but a run is
+reproducible), the ``ceil(nnz / bucket)`` norms as little-endian float32,
+then one ``bits``-bit code per value, ``2 * l + negative``, packed least
+significant bit first (:func:`deepreduce.codecs._bits.pack_bits`). A code
+with ``l = 0`` has its sign bit clear. A bucket holding an infinity or NaN
+has a non-finite norm and decodes to NaN.
+
+Examples
+--------
+>>> import numpy as np
+>>> from deepreduce.codecs.qsgd import QSGDValues
+>>> codec = QSGDValues(bits=4, bucket=4)
+>>> data, received = codec.encode_and_receive(np.array([0.5, -1.0, 0.0, 2.0], np.float32))
+>>> len(data)  # seed, one norm, four 4-bit codes
+10
+>>> bool(np.all(np.abs(received) <= np.float32(np.sqrt(5.25)) * 1.0001))
+True
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from deepreduce.codecs import _bits
+from deepreduce.codecs._murmur import murmur3_32
+from deepreduce.codecs.base import ValueCodec
+from deepreduce.codecs.floats import (check_nnz, check_values, from_float32, to_float32,
+                                      value_dtype)
+from deepreduce.errors import DecodeError
+from deepreduce.registry import register_codec
+
+MIN_BITS, MAX_BITS = 2, 8
+MAX_BUCKET = 1 << 24
+NORMS = ("max", "l2")
+_SEED = struct.Struct("<I")
+
+
+def check_bucket(bucket) -> int:
+    """Constructor check shared by the bucketed codecs: an integer in ``[1, 2**24]``."""
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or not 1 <= bucket <= MAX_BUCKET:
+        raise ValueError(f"bucket must be an integer in [1, {MAX_BUCKET}], got {bucket!r}")
+    return bucket
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    return seed
+
+
+def working_copy(values: np.ndarray) -> np.ndarray:
+    """Values as float64 (exact for every supported dtype)."""
+    return values.astype(np.float64) if values.dtype == np.float64 else \
+        to_float32(values).astype(np.float64)
+
+
+def bucket_matrix(x: np.ndarray, bucket: int) -> np.ndarray:
+    """``x`` zero-padded to whole buckets, shape ``(ceil(len/bucket), bucket)``."""
+    rows = -(-x.size // bucket)
+    padded = np.zeros(rows * bucket, dtype=x.dtype)
+    padded[:x.size] = x
+    return padded.reshape(rows, bucket)
+
+
+def cast_back(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """float64 results -> ``dtype`` (rounded once for float32, via float32 for narrower)."""
+    if dtype == np.float64:
+        return x
+    with np.errstate(over="ignore", invalid="ignore"):
+        return from_float32(x.astype(np.float32), dtype)
+
+
+def float32_at_least(x: np.ndarray) -> np.ndarray:
+    """Smallest float32 values ``>= x`` (non-negative float64 input; NaN stays NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        rounded = x.astype(np.float32)
+        low = rounded.astype(np.float64) < x
+    rounded[low] = np.nextafter(rounded[low], np.float32(np.inf))
+    return rounded
+
+
+def bucket_l2_norms(rows: np.ndarray) -> np.ndarray:
+    """L2 norm of each row, scaled by the row's peak so squares never overflow.
+
+    A row holding NaN or an infinity gets a NaN norm.
+    """
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        peak = np.max(np.abs(rows), axis=1)
+        ratio = rows / np.where(peak > 0, peak, 1.0)[:, None]
+        return peak * np.sqrt(np.sum(ratio * ratio, axis=1))
+
+
+def bucket_peaks(rows: np.ndarray) -> np.ndarray:
+    """Largest magnitude of each row (NaN when the row holds a NaN)."""
+    return np.max(np.abs(rows), axis=1)
+
+
+def dequantize(levels: np.ndarray, negative: np.ndarray, norms: np.ndarray, bucket: int,
+               s: int, dtype: np.dtype) -> np.ndarray:
+    """``(-1)**negative * norm * level / s`` per value, in ``dtype`` (shared by encoder and decoder)."""
+    nnz = levels.size
+    scale = np.repeat(norms.astype(np.float64) / s, bucket)[:nnz]
+    with np.errstate(invalid="ignore"):
+        x = levels * scale
+    np.negative(x, out=x, where=negative)
+    return cast_back(x, dtype)
+
+
+@register_codec
+class QSGDValues(ValueCodec):
+    """QSGD with ``s = 2**(bits-1) - 1`` levels and one float32 L2 norm per bucket.
+
+    Parameters
+    ----------
+    bits : int
+        Bits per value in ``[2, 8]``: one sign bit and ``bits - 1`` level bits.
+    bucket : int
+        Values per norm, in ``[1, 2**24]``.
+    seed : int
+        Seed of the stochastic rounding, in ``[0, 2**32)``; mixed with a
+        per-call counter, the result written into the stream.
+    norm : {"max", "l2"}
+        Bucket scale: largest magnitude, or L2 norm.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from deepreduce.codecs.qsgd import QSGDValues
+    >>> x = np.random.default_rng(0).standard_normal(2048).astype(np.float32)
+    >>> codec = QSGDValues(bits=8)
+    >>> data = codec.encode(x)
+    >>> len(data) * 8 / x.size  # 8 bits per value plus a norm per 512 values
+    8.078125
+    >>> y = codec.decode(data, nnz=x.size, dtype=np.float32)
+    >>> float(np.linalg.norm(y - x) / np.linalg.norm(x)) < 0.05
+    True
+    """
+
+    codec_id = "qsgd"
+    lossless = False
+
+    def __init__(self, bits: int = 4, bucket: int = 512, seed: int = 0, norm: str = "max"):
+        if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
+            raise ValueError(f"bits must be an integer in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {', '.join(NORMS)}; got {norm!r}")
+        self.bits = bits
+        self.bucket = check_bucket(bucket)
+        self.seed = check_seed(seed)
+        self.norm = norm
+        self._calls = 0
+
+    @property
+    def levels(self) -> int:
+        """``s``, the largest level."""
+        return 2 ** (self.bits - 1) - 1
+
+    def _next_seed(self) -> int:
+        seed = int(murmur3_32(np.array([self._calls], dtype=np.uint64), self.seed, 8)[0])
+        self._calls += 1
+        return seed
+
+    def _quantize(self, values):
+        values = check_values(values)
+        x = working_copy(values)
+        seed = self._next_seed()
+        s = self.levels
+        rows = bucket_matrix(x, self.bucket)
+        norms = float32_at_least(bucket_l2_norms(rows) if self.norm == "l2" else
+                                 bucket_peaks(rows))
+        scale = np.repeat(norms.astype(np.float64), self.bucket)[:x.size]
+        usable = np.isfinite(scale) & (scale > 0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            a = np.where(usable, np.abs(x) / np.where(usable, scale, 1.0) * s, 0.0)
+        low = np.floor(a)
+        draws = np.random.default_rng(seed).random(x.size)
+        levels = np.minimum(low + (draws < a - low), s).astype(np.uint64)
+        negative = (x < 0) & (levels > 0)
+        codes = levels * np.uint64(2) + negative
+        data = (_SEED.pack(seed) + norms.astype("<f4").tobytes()
+                + _bits.pack_bits(codes, self.bits))
+        return data, levels, negative, norms, values.dtype
+
+    def encode(self, values):
+        return self._quantize(values)[0]
+
+    def encode_and_receive(self, values):
+        data, levels, negative, norms, dtype = self._quantize(values)
+        return data, dequantize(levels.astype(np.float64), negative, norms, self.bucket,
+                                self.levels, dtype)
+
+    def decode(self, data, nnz, dtype):
+        dtype = value_dtype(dtype, DecodeError)
+        what = f"qsgd values (bits={self.bits}, bucket={self.bucket})"
+        nnz = check_nnz(nnz, what)
+        buckets = -(-nnz // self.bucket)
+        expected = _SEED.size + 4 * buckets + _bits.packed_size(nnz, self.bits)
+        if len(data) != expected:
+            raise DecodeError(f"{what}: stream holds {len(data)} bytes, expected {expected} "
+                              f"for {nnz} values")
+        norms = np.frombuffer(data, dtype="<f4", count=buckets, offset=_SEED.size)
+        if np.any(norms < 0):
+            raise DecodeError(f"{what}: negative bucket norm")
+        codes = _bits.unpack_bits(data[_SEED.size + 4 * buckets:], nnz, self.bits, what)
+        levels, negative = codes >> np.uint64(1), (codes & np.uint64(1)).astype(bool)
+        if nnz and int(levels.max()) > self.levels:
+            raise DecodeError(f"{what}: level {int(levels.max())} above {self.levels}")
+        if np.any(negative & (levels == 0)):
+            raise DecodeError(f"{what}: level 0 with the sign bit set")
+        return dequantize(levels.astype(np.float64), negative, norms.astype(np.float32),
+                          self.bucket, self.levels, dtype)
+
