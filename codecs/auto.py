@@ -21,6 +21,12 @@ from deepreduce.registry import registered_codecs, register_codec
 TAGS = ("bitmap", "golomb", "huffman", "runs", "eliasfano", "bitpack", "varint",
         "deflate", "zstd", "rle", "raw")
 
+#: Order of the trials: on equal sizes the first (fastest to decode) wins;
+#: the bitmap comes last so that it is only built when it is the smallest.
+TRIAL_ORDER = tuple(TAGS.index(name) for name in (
+    "golomb", "runs", "bitpack", "eliasfano", "huffman", "varint", "rle", "raw",
+    "zstd", "deflate", "bitmap"))
+
 #: Flag in the tag byte: the sub-codec stream holds the complement set.
 COMPLEMENT = 0x80
 
@@ -100,14 +106,18 @@ class AutoIndices(IndexCodec):
         return self._estimate(indices, n)
 
     def _try_all(self, indices, n):
+        bitmap = TAGS.index("bitmap")
         best = None
         sets = [(0, indices)]
         if 2 * indices.size > n:
             sets.append((COMPLEMENT, complement(indices, n)))
         for flag, members in sets:
-            for tag in range(len(TAGS)):
+            for tag in TRIAL_ORDER:
                 codec = _sub_codec(tag)
-                if codec is None:
+                # A bitmap's size is known without building it, which
+                # matters when n is huge.
+                if codec is None or (tag == bitmap and best is not None
+                                     and _entropy.packed_bytes(n) >= len(best[1])):
                     continue
                 data = codec.encode(members, n) if members.size else b""
                 if best is None or len(data) < len(best[1]):

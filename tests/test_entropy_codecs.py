@@ -1,0 +1,408 @@
+"""Index codecs at the entropy bound (golomb, huffman, runs) and the automatic choice (auto)."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import deepreduce as dr
+from deepreduce.codecs import _entropy, auto, golomb, huffman, runs
+from deepreduce.errors import DecodeError
+from deepreduce.registry import get_codec, registered_codecs
+
+#: Every configuration whose stream format differs.
+CODECS = {
+    "golomb": {},
+    "golomb-rice": {"mode": "rice"},
+    "golomb-true": {"mode": "golomb"},
+    "huffman": {},
+    "huffman-p0-b8": {"precision": 0, "block": 8},
+    "huffman-p1-b9": {"precision": 1, "block": 9},
+    "runs": {},
+    "auto": {},
+}
+SETTINGS = settings(max_examples=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def make(name):
+    return get_codec({"id": name.split("-")[0], **CODECS[name]}, family="index")
+
+
+def assert_valid(indices, n, nnz):
+    """What a decoder may return for any input: nnz strictly increasing int64 in [0, n)."""
+    assert indices.dtype == np.int64 and indices.shape == (nnz,)
+    if nnz:
+        assert 0 <= indices[0] and indices[-1] < n
+        assert np.all(np.diff(indices) > 0)
+
+
+def round_trip(name, indices, n):
+    indices = np.asarray(indices, dtype=np.int64)
+    codec = make(name)
+    data = codec.encode(indices, n)
+    assert isinstance(data, bytes)
+    decoded = codec.decode(data, n, indices.size)
+    assert decoded.dtype == np.int64
+    np.testing.assert_array_equal(decoded, indices)
+    return data
+
+
+def random_set(rng, n, kind):
+    """Index sets of the shapes the codecs meet: uniform, sparse, runs, aligned blocks."""
+    if kind == "uniform":
+        return np.sort(rng.choice(n, size=int(rng.integers(0, n + 1)), replace=False))
+    if kind == "sparse":
+        return np.sort(rng.choice(n, size=min(n, int(rng.integers(0, 20))), replace=False))
+    if kind == "blocks":
+        width = int(rng.choice([2, 8, 64]))
+        blocks = -(-n // width)
+        chosen = rng.choice(blocks, size=int(rng.integers(0, blocks + 1)), replace=False)
+        indices = (np.sort(chosen)[:, None] * width + np.arange(width)).ravel()
+        return indices[indices < n]
+    bits = np.zeros(n, dtype=bool)
+    for start in rng.integers(0, n, size=int(rng.integers(0, 12))):
+        bits[start:start + int(rng.integers(1, 60))] = True
+    return np.flatnonzero(bits)
+
+
+# ------------------------------------------------------------------ round trips
+
+@pytest.mark.parametrize("name", CODECS)
+@SETTINGS
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1),
+       kind=st.sampled_from(["uniform", "sparse", "runs", "blocks"]))
+def test_round_trip_random_sets(name, n, seed, kind):
+    round_trip(name, random_set(np.random.default_rng(seed), n, kind), n)
+
+
+@pytest.mark.parametrize("name", CODECS)
+@SETTINGS
+@given(data=st.data())
+def test_round_trip_drawn_sets(name, data):
+    n = data.draw(st.integers(1, 200))
+    round_trip(name, sorted(data.draw(st.sets(st.integers(0, n - 1)))), n)
+
+
+@pytest.mark.parametrize("name", CODECS)
+@SETTINGS
+@given(data=st.data())
+def test_round_trip_huge_universes(name, data):
+    n = data.draw(st.sampled_from([2**32 - 1, 2**32, 2**32 + 1, 2**40, 2**62]))
+    edges = [0, 1, n // 2, 2**32 - 2, 2**32 - 1, 2**32, n - 2, n - 1]
+    chosen = data.draw(st.sets(st.sampled_from(edges) | st.integers(0, n - 1), max_size=30))
+    round_trip(name, sorted(i for i in chosen if i < n), n)
+
+
+EDGE_CASES = {
+    "empty n=0": ([], 0),
+    "empty": ([], 100),
+    "n=1": ([0], 1),
+    "first": ([0], 1000),
+    "last": ([999], 1000),
+    "first and last": ([0, 999], 1000),
+    "all": (range(777), 777),
+    "all but one": ([i for i in range(300) if i != 150], 300),
+    "one run": (range(100, 356), 1000),
+    "adjacent runs": ([1, 2, 3, 5, 6, 7, 9], 10),
+    "aligned rows": ([r * 64 + c for r in (3, 4, 9) for c in range(64)], 6400),
+    "rows up to n": ([r * 64 + c for r in (0, 99) for c in range(64)], 6400),
+    "last near 2**32": ([2**32 - 1], 2**32),
+    "above 2**32": ([5, 2**32 + 7, 2**33], 2**34),
+    "max universe": ([0, 2**61, 2**62 - 1], 2**62),
+    "large gap then run": ([0] + list(range(10**9, 10**9 + 50)), 2**31),
+}
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("case", EDGE_CASES)
+def test_edge_cases(name, case):
+    indices, n = EDGE_CASES[case]
+    data = round_trip(name, list(indices), n)
+    if not len(indices):
+        assert data == b""
+
+
+def test_golden_streams():
+    """Pin the formats: a change here is a format change."""
+    indices = np.array([3, 17, 18, 60, 61, 90])
+    assert make("golomb").encode(indices, 100).hex() == "0a6c11d619"
+    assert make("runs").encode(np.arange(64, 192), 6400).hex() == "40000201400140"
+    assert make("auto").encode(indices, 100)[0] == auto.TAGS.index("golomb")
+
+
+# ------------------------------------------------------------------ sizes
+
+def test_golomb_is_within_one_percent_of_the_bound():
+    rng = np.random.default_rng(1)
+    for n, k in [(100_000, 100), (100_000, 1_000), (100_000, 10_000), (100_000, 30_000)]:
+        indices = np.sort(rng.choice(n, k, replace=False))
+        bits = 8 * len(make("golomb").encode(indices, n)) / k
+        assert bits <= 1.01 * dr.index_entropy_bits(n, k) + 32 / k
+
+
+@pytest.mark.parametrize("name", ["golomb", "golomb-rice", "golomb-true", "runs"])
+@SETTINGS
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1),
+       kind=st.sampled_from(["uniform", "sparse", "runs", "blocks"]))
+def test_size_formulas_are_exact(name, n, seed, kind):
+    indices = random_set(np.random.default_rng(seed), n, kind)
+    codec = make(name)
+    assert codec.encoded_size(indices) == len(codec.encode(indices, n))
+
+
+def test_huffman_estimate_is_close():
+    rng = np.random.default_rng(2)
+    indices = np.sort(rng.choice(2_000_000, 20_000, replace=False))
+    codec = make("huffman")
+    actual = 8 * len(codec.encode(indices, 2_000_000))
+    assert abs(codec.encoded_bits(indices) - actual) < 0.01 * actual
+
+
+def exact_sizes(indices, n):
+    return {cid: len(cls().encode(indices, n))
+            for cid, cls in registered_codecs("index").items()
+            if cls.lossless and cid != "auto"}
+
+
+@SETTINGS
+@given(n=st.integers(1, 20_000), seed=st.integers(0, 2**32 - 1),
+       kind=st.sampled_from(["uniform", "sparse", "runs", "blocks"]))
+def test_auto_is_never_larger_than_the_best_codec_plus_its_tag(n, seed, kind):
+    indices = random_set(np.random.default_rng(seed), n, kind)[:auto.TRIAL_LIMIT]
+    sizes = exact_sizes(indices, n)
+    data = make("auto").encode(indices, n)
+    assert len(data) <= min(sizes.values()) + 1, sizes
+
+
+@pytest.mark.parametrize("kind", ["uniform", "runs", "blocks", "dense"])
+def test_auto_estimates_pick_a_near_best_codec_on_large_sets(kind):
+    rng = np.random.default_rng(3)
+    n = 400_000
+    if kind == "uniform":
+        indices = np.sort(rng.choice(n, 4_000, replace=False))
+    elif kind == "runs":
+        starts = np.sort(rng.choice(n // 50, 300, replace=False)) * 50
+        indices = np.unique((starts[:, None] + np.arange(20)).ravel())
+    elif kind == "blocks":
+        rows = np.sort(rng.choice(n // 64, 200, replace=False))
+        indices = (rows[:, None] * 64 + np.arange(64)).ravel()
+    else:
+        indices = np.flatnonzero(rng.random(n) < 0.8)
+    assert indices.size > auto.TRIAL_LIMIT
+    best = min(exact_sizes(indices, n).values())
+    data = make("auto").encode(indices, n)
+    assert len(data) <= 1.005 * best + 4
+    np.testing.assert_array_equal(make("auto").decode(data, n, indices.size), indices)
+
+
+def test_auto_codes_the_complement_of_dense_sets():
+    indices = np.delete(np.arange(10_000), [5, 600, 9_999])
+    data = make("auto").encode(indices, 10_000)
+    assert data[0] & auto.COMPLEMENT and len(data) < 8
+    np.testing.assert_array_equal(make("auto").decode(data, 10_000, indices.size), indices)
+    everything = make("auto").encode(np.arange(500), 500)
+    assert len(everything) == 1 and everything[0] & auto.COMPLEMENT
+
+
+def test_runs_code_aligned_rows_in_units():
+    rows = np.sort(np.random.default_rng(6).choice(1000, 50, replace=False))
+    indices = (rows[:, None] * 64 + np.arange(64)).ravel()
+    size = len(make("runs").encode(indices, 64_000))
+    # About log2(1000 / 50) + 2 bits per row, whatever the row width.
+    assert size < 50 * 7 / 8 + 8
+    assert 20 * size < len(make("golomb").encode(indices, 64_000))
+
+
+# ------------------------------------------------------------------ malformed streams
+
+def decode_or_error(codec, data, n, nnz):
+    """Decoding untrusted bytes: a valid result or DecodeError, nothing else."""
+    try:
+        result = codec.decode(data, n, nnz)
+    except DecodeError:
+        return None
+    assert_valid(result, n, nnz)
+    return result
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_every_truncation_raises(name):
+    rng = np.random.default_rng(4)
+    for n, indices in [(5000, np.sort(rng.choice(5000, 300, replace=False))),
+                       (6400, np.arange(640, 1280)),
+                       (2**40, np.array([1, 2**35, 2**40 - 1]))]:
+        codec = make(name)
+        data = codec.encode(indices, n)
+        for cut in range(len(data)):
+            with pytest.raises(DecodeError):
+                codec.decode(data[:cut], n, indices.size)
+        with pytest.raises(DecodeError):
+            codec.decode(data + b"\0", n, indices.size)
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_wrong_counts_raise(name):
+    rng = np.random.default_rng(5)
+    n = 5000
+    indices = np.sort(rng.choice(n, 200, replace=False))
+    codec = make(name)
+    data = codec.encode(indices, n)
+    for nnz in (0, 1, 199, 201, 4000, n):
+        with pytest.raises(DecodeError):
+            codec.decode(data, n, nnz)
+    for bad_n in (indices[-1], 100):
+        with pytest.raises(DecodeError):
+            codec.decode(data, int(bad_n), indices.size)
+    for bad in (-1, n + 1):
+        with pytest.raises(DecodeError):
+            codec.decode(data, n, bad)
+    assert decode_or_error(codec, data, 2 * n, indices.size) is not None
+
+
+@pytest.mark.parametrize("name", CODECS)
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["uniform", "runs", "blocks"]))
+def test_bit_flips_give_decode_error_or_a_valid_set(name, seed, kind):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 4000))
+    indices = random_set(rng, n, kind)
+    codec = make(name)
+    data = bytearray(codec.encode(indices, n))
+    if not data:
+        return
+    for _ in range(8):
+        flipped = bytearray(data)
+        position = int(rng.integers(0, 8 * len(data)))
+        flipped[position // 8] ^= 1 << (position % 8)
+        decode_or_error(codec, bytes(flipped), n, indices.size)
+
+
+@pytest.mark.parametrize("name", CODECS)
+@SETTINGS
+@given(data=st.binary(max_size=40), n=st.integers(0, 2**40), nnz=st.integers(0, 300))
+def test_random_bytes_never_raise_anything_but_decode_error(name, data, n, nnz):
+    if nnz <= n:
+        decode_or_error(make(name), data, n, nnz)
+
+
+def test_truncated_unary_part_and_gaps_past_n():
+    indices = np.array([10, 20, 30, 40])
+    data = make("golomb").encode(indices, 100)
+    with pytest.raises(DecodeError, match="terminators|cannot hold"):
+        make("golomb").decode(data[:-1], 100, 4)
+    with pytest.raises(DecodeError, match="past n"):
+        make("golomb").decode(data, 40, 4)
+    # A huge parameter in an otherwise plausible stream.
+    with pytest.raises(DecodeError, match="parameter"):
+        make("golomb").decode(b"\xff\xff\xff\x7f" + data[1:], 100, 4)
+
+
+def test_auto_rejects_unknown_tags_and_misplaced_complements():
+    with pytest.raises(DecodeError, match="tag"):
+        make("auto").decode(bytes([len(auto.TAGS)]), 10, 1)
+    with pytest.raises(DecodeError, match="complement"):
+        make("auto").decode(bytes([auto.COMPLEMENT | 1]) + b"\x01\x80", 10, 2)
+    with pytest.raises(DecodeError, match="empty"):
+        make("auto").decode(b"", 10, 1)
+
+
+def test_huffman_rejects_incomplete_code_tables():
+    data = bytearray(make("huffman").encode(np.array([1, 5, 9, 30]), 100))
+    data[2] = 0x11  # two codes of length 1 where the table had others
+    decode_or_error(make("huffman"), bytes(data), 100, 4)
+    with pytest.raises(DecodeError, match="prefix code"):
+        make("huffman").decode(b"\x01\x01\x10", 100, 4)
+
+
+# ------------------------------------------------------------------ arguments
+
+def test_bad_arguments_raise_value_error():
+    for spec in ({"id": "golomb", "mode": "fast"}, {"id": "huffman", "precision": 3},
+                 {"id": "huffman", "block": 4}, {"id": "huffman", "block": 10_000},
+                 {"id": "huffman", "precision": 1.5}):
+        with pytest.raises(ValueError):
+            get_codec(spec, family="index")
+    for name in ("golomb", "huffman", "runs", "auto"):
+        with pytest.raises(ValueError):
+            make(name).encode(np.array([3, 2]), 10)
+        with pytest.raises(ValueError):
+            make(name).encode(np.array([10]), 10)
+
+
+def test_specs_round_trip():
+    for name in CODECS:
+        codec = make(name)
+        assert get_codec(codec.spec(), family="index") == codec
+
+
+# ------------------------------------------------------------------ building blocks
+
+@given(width=st.integers(0, 64), count=st.integers(0, 40), seed=st.integers(0, 2**32 - 1))
+@SETTINGS
+def test_fixed_width_packing_is_msb_first(width, count, seed):
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 2**63, count, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    values = values >> np.uint64(64 - width) if width else values * np.uint64(0)
+    data = _entropy.pack_fixed(values, width)
+    text = "".join(format(int(v), f"0{width}b") for v in values) if width else ""
+    text += "0" * (-len(text) % 8)
+    assert data == bytes(int(text[i:i + 8], 2) for i in range(0, len(text), 8))
+    np.testing.assert_array_equal(_entropy.unpack_fixed(data, count, width, "t"), values)
+
+
+@given(lengths=st.lists(st.integers(0, 64), max_size=40), seed=st.integers(0, 2**32 - 1))
+@SETTINGS
+def test_variable_width_packing_round_trips(lengths, seed):
+    rng = np.random.default_rng(seed)
+    lengths = np.array(lengths, dtype=np.int64)
+    values = rng.integers(0, 2**63, lengths.size, dtype=np.uint64) * np.uint64(2)
+    values = np.where(lengths > 0, values >> (64 - lengths).astype(np.uint64), 0)
+    data, nbits = _entropy.pack_varlen(values, lengths)
+    assert nbits == lengths.sum() and len(data) == -(-nbits // 8)
+    text = "".join(format(int(v), f"0{n}b") for v, n in zip(values, lengths) if n)
+    assert int.from_bytes(data, "big") >> (8 * len(data) - nbits) == int(text or "0", 2)
+    np.testing.assert_array_equal(_entropy.unpack_varlen(data, lengths, "t"), values)
+
+
+@given(counts=st.lists(st.integers(0, 10**6), min_size=1, max_size=200))
+@SETTINGS
+def test_huffman_lengths_form_a_complete_limited_code(counts):
+    counts = np.array(counts)
+    lengths = _entropy.huffman_lengths(counts)
+    assert np.all((lengths > 0) == (counts > 0))
+    assert lengths.max(initial=0) <= _entropy.MAX_CODE_LENGTH
+    if np.count_nonzero(counts):
+        assert _entropy.kraft_ok(lengths)
+        peek, symbol_of, length_of = _entropy.decode_table(lengths)
+        codes = _entropy.canonical_codes(lengths)
+        for symbol in np.flatnonzero(lengths):
+            word = int(codes[symbol]) << (peek - int(lengths[symbol]))
+            assert symbol_of[word] == symbol and length_of[word] == lengths[symbol]
+
+
+def test_huffman_lengths_are_optimal_for_dyadic_counts():
+    assert _entropy.huffman_lengths(np.array([8, 4, 2, 1, 1])).tolist() == [1, 2, 3, 4, 4]
+
+
+@pytest.mark.parametrize("precision", [0, 1, 2])
+def test_buckets_cover_every_positive_int64(precision):
+    values = np.concatenate([np.arange(1, 3000), 2 ** np.arange(1, 63) - 1,
+                             2 ** np.arange(1, 63), 2 ** np.arange(1, 62) + 1])
+    symbols, offset_bits = _entropy.bucket_symbols(values.astype(np.int64), precision)
+    base, symbol_offset_bits = _entropy.bucket_base(precision)
+    assert symbols.max() < _entropy.bucket_count(precision) <= 256
+    np.testing.assert_array_equal(symbol_offset_bits[symbols], offset_bits)
+    offsets = values - base[symbols]
+    assert np.all(offsets >= 0) and not np.any(offsets >> offset_bits)
+
+
+def test_golomb_parameter_is_the_best_for_geometric_sources():
+    for mean in (0.0, 0.3, 1.0, 4.0, 9.0, 99.0, 999.0):
+        best = min(range(1, 3000), key=lambda m: _entropy.golomb_expected_bits(mean, m))
+        chosen = _entropy.golomb_parameter(mean)
+        assert (_entropy.golomb_expected_bits(mean, chosen)
+                <= _entropy.golomb_expected_bits(mean, best) + 1e-9)
+    assert golomb.choose_parameter(99.0, "rice") == 64
+    assert huffman.gap_values(np.array([2, 3, 9])).tolist() == [3, 1, 6]
+    assert runs.common_unit(np.array([64, 256]), np.array([128, 64])) == 64
