@@ -46,8 +46,7 @@ def parse_args(argv=None):
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--ratio", type=float, default=0.01, help="TopK ratio")
-    parser.add_argument("--index", default=None,
-                        help="index codec (default: auto when registered, else varint)")
+    parser.add_argument("--index", default="auto", help="index codec")
     parser.add_argument("--value", default="fp16", help="value codec")
     parser.add_argument("--no-memory", action="store_true", help="turn error feedback off")
     parser.add_argument("--seed", type=int, default=0)
@@ -123,7 +122,6 @@ def main(argv=None):
     args = parse_args(argv)
     hvd_keras.init()
     rank, size = hvd_keras.rank(), hvd_keras.size()
-    index = args.index or ("auto" if "auto" in dr.registered_codecs("index") else "varint")
     data = load_data(args.seed)
     if rank == 0:
         print(f"digits: {len(data[0])} train / {len(data[2])} test samples, {size} ranks, "
@@ -133,7 +131,7 @@ def main(argv=None):
     dense = train(args, data, lambda opt: hvd_keras.DistributedOptimizer(opt),
                   "dense Horovod allreduce")
 
-    compression = drh.Compression(sparsifier=dr.TopK(args.ratio), index=index, value=args.value,
+    compression = drh.Compression(sparsifier=dr.TopK(args.ratio), index=args.index, value=args.value,
                                   memory=None if args.no_memory else "residual", seed=args.seed)
     compressed = train(args, data,
                        lambda opt: drh.DistributedOptimizer(opt, compression=compression),
@@ -143,15 +141,15 @@ def main(argv=None):
     # every rank must hold the same model after training
     checksums = hvd.allgather_object(compressed["weights_checksum"])
     if rank == 0:
-        report(args, size, index, dense, compressed, stats, checksums)
+        report(args, size, dense, compressed, stats, checksums)
 
 
-def report(args, size, index, dense, compressed, stats, checksums):
+def report(args, size, dense, compressed, stats, checksums):
     sent = stats["bytes_sent"]
     overhead_ms = stats["encode_ms"] + stats["decode_ms"]
     fewer = dense["dense_bytes"] / sent
     delta = 100 * (compressed["accuracy"] - dense["accuracy"])
-    config = (f"TopK {args.ratio:g}, index {index}, value {args.value}, error feedback "
+    config = (f"TopK {args.ratio:g}, index {args.index}, value {args.value}, error feedback "
               f"{'off' if args.no_memory else 'on'}")
     rows = [
         ("bytes sent per step (per rank)", f"{dense['dense_bytes']:,}", f"{sent:,.0f}"),

@@ -143,9 +143,10 @@ class GradientCompression:
         same variable. None turns it off; pass a :class:`deepreduce.ResidualMemory`
         to share or inspect it (``beta`` < 1 lets stale error decay).
     min_size : int, default 1024
-        Tensors with fewer elements travel losslessly (no sparsifier, raw
-        values) in the same bundle: small layers (biases, norms) cost little
-        and lose nothing. 0 compresses everything.
+        Tensors with fewer elements travel losslessly (every non-zero, a
+        bitmap of their positions, raw values) in the same bundle: small
+        layers (biases, norms) cost little and lose nothing. 0 compresses
+        everything.
     seed : int, default 0
         Seed given to a sparsifier or codec named by a spec string or config
         that takes a ``seed`` and does not set one (RandomK, randomised
@@ -180,10 +181,10 @@ class GradientCompression:
         self.pipeline = Pipeline(_seeded_sparsifier(sparsifier, self.seed),
                                  index=_seeded_codec(index, "index", self.seed),
                                  value=_seeded_codec(value, "value", self.seed))
-        # small tensors: every non-zero, values bit-exact; the index codec is the
-        # configured one ("auto" picks a bitmap for dense input)
-        small_index = index if self.pipeline.index_codec is None else self.pipeline.index_codec
-        self.small_pipeline = Pipeline(None, index=small_index, value="raw")
+        # small tensors: every non-zero, values bit-exact. A bitmap (n/8 bytes) is
+        # exact whatever the configured index codec is (which may be lossy) and
+        # costs nothing to choose
+        self.small_pipeline = Pipeline(None, index="bitmap", value="raw")
         if isinstance(memory, str) and memory == "residual":
             memory = ResidualMemory()
         elif memory is False:
