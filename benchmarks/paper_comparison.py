@@ -65,6 +65,7 @@ PAPER_TEXT = {0: "3.2x less", 1: "about 40% less (1.67x)", 2: "about 33% less (1
 def ours(index):
     """deepreduce's exact index coding with the two value codecs the paper's best is set against."""
     return [(f"deepreduce {index} + qsgd", index, "qsgd"),
+            (f"deepreduce {index} + qsgd:bits=8", index, "qsgd:bits=8"),
             (f"deepreduce {index} + fp16", index, "fp16"),
             (f"deepreduce {index} + raw fp32 (lossless)", index, "raw")]
 
@@ -135,9 +136,10 @@ def run(path: Path):
              "We compare volumes and errors on captured gradients, not accuracy after training.",
              ""]
     records = []
+    detail = []
     for ratio in sorted({p[0] for p in PAPER}):
         raw = RAW_PAIR_BYTES * sum(dr.TopK(ratio)(t).nnz for t in tensors)
-        lines += [f"## Top-r {ratio:.0%} (raw pairs: {raw:,} bytes)", "",
+        detail += [f"## Top-r {ratio:.0%} (raw pairs: {raw:,} bytes)", "",
                   "| scheme | paper: x less than Top-r | ours: x less (streams) "
                   "| ours: x less (payloads) | bits per kept entry (streams) "
                   "| delivered / kept | rel. error vs Top-r | rel. error vs dense |",
@@ -151,14 +153,14 @@ def run(path: Path):
             m = measure(tensors, ratio, index_spec, value_spec)
             if m is None:
                 missing = ", ".join(missing_codecs(index_spec, value_spec))
-                lines.append(f"| {label} | {claim_text} | not measured: {missing} not "
+                detail.append(f"| {label} | {claim_text} | not measured: {missing} not "
                              "registered yet | | | | | |")
                 records.append(dict(ratio=ratio, scheme=label, paper_x_less=claim,
                                     missing=missing))
                 continue
             x_streams = raw / m["stream_bytes"]
             x_payloads = raw / m["payload_bytes"]
-            lines.append(f"| {label} | {claim_text} | {x_streams:.2f} | {x_payloads:.2f} "
+            detail.append(f"| {label} | {claim_text} | {x_streams:.2f} | {x_payloads:.2f} "
                          f"| {8 * m['stream_bytes'] / m['kept']:.2f} "
                          f"| {m['delivered'] / m['kept']:.3f} | {m['rel_err_topr']:.2e} "
                          f"| {m['rel_err_dense']:.3f} |")
@@ -166,8 +168,56 @@ def run(path: Path):
                                 paper_x_less=claim, x_less_streams=x_streams,
                                 x_less_payloads=x_payloads, **m))
             print(f"done {ratio:.0%} {label}", flush=True)
-        lines.append("")
+        detail.append("")
+    lines += summary(records, index) + detail + NOTES
     return "\n".join(lines) + "\n", records
+
+
+def summary(records, index):
+    """One line per claim of the paper: its figure, ours, and deepreduce's exact coding.
+
+    deepreduce's entry is its smallest exact-index pipeline whose value error
+    (against the Top-r selection) is no larger than the paper scheme's.
+    """
+    lines = ["## Summary", "",
+             "| Top-r | paper's scheme | paper: x less | ours, same scheme: x less (streams) "
+             "| its error vs Top-r | deepreduce exact index, no more error | x less (streams) "
+             "| its error vs Top-r |", "|---|---|---|---|---|---|---|---|"]
+    for ratio, label, _, _, claim in PAPER:
+        mine = next((r for r in records if r["ratio"] == ratio and r["scheme"] == label), None)
+        if mine is None or "missing" in mine:
+            lines.append(f"| {ratio:.0%} | {label} | {claim:.2f} | not measured | | | | |")
+            continue
+        candidates = [r for r in records if r["ratio"] == ratio and "missing" not in r
+                      and r["scheme"].startswith(f"deepreduce {index}")
+                      and r["rel_err_topr"] <= mine["rel_err_topr"]]
+        best = max(candidates, key=lambda r: r["x_less_streams"], default=None)
+        ours_text = (f"{best['scheme']} | {best['x_less_streams']:.2f} "
+                     f"| {best['rel_err_topr']:.2e}" if best else "none | | ")
+        lines.append(f"| {ratio:.0%} | {label} | {claim:.2f} | {mine['x_less_streams']:.2f} "
+                     f"| {mine['rel_err_topr']:.2e} | {ours_text} |")
+    return lines + [""]
+
+
+NOTES = [
+    "## Notes", "",
+    "* BF-P0 sends a value for every positive of the filter, false ones included: at "
+    "fpr 1e-3 and r = 1% there are about fpr x (n - r) = 0.1 r false positives (the "
+    "*delivered / kept* column), which costs 10% more values on top of the filter's "
+    "1.44 log2(1000) = 14.4 bits per index. Its error against the Top-r selection is the mass of "
+    "those extra (true, dense) values; against the dense gradient it is no worse than Top-r's.",
+    "* Fit-Poly sends the values in sorted order, so the indices must follow that order: "
+    "DeepReduce sent them as 32-bit integers, deepreduce packs them at ceil(log2 n) bits, which "
+    "is why our Fit-Poly volume beats the paper's.",
+    "* QSGD here is deepreduce's `qsgd` at its defaults (4 bits, buckets of 512, stochastic "
+    "rounding); the paper's QSGD settings may differ. The same value codec behind the exact "
+    "`auto` index codec replaces a lossy 14-bit-per-index filter with an exact code of about "
+    "log2(n/r) + 1.5 bits per index, which is where deepreduce's own pipeline gains over the "
+    "paper's best at equal value error.",
+    "* Small tensors (under 1,024 elements) are left out of every scheme, as in DeepReduce; "
+    "volumes are totals over the remaining tensors.",
+    "",
+]
 
 
 def main(argv=None):
