@@ -22,7 +22,8 @@ Stream: ``seed u32`` (the generator seed of this call: the codec's
 reproducible), the ``ceil(nnz / bucket)`` norms as little-endian float32,
 then one ``bits``-bit code per value, ``2 * l + negative``, packed least
 significant bit first (:func:`deepreduce.codecs._bits.pack_bits`). A code
-with ``l = 0`` has its sign bit clear. A bucket holding an infinity or NaN
+with ``l = 0`` has its sign bit clear (every ``bits``-bit code holds a
+level ``<= s``, so no other code is invalid). A bucket holding an infinity or NaN
 has a non-finite norm and decodes to NaN.
 
 Examples
@@ -225,8 +226,6 @@ class QSGDValues(ValueCodec):
             raise DecodeError(f"{what}: negative bucket norm")
         codes = _bits.unpack_bits(data[_SEED.size + 4 * buckets:], nnz, self.bits, what)
         levels, negative = codes >> np.uint64(1), (codes & np.uint64(1)).astype(bool)
-        if nnz and int(levels.max()) > self.levels:
-            raise DecodeError(f"{what}: level {int(levels.max())} above {self.levels}")
         if np.any(negative & (levels == 0)):
             raise DecodeError(f"{what}: level 0 with the sign bit set")
         return dequantize(levels.astype(np.float64), negative, norms.astype(np.float32),
