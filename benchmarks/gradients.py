@@ -43,7 +43,7 @@ As a script::
     python benchmarks/gradients.py --out benchmarks/cache/gradients.npz \\
         --steps 20 --models cnn,resnet20,embedding
 
-As a module::
+As a module, from the repository root::
 
     from benchmarks.gradients import capture
     grads = capture(models=("cnn",), steps=2)   # {"cnn/...": ndarray}
@@ -244,8 +244,8 @@ def capture(models=MODELS, steps=20, save_steps=None, batch_size=64, seed=0, ver
     models : sequence of str
         Any of ``"cnn"``, ``"resnet20"``, ``"embedding"``.
     steps : int
-        Training steps per model (plain SGD with momentum, batches drawn without
-        replacement within a step).
+        Training steps per model (see :func:`make_optimizer`; a step's batch is drawn
+        without replacement).
     save_steps : sequence of int, optional
         Steps (1-based) whose gradients are kept; default: the last step only.
     batch_size : int
