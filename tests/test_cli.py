@@ -69,7 +69,7 @@ def test_bench_lists_every_codec(tmp_path, capsys):
     for family in ("index", "value"):
         for codec_id in dr.registered_codecs(family):
             assert f"\n{codec_id} " in out, codec_id
-    assert "2 tensors" in out and "nnz 296" in out
+    assert "2 tensors" in out and "nnz 295" in out
 
 
 def test_help_explains_every_codec():
