@@ -198,28 +198,28 @@ def pack_varlen(values: np.ndarray, lengths: np.ndarray) -> tuple[bytes, int]:
     written. Values must fit their lengths.
     """
     values = np.asarray(values, dtype=_U64)
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=_U64)
     ends = np.cumsum(lengths)
     nbits = int(ends[-1]) if ends.size else 0
     if nbits == 0:
         return b"", 0
     starts = ends - lengths
-    present = np.flatnonzero(lengths)
-    if present.size != lengths.size:
-        values, lengths, starts = values[present], lengths[present], starts[present]
-    word = starts >> 6
-    head = 64 - (starts & 63) - lengths  # < 0: the value spills into the next word
-    spills = head < 0
-    parts = np.where(spills, values >> np.where(spills, -head, 0).astype(_U64),
-                     values << np.maximum(head, 0).astype(_U64))
-    words = np.zeros((nbits + 63) // 64 + 1, dtype=_U64)
-    # Fields sharing a word have disjoint bits, so OR-reducing each run of
-    # equal word numbers (they are sorted) assembles the word in one pass;
-    # at most one field spills into any word.
-    run_starts = np.flatnonzero(np.diff(word, prepend=-1))
-    words[word[run_starts]] = np.bitwise_or.reduceat(parts, run_starts)
-    spilling = np.flatnonzero(spills)
-    words[word[spilling] + 1] |= values[spilling] << (64 + head[spilling]).astype(_U64)
+    # Left-align each field in 64 bits, then split it between the word it
+    # starts in and the next one (numpy shifts by 64 give 0).
+    aligned = values << (_U64(64) - lengths)
+    in_word = starts & _U64(63)
+    heads = aligned >> in_word
+    spills = aligned << (_U64(64) - in_word)
+    # Fields starting in the same word have disjoint bits, so the word is
+    # their sum: a difference of running sums, exact modulo 2**64. Only the
+    # last field starting in a word can spill into the next one.
+    nwords = (nbits + 63) // 64
+    last = np.searchsorted(starts, np.arange(1, nwords + 1, dtype=_U64) << _U64(6)) - 1
+    running = np.cumsum(heads)
+    words = np.zeros(nwords + 1, dtype=_U64)
+    words[:nwords] = running[last]
+    words[1:nwords] -= running[last[:-1]]
+    words[1:] |= spills[last]
     return words.astype(_BE64).tobytes()[:packed_bytes(nbits)], nbits
 
 
@@ -258,12 +258,16 @@ def unpack_varlen(data, lengths: np.ndarray, what: str, bit_offset: int = 0,
     if needed > 8 * len(data):
         raise DecodeError(f"{what}: fields need {needed} bits, stream holds {8 * len(data)}")
     windows = byte_windows(data, extra=1)
+    if 4 * lengths.size > len(data):
+        # Converting every window to native order once beats converting
+        # each gathered one when the fields are dense.
+        windows = windows.astype(_U64)
     byte, shift = starts >> 3, (starts & 7).astype(_U64)
-    values = windows[byte].astype(_U64) << shift
+    values = windows[byte].astype(_U64, copy=False) << shift
     if int(lengths.max()) > 57:
         # A 64-bit window starting at the field's byte holds only 64 - shift
         # of its bits; the ninth byte supplies the rest.
-        ninth = windows[byte + 1].astype(_U64) & _U64(0xFF)
+        ninth = windows[byte + 1].astype(_U64, copy=False) & _U64(0xFF)
         values |= ninth >> (_U64(8) - shift)
     # numpy defines shifts by 64 or more as 0, which empty fields rely on.
     return values >> (64 - lengths).astype(_U64)

@@ -209,6 +209,8 @@ class HuffmanIndices(IndexCodec):
             return np.zeros(0, dtype=np.int64)
         alphabet = _entropy.bucket_count(self.precision)
         lengths, offset = _entropy.unpack_code_lengths(data, 0, alphabet, what)
+        if lengths[0]:
+            raise DecodeError(f"{what}: code table gives a code to symbol 0 (a zero gap)")
         blocks = -(-nnz // self.block)
         limit = self.block * _entropy.MAX_CODE_LENGTH
         block_bits, offset = _unpack_block_lengths(data, offset, blocks, limit, what)
