@@ -120,6 +120,7 @@ def train(args, data, optimizer_wrapper, label):
 
 def main(argv=None):
     args = parse_args(argv)
+    load_at_start = os.getloadavg()[0]
     hvd_keras.init()
     rank, size = hvd_keras.rank(), hvd_keras.size()
     data = load_data(args.seed)
@@ -131,7 +132,8 @@ def main(argv=None):
     dense = train(args, data, lambda opt: hvd_keras.DistributedOptimizer(opt),
                   "dense Horovod allreduce")
 
-    compression = drh.Compression(sparsifier=dr.TopK(args.ratio), index=args.index, value=args.value,
+    compression = drh.Compression(sparsifier=dr.TopK(args.ratio), index=args.index,
+                                  value=args.value,
                                   memory=None if args.no_memory else "residual", seed=args.seed)
     compressed = train(args, data,
                        lambda opt: drh.DistributedOptimizer(opt, compression=compression),
@@ -141,10 +143,11 @@ def main(argv=None):
     # every rank must hold the same model after training
     checksums = hvd.allgather_object(compressed["weights_checksum"])
     if rank == 0:
-        report(args, size, dense, compressed, stats, checksums)
+        loads = (load_at_start, os.getloadavg()[0])
+        report(args, size, dense, compressed, stats, checksums, loads)
 
 
-def report(args, size, dense, compressed, stats, checksums):
+def report(args, size, dense, compressed, stats, checksums, loads):
     sent = stats["bytes_sent"]
     overhead_ms = stats["encode_ms"] + stats["decode_ms"]
     fewer = dense["dense_bytes"] / sent
@@ -174,6 +177,7 @@ def report(args, size, dense, compressed, stats, checksums):
     for name, ok in targets:
         print(f"target: {name}: {'met' if ok else 'NOT met'}", flush=True)
 
+    verdicts = "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in targets)
     table = ["| | dense Horovod | deepreduce |", "|---|---:|---:|"]
     table += [f"| {name} | {a} | {b} |" for name, a, b in rows]
     text = f"""# Dense Horovod versus deepreduce on sklearn digits
@@ -191,10 +195,12 @@ tensors under 1,024 elements (the biases) travel losslessly in the same bundle, 
 allgather per step. Bytes are what each rank contributes to the collective per step
 (dense: the float32 gradients of Horovod's allreduce; deepreduce: its bundle of payloads).
 Step times are medians after the first epoch; encode + decode are means per step.
+The machine's 1-minute load average was {loads[0]:.1f} at the start and {loads[1]:.1f} at
+the end of the run: times are wall clock and grow with whatever else shares the cores.
 
 {chr(10).join(table)}
 
-Targets of the Horovod integration issue: {'; '.join(f'{n}: {"met" if ok else "NOT met"}' for n, ok in targets)}.
+Targets of the Horovod integration issue: {verdicts}.
 """
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -121,6 +121,8 @@ def test_error_feedback_is_exact_and_small_tensors_are_lossless():
 
 def test_memory_off_and_shared_memory():
     assert GradientCompression(dr.TopK(1), index="varint", memory=None).memory is None
+    assert isinstance(GradientCompression(index="varint", memory=dr.ResidualMemory).memory,
+                      dr.ResidualMemory)
     memory = dr.ResidualMemory(beta=0.5)
     c = GradientCompression(dr.TopK(1), index="varint", memory=memory, min_size=0)
     c.encode_bundle(["x"], [np.array([1.0, 3.0], np.float32)])

@@ -141,7 +141,11 @@ class GradientCompression:
         Error feedback: the part of each gradient that was not delivered
         (``input - received``, exactly) is added to the next gradient of the
         same variable. None turns it off; pass a :class:`deepreduce.ResidualMemory`
-        to share or inspect it (``beta`` < 1 lets stale error decay).
+        instance to share or inspect it (``beta`` < 1 lets stale error decay).
+        The residual of a ``tf.IndexedSlices`` gradient is kept dense (as
+        ResidualMemory keeps every residual), so with error feedback on an
+        embedding costs one pass over its dense size per step; what travels
+        stays sparse.
     min_size : int, default 1024
         Tensors with fewer elements travel losslessly (every non-zero, a
         bitmap of their positions, raw values) in the same bundle: small
@@ -185,7 +189,7 @@ class GradientCompression:
         # exact whatever the configured index codec is (which may be lossy) and
         # costs nothing to choose
         self.small_pipeline = Pipeline(None, index="bitmap", value="raw")
-        if isinstance(memory, str) and memory == "residual":
+        if (isinstance(memory, str) and memory == "residual") or memory is ResidualMemory:
             memory = ResidualMemory()
         elif memory is False:
             memory = None

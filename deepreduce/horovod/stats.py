@@ -76,7 +76,7 @@ class StepStats:
         return {**asdict(self), "ratio": self.ratio}
 
     def per_step(self) -> dict:
-        """Means per step: bytes, tensor counts, ``ratio``, ``encode_ms``, ``decode_ms``, ``exchange_ms``."""
+        """Means per step: bytes, tensor counts, ``ratio`` and times in milliseconds."""
         steps = max(self.steps, 1)
         return {"steps": self.steps, "tensors": self.tensors / steps,
                 "compressed_tensors": self.compressed_tensors / steps,

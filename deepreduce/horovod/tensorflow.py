@@ -37,6 +37,7 @@ from deepreduce.errors import DecodeError
 from deepreduce.pipeline import DEFAULT_INDEX, DEFAULT_VALUE, decode
 from deepreduce.sparse import SparseTensor
 from deepreduce.horovod.fusion import GradientCompression
+from deepreduce.horovod.keras import CompressionStatsCallback
 from deepreduce.horovod.stats import CompressionStats, StepStats
 
 __all__ = ["Compression", "DistributedGradientTape", "DistributedOptimizer",
@@ -487,12 +488,3 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     distributed._dr_local_vars = set()
     distributed._dr_scale_local = scale_local_gradients
     return distributed
-
-
-def __getattr__(name):
-    # the Keras callback lives in deepreduce.horovod.keras; re-exported lazily
-    if name == "CompressionStatsCallback":
-        from deepreduce.horovod.keras import CompressionStatsCallback
-
-        return CompressionStatsCallback
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
