@@ -1,0 +1,325 @@
+"""The bloom index codec: MurmurHash3, filter layout, the five policies, malformed streams."""
+
+import math
+
+import mmh3
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import deepreduce as dr
+from deepreduce.codecs._murmur import RangeHasher, key_bytes_for, murmur3_32
+from deepreduce.codecs.bloom import (POLICIES, BloomFilter, BloomIndices, filter_geometry,
+                                     pattern_table, predicted_fpr)
+from deepreduce.errors import DecodeError
+
+SELECTING = ["leftmost", "random", "conflict_sets"]
+
+
+def reference_hash(key: int, seed: int, key_bytes: int) -> int:
+    return mmh3.hash(key.to_bytes(key_bytes, "little"), seed, signed=False)
+
+
+def random_indices(rng, n, r):
+    return np.sort(rng.choice(n, size=r, replace=False)).astype(np.int64)
+
+
+def brute_force_positives(filt: BloomFilter) -> np.ndarray:
+    """Every position whose k bits are all set, straight from the filter definition."""
+    bits = filt.bit_positions(np.arange(filt.n, dtype=np.int64))
+    set_bits = (filt.words[bits >> 6] >> (bits & 63).astype(np.uint64)) & np.uint64(1)
+    return np.flatnonzero(set_bits.all(axis=1))
+
+
+# ----------------------------------------------------------------- MurmurHash3
+
+@pytest.mark.parametrize("key_bytes", [4, 8])
+def test_murmur_matches_mmh3_on_many_keys_and_seeds(key_bytes):
+    rng = np.random.default_rng(key_bytes)
+    keys = rng.integers(0, 2**(8 * key_bytes), size=2000, dtype=np.uint64, endpoint=False)
+    keys[:4] = [0, 1, 2**32 - 1, 2**(8 * key_bytes) - 1]
+    for seed in [0, 1, 42, 2**31, 2**32 - 1, *rng.integers(0, 2**32, size=5).tolist()]:
+        expected = [reference_hash(int(k), seed, key_bytes) for k in keys]
+        assert murmur3_32(keys, seed, key_bytes).tolist() == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.integers(0, 2**64 - 1), seed=st.integers(0, 2**32 - 1))
+def test_murmur_matches_mmh3_hypothesis(key, seed):
+    width = 4 if key < 2**32 else 8
+    assert int(murmur3_32(np.array([key], dtype=np.uint64), seed, width)[0]) == \
+        reference_hash(key, seed, width)
+
+
+def test_murmur_per_element_seeds_and_signed_keys():
+    keys = np.arange(-3, 500, dtype=np.int64)[3:]
+    seeds = np.arange(keys.size, dtype=np.uint64) * 7919
+    expected = [reference_hash(int(k), int(s), 4) for k, s in zip(keys, seeds)]
+    assert murmur3_32(keys, seeds).tolist() == expected
+
+
+@pytest.mark.parametrize("start,key_bytes", [(0, 4), (2**32 - 300, 4), (2**40 + 5, 8),
+                                             (7 * 2**32, 8), (123, 8)])
+def test_range_hasher_matches_mmh3(start, key_bytes):
+    hasher = RangeHasher(chunk=300)
+    got = hasher.hash_range(start, 300, 99, key_bytes)
+    assert got.tolist() == [reference_hash(start + i, 99, key_bytes) for i in range(300)]
+
+
+def test_range_hasher_refuses_runs_it_cannot_hash():
+    hasher = RangeHasher(chunk=16)
+    with pytest.raises(ValueError):
+        hasher.hash_range(2**32 - 8, 16, 0, 4)
+    with pytest.raises(ValueError):
+        hasher.hash_range(2**32 - 8, 16, 0, 8)
+    with pytest.raises(ValueError):
+        hasher.hash_range(0, 17, 0, 4)
+
+
+def test_key_width_follows_the_universe():
+    assert key_bytes_for(2**32) == 4 and key_bytes_for(2**32 + 1) == 8
+
+
+# ----------------------------------------------------------------- layout and sizing
+
+@pytest.mark.parametrize("fpr", [0.5, 0.1, 0.01, 1e-3, 1e-4, 1e-6])
+def test_sizing_is_the_papers_within_a_few_percent(fpr):
+    words, k, block_k = filter_geometry(100_000, fpr)
+    assert k == max(1, round(math.log2(1 / fpr)))
+    standard = -100_000 * math.log(fpr) / math.log(2) ** 2
+    assert standard <= 64 * words <= 1.035 * standard + 64
+    assert predicted_fpr(64 * words / 100_000, k, block_k) <= fpr * 1.0001
+
+
+def test_pattern_table_has_distinct_bits():
+    for block_k in range(1, 5):
+        masks, offsets = pattern_table(block_k)
+        assert masks.shape == (4096,) and offsets.shape == (4096, block_k)
+        assert all(bin(int(m)).count("1") == block_k for m in masks[:500])
+        choices = math.comb(64, block_k)  # random draws: as many distinct as chance allows
+        assert np.unique(masks).size >= 0.97 * choices * (1 - (1 - 1 / choices) ** 4096)
+
+
+@pytest.mark.parametrize("fpr", [0.3, 0.05, 1e-3])
+@pytest.mark.parametrize("key_bytes", [4, 8])
+def test_scan_finds_exactly_the_positions_whose_bits_are_set(fpr, key_bytes):
+    n, rng = 30_000, np.random.default_rng(int(fpr * 1000) + key_bytes)
+    indices = random_indices(rng, n, 400)
+    words, k, block_k = filter_geometry(indices.size, fpr)
+    filt = BloomFilter(np.zeros(words, dtype=np.uint64), k, block_k, 12345, n)
+    filt.key_bytes = key_bytes  # exercise the 8-byte key path on a small universe
+    flags = np.zeros(filt.m, dtype=bool)
+    flags[filt.bit_positions(indices).ravel()] = True
+    filt.words = np.packbits(flags, bitorder="little").view("<u8").astype(np.uint64)
+    positives = filt.positives()
+    assert np.array_equal(positives, brute_force_positives(filt))
+    assert np.isin(indices, positives).all()
+    assert np.array_equal(filt.positives(limit=100), positives[:101])
+
+
+@pytest.mark.parametrize("fpr", [0.05, 0.01, 1e-3])
+def test_measured_false_positive_rate_is_close_to_requested(fpr):
+    n, r = 400_000, 4_000
+    rng = np.random.default_rng(7)
+    false_positives = 0
+    for _ in range(3):
+        filt = BloomIndices(fpr=fpr).build_filter(random_indices(rng, n, r), n)
+        false_positives += filt.positives().size - r
+    measured = false_positives / (3 * (n - r))
+    assert 0.8 * fpr <= measured <= 1.2 * fpr
+
+
+def test_bits_per_index_match_the_formula():
+    n, r = 1_000_000, 20_000
+    data = BloomIndices(fpr=1e-3).encode(random_indices(np.random.default_rng(8), n, r), n)
+    assert len(data) * 8 / r <= 1.05 * 1.44 * math.log2(1000)
+
+
+# ----------------------------------------------------------------- policies
+
+def encode_decode(policy, n, indices, dense=None, fpr=0.01, seed=3):
+    encoder = BloomIndices(fpr=fpr, policy=policy, seed=seed)
+    values = (indices % 97 + 1).astype(np.float32) if dense is None else dense[indices]
+    data, received, sent = encoder.encode_selection(indices, values, n, dense)
+    return data, received, sent, values
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3000), density=st.floats(0, 1), seed=st.integers(0, 2**32 - 1))
+def test_p0_reconstructs_exactly_given_dense(n, density, seed):
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal(n).astype(np.float32)
+    indices = random_indices(rng, n, int(density * n))
+    data, received, sent, _ = encode_decode("p0", n, indices, dense, seed=seed)
+    assert np.isin(indices, received).all()
+    assert np.array_equal(sent, dense[received])
+    assert np.array_equal(BloomIndices(fpr=0.01, policy="p0").decode(data, n, received.size),
+                          received)
+
+
+@pytest.mark.parametrize("policy", SELECTING)
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 3000), density=st.floats(0, 1), seed=st.integers(0, 2**32 - 1))
+def test_selecting_policies_return_r_positives_every_decoder_agrees_on(policy, n, density, seed):
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal(n).astype(np.float32)
+    indices = random_indices(rng, n, int(density * n))
+    data, received, sent, _ = encode_decode(policy, n, indices, dense, fpr=0.05, seed=seed)
+    assert received.size == indices.size
+    assert np.all(np.diff(received) > 0)
+    filt = BloomFilter.from_bytes(data, n, "test")
+    assert np.isin(received, filt.positives()).all()
+    assert np.array_equal(sent, dense[received])
+    first = BloomIndices(fpr=0.05, policy=policy).decode(data, n, indices.size)
+    second = BloomIndices(fpr=0.05, policy=policy, seed=77).decode(data, n, indices.size)
+    assert np.array_equal(first, received) and np.array_equal(second, received)
+
+
+@pytest.mark.parametrize("policy", ["p0", *SELECTING])
+def test_without_dense_false_positives_receive_zero(policy):
+    n, indices = 5000, random_indices(np.random.default_rng(1), 5000, 300)
+    data, received, sent, values = encode_decode(policy, n, indices, fpr=0.1)
+    true = np.isin(received, indices)
+    assert (~true).any()
+    assert np.all(sent[~true] == 0)
+    assert np.array_equal(sent[true], values[np.searchsorted(indices, received[true])])
+
+
+def test_leftmost_takes_the_first_positives_and_naive_misassigns_values():
+    n, indices = 5000, random_indices(np.random.default_rng(2), 5000, 300)
+    encoder = BloomIndices(fpr=0.1, policy="leftmost", seed=1)
+    filt_positives = None
+    _, received, _, _ = encode_decode("leftmost", n, indices, fpr=0.1, seed=1)
+    data, naive_received, sent, values = encode_decode("naive", n, indices, fpr=0.1, seed=1)
+    filt_positives = BloomFilter.from_bytes(data, n, "test").positives()
+    assert np.array_equal(received, filt_positives[:300])
+    assert np.array_equal(naive_received, received)
+    assert np.array_equal(sent, values)  # values in index order, whatever the positions
+    assert not encoder.lossless
+
+
+def test_conflict_sets_choose_more_true_positives_than_random():
+    n, r = 200_000, 2_000
+    indices = random_indices(np.random.default_rng(3), n, r)
+    hits = {}
+    for policy in ("random", "conflict_sets", "leftmost"):
+        received = encode_decode(policy, n, indices, fpr=0.01)[1]
+        hits[policy] = np.isin(received, indices).mean()
+    assert hits["conflict_sets"] > 0.75 and hits["random"] < 0.6  # about 0.8 and 0.5
+    assert abs(hits["random"] - hits["leftmost"]) < 0.1
+
+
+def test_p0_decoder_checks_the_count():
+    n, indices = 5000, random_indices(np.random.default_rng(4), 5000, 100)
+    data, received, _, _ = encode_decode("p0", n, indices)
+    decoder = BloomIndices(fpr=0.01, policy="p0")
+    for nnz in (received.size - 1, received.size + 1, 0):
+        with pytest.raises(DecodeError, match="positives"):
+            decoder.decode(data, n, nnz)
+
+
+@pytest.mark.parametrize("policy", SELECTING)
+def test_selecting_decoders_need_enough_positives(policy):
+    n, indices = 5000, random_indices(np.random.default_rng(5), 5000, 100)
+    data, received, _, _ = encode_decode(policy, n, indices)
+    positives = BloomFilter.from_bytes(data, n, "test").positives().size
+    with pytest.raises(DecodeError, match="fewer than"):
+        BloomIndices(policy=policy).decode(data, n, positives + 1)
+
+
+def test_calls_use_fresh_seeds_but_runs_reproduce():
+    n, indices = 10_000, random_indices(np.random.default_rng(6), 10_000, 200)
+    runs = [[BloomIndices(seed=9).encode(indices, n)] for _ in range(2)]
+    codec = BloomIndices(seed=9)
+    streams = [codec.encode(indices, n) for _ in range(3)]
+    assert streams[0] == runs[0][0] == runs[1][0]
+    assert len(set(streams)) == 3
+
+
+@pytest.mark.parametrize("n,indices", [(1, [0]), (1, []), (10, [0, 9]), (64, list(range(64))),
+                                       (100_000, []), (100_000, [99_999])])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_edge_cases(n, indices, policy):
+    indices = np.array(indices, dtype=np.int64)
+    dense = np.arange(n, dtype=np.float64) + 1
+    data, received, sent, _ = encode_decode(policy, n, indices, dense)
+    assert np.isin(indices, received).all() or policy != "p0"
+    assert np.array_equal(BloomIndices(policy=policy).decode(data, n, received.size), received)
+    if policy != "naive":
+        assert np.array_equal(sent, dense[received])
+
+
+@pytest.mark.parametrize("policy", ["p0", "conflict_sets"])
+def test_pipeline_round_trip(policy):
+    x = np.random.default_rng(10).standard_normal(50_000).astype(np.float32)
+    pipe = dr.Pipeline(dr.TopK(0.01), index=f"bloom:policy={policy}", value="raw")
+    payload, received = pipe.encode(x)
+    assert dr.decompress(payload) == received
+    assert np.array_equal(received.values, x[received.indices])
+
+
+# ----------------------------------------------------------------- malformed input
+
+@pytest.mark.parametrize("spec", ["bloom:fpr=0", "bloom:fpr=1", "bloom:fpr=-0.1", "bloom:fpr=2",
+                                  "bloom:fpr=1e-20", "bloom:fpr=true", "bloom:policy=p1",
+                                  "bloom:seed=-1", "bloom:seed=4294967296", "bloom:seed=1.5"])
+def test_bad_parameters_raise_value_error(spec):
+    with pytest.raises(ValueError):
+        dr.get_codec(spec, family="index")
+
+
+def test_bad_encoder_input_raises_value_error():
+    codec = BloomIndices()
+    with pytest.raises(ValueError):
+        codec.encode(np.array([3, 1]), 10)
+    with pytest.raises(ValueError):
+        codec.encode_selection(np.array([1, 3]), np.ones(3), 10)
+    with pytest.raises(ValueError):
+        codec.encode_selection(np.array([1, 3]), np.ones(2), 10, dense=np.ones(9))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_truncated_extended_and_corrupted_headers_raise_decode_error(policy):
+    n, indices = 4000, random_indices(np.random.default_rng(11), 4000, 50)
+    data, received, _, _ = encode_decode(policy, n, indices)
+    decoder = BloomIndices(policy=policy)
+    for cut in range(len(data)):
+        with pytest.raises(DecodeError):
+            decoder.decode(data[:cut], n, received.size)
+    with pytest.raises(DecodeError):
+        decoder.decode(data + b"\0" * 8, n, received.size)
+    for position, value in [(0, 2), (1, 0), (1, 65), (2, 0), (2, 9), (7, 0), (10, 0x10)]:
+        broken = bytearray(data)
+        broken[position] = value
+        with pytest.raises(DecodeError):
+            decoder.decode(bytes(broken), n, received.size)
+    for n_bad, nnz_bad in [(-1, 0), (n, -1), (10, 20), (n, 1.5)]:
+        with pytest.raises(DecodeError):
+            decoder.decode(data, n_bad, nnz_bad)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_bit_flips_raise_only_decode_error(policy, data):
+    n, indices = 3000, random_indices(np.random.default_rng(12), 3000, 60)
+    stream, received, _, _ = encode_decode(policy, n, indices)
+    broken = bytearray(stream)
+    for _ in range(data.draw(st.integers(1, 3))):
+        position = data.draw(st.integers(0, len(broken) - 1))
+        broken[position] ^= 1 << data.draw(st.integers(0, 7))
+    nnz = data.draw(st.sampled_from([received.size, max(0, received.size - 3), 3000]))
+    try:
+        out = BloomIndices(policy=policy).decode(bytes(broken), n, nnz)
+    except DecodeError:
+        return
+    assert out.dtype == np.int64 and out.size == nnz
+    assert np.all(np.diff(out) > 0) and (out.size == 0 or 0 <= out[0] <= out[-1] < n)
+
+
+def test_a_saturated_filter_is_rejected_early_by_p0():
+    header = bytes([1, 10, 4]) + (0).to_bytes(4, "little") + (4).to_bytes(4, "little")
+    full = header + b"\xff" * 32
+    with pytest.raises(DecodeError, match="more than"):
+        BloomIndices(policy="p0").decode(full, 1_000_000, 10)
