@@ -41,17 +41,18 @@ RESULTS = Path(__file__).parent / "results"
 BLOCK = 256
 
 # (name, description, support kind, shared fraction, value codec, communicators)
+SPARSE = ("allgather", "sparse_allreduce", "recursive_doubling")
 SCENARIOS = [
     ("random", "random supports, fp32 values", "random", 0.0, "raw",
-     ("allgather", "sparse_allreduce", "block", "dense")),
-    ("random-fp16", "random supports, fp16 values", "random", 0.0, "fp16",
-     ("allgather", "sparse_allreduce")),
-    ("shared-50", "half of each support common to all ranks", "random", 0.5, "raw",
-     ("allgather", "sparse_allreduce")),
-    ("identical", "identical supports", "random", 1.0, "raw",
-     ("allgather", "sparse_allreduce")),
-    ("clustered", f"block-clustered: whole rows of {BLOCK} (embedding-like), Zipf row "
-                  "popularity", "rows", 0.0, "raw", ("allgather", "sparse_allreduce", "block")),
+     SPARSE + ("block", "dense")),
+    ("random-fp16", "random supports, fp16 values", "random", 0.0, "fp16", SPARSE),
+    ("shared-50", "half of each support common to all ranks", "random", 0.5, "raw", SPARSE),
+    ("identical", "identical supports", "random", 1.0, "raw", SPARSE),
+    ("clustered", f"block-clustered like an embedding gradient: whole rows of {BLOCK}, the "
+                  "distinct tokens of a batch drawn from a Zipf(1) vocabulary", "zipf-rows", 0.0,
+     "raw", ("allgather", "sparse_allreduce", "block")),
+    ("clustered-uniform", f"whole rows of {BLOCK}, rows drawn uniformly (little overlap)",
+     "uniform-rows", 0.0, "raw", ("allgather", "sparse_allreduce", "block")),
 ]
 
 
@@ -64,20 +65,33 @@ def default_index():
 def support(kind, shared, n, k, rank, seed=0):
     """Sorted indices of one rank's non-zeros (a function of the seed: every rank can build all)."""
     rng = np.random.default_rng([seed, rank])
-    if kind == "rows":
-        rows = n // BLOCK
-        popularity = 1.0 / np.arange(1, rows + 1)
-        popularity /= popularity.sum()
-        chosen = np.unique(rng.choice(rows, size=k // BLOCK, p=popularity))
-        # Zipf draws repeat; top up with uniform rows to keep k non-zeros per rank
-        missing = k // BLOCK - chosen.size
-        extra = np.setdiff1d(rng.choice(rows, size=4 * missing + 8, replace=False), chosen)
-        chosen = np.sort(np.concatenate([chosen, extra[:missing]]))
+    if kind.endswith("rows"):
+        rows, wanted = n // BLOCK, k // BLOCK
+        if kind == "uniform-rows":
+            chosen = np.sort(rng.choice(rows, size=wanted, replace=False))
+        else:
+            # the distinct tokens of a batch: draw Zipf tokens until `wanted` distinct ones
+            popularity = 1.0 / np.arange(1, rows + 1)
+            popularity /= popularity.sum()
+            seen = np.zeros(0, np.int64)
+            while seen.size < wanted:  # each draw adds distinct tokens; a few rounds suffice
+                draw = rng.choice(rows, size=4 * wanted, p=popularity)
+                _, first = np.unique(np.concatenate([seen, draw]), return_index=True)
+                seen = np.concatenate([seen, draw])[np.sort(first)]
+            chosen = np.sort(seen[:wanted])
         return (chosen[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)
     common = np.random.default_rng([seed, 10**6]).choice(n, size=int(shared * k), replace=False)
     own = rng.choice(n, size=k - common.size + k // 50, replace=False)
     own = np.setdiff1d(own, common)[:k - common.size]
     return np.sort(np.concatenate([common, own]))
+
+
+def agree(comm_name, out, reference):
+    """Lossless results agree: the owner-based communicators sum in float64 and round
+    once (identical bits); recursive doubling and Horovod's ring round partial sums."""
+    if comm_name in ("dense", "recursive_doubling"):
+        return np.allclose(out, reference, rtol=1e-5, atol=1e-5)
+    return np.array_equal(out, reference)
 
 
 def worker(args):
@@ -96,33 +110,33 @@ def worker(args):
         values = np.random.default_rng([1, rank]).standard_normal(indices.size)
         x = dr.SparseTensor(values.astype(np.float32), indices, (n,))
         pipeline = dr.Pipeline(index=args.index, value=value)
-        outputs = {}
+        reference = None
         for comm_name in communicators:
             hvd.allreduce(tf.constant([0.0]), name=f"barrier.{name}.{comm_name}")
             start = time.perf_counter()
             if comm_name == "dense":
                 out = hvd.allreduce(tf.constant(x.to_dense()), op=hvd.Sum).numpy()
-                traffic = None
+                reduction = traffic = None
             else:
-                settings = {"block_size": BLOCK} if comm_name == "block" else {}
-                reduction = dc.get_communicator(comm_name, pipeline=pipeline,
-                                                **settings).reduce(x)
+                if comm_name == "recursive_doubling":
+                    comm = dc.SparseAllreduce(pipeline, algorithm="recursive_doubling")
+                elif comm_name == "block":
+                    comm = dc.BlockReduce(pipeline, block_size=BLOCK)
+                else:
+                    comm = dc.get_communicator(comm_name, pipeline=pipeline)
+                reduction = comm.reduce(x)
                 out, traffic = reduction.output, reduction.traffic
             seconds = time.perf_counter() - start
-            outputs[comm_name] = out
+            if reference is None:
+                reference = out
+            elif value == "raw" and not agree(comm_name, out, reference):
+                raise SystemExit(f"{name}: {comm_name} disagrees with {communicators[0]}")
+            del out, reduction
             records.append({
                 "scenario": name, "communicator": comm_name, "seconds": seconds,
                 "sent": traffic.sent if traffic else None,
                 "received": traffic.received if traffic else None,
                 "stages": traffic.stages if traffic else None})
-        # Every communicator sums in float64 and rounds once: identical results
-        reference = outputs[communicators[0]]
-        for comm_name, out in outputs.items():
-            exact = np.array_equal(out, reference) if comm_name != "dense" else \
-                np.allclose(out, reference, rtol=1e-5, atol=1e-5)
-            if value == "raw" and not exact:
-                raise SystemExit(f"{name}: {comm_name} disagrees with {communicators[0]}")
-        del outputs
     print("RESULT " + json.dumps({"rank": rank, "size": size, "records": records}), flush=True)
 
 
@@ -133,22 +147,25 @@ def predictions(args, size):
 
     n, k = args.n, int(args.n * args.density)
     index_codec = dr.Pipeline(index=args.index).index_codec
-    rate = cost.codec_index_bytes(index_codec, n // size)
+    scattered = cost.codec_index_bytes(index_codec, n // size)
+    in_rows = cost.codec_index_bytes(index_codec, n // size, run=BLOCK)
     block_rate = cost.codec_index_bytes(index_codec, -(-n // BLOCK) // size)
     predicted = {}
     for name, _, kind, shared, value, communicators in SCENARIOS:
         vbytes = 2 if value == "fp16" else 4
         supports = [support(kind, shared, n, k, r) for r in range(size)]
-        if kind == "rows":
-            union = np.unique(np.concatenate(supports)).size
+        if kind.endswith("rows"):
+            # the overlap of the generated supports is the model's input here
+            union, rate = np.unique(np.concatenate(supports)).size, in_rows
         else:
-            union = cost.union_size(n, k, size, shared)
+            union, rate = cost.union_size(n, k, size, shared), scattered
         blocks = [np.unique(s // BLOCK) for s in supports]
         union_blocks = np.unique(np.concatenate(blocks)).size
         mean_blocks = float(np.mean([b.size for b in blocks]))
         models = {
             "allgather": cost.allgather(size, n, k, rate, vbytes),
             "sparse_allreduce": cost.sparse_allreduce(size, n, k, union, rate, vbytes),
+            "recursive_doubling": cost.recursive_doubling(size, n, k, rate, vbytes, shared),
             "block": cost.block(size, n, BLOCK, mean_blocks, union_blocks, block_rate, vbytes),
             "dense": cost.dense_allreduce(size, n, 4),
         }
@@ -177,6 +194,20 @@ def model_tables(args):
         dense = cost.dense_allreduce(size, n, 4).received
         lines.append(f"| {size} | {union / n:.1%} | {ag / 1e6:.2f} | {sar / 1e6:.2f} | "
                      f"{dense / 1e6:.1f} | {sar / ag:.2f} |")
+    lines += ["", f"Model only, block-clustered (embedding-like, as the **clustered** scenario: "
+              f"the union of the generated supports, run-aware index rates): MB received per "
+              "rank as P grows.", "",
+              "| P | non-zeros of the sum | allgather | block | block / allgather |",
+              "|---:|---:|---:|---:|---:|"]
+    for size in (4, 8, 16, 32, 64):
+        blocks = [np.unique(support("zipf-rows", 0.0, n, k, r) // BLOCK) for r in range(size)]
+        union_blocks = np.unique(np.concatenate(blocks)).size
+        in_rows = cost.codec_index_bytes(index_codec, n // size, run=BLOCK)
+        block_rate = cost.codec_index_bytes(index_codec, -(-n // BLOCK) // size)
+        ag = cost.allgather(size, n, k, in_rows, 4).received
+        blk = cost.block(size, n, BLOCK, k / BLOCK, union_blocks, block_rate, 4).received
+        lines.append(f"| {size} | {union_blocks * BLOCK / n:.1%} | {ag / 1e6:.2f} | "
+                     f"{blk / 1e6:.2f} | {blk / ag:.2f} |")
     rate = cost.codec_index_bytes(index_codec, n // 4)
     low, high = 0.0, 1.0
     for _ in range(40):  # bisection on the shared fraction where both cost the same at P = 4
@@ -192,7 +223,7 @@ def model_tables(args):
     return lines
 
 
-def report(args, runs, predicted):
+def report(args, runs, predicted, models=True):
     size = runs[0]["size"]
     n, k = args.n, int(args.n * args.density)
     lines = [f"# Collectives: bytes received per rank, P = {size}, n = {n:,}, "
@@ -234,16 +265,16 @@ def report(args, runs, predicted):
         union = predicted[name, "union"]
         lines.append(f"- **{name}**: {description}; non-zeros of the sum: {union:,.0f} "
                      f"({union / n:.2%} of n)")
-    lines += ["", "Per stage (rank 0): bytes received in the scatter (alltoall) and gather "
-              "(allgather) stages.", "", "| scenario | communicator | scatter MB | gather MB |",
-              "|---|---|---:|---:|"]
+    lines += ["", "Per stage (rank 0): MB received in each collective (scatter = alltoall to "
+              "the owners, gather = allgather, round i = recursive doubling's alltoall).", "",
+              "| scenario | communicator | stages |", "|---|---|---|"]
     for rec in runs[0]["records"]:
         if rec["stages"] and rec["communicator"] != "allgather":
-            stages = {stage: received for stage, _, received in rec["stages"]}
-            lines.append(f"| {rec['scenario']} | {rec['communicator']} | "
-                         f"{stages.get('scatter', 0) / 1e6:.3f} | "
-                         f"{stages.get('gather', 0) / 1e6:.3f} |")
-    lines += model_tables(args)
+            stages = ", ".join(f"{stage} {received / 1e6:.3f}"
+                               for stage, _, received in rec["stages"])
+            lines.append(f"| {rec['scenario']} | {rec['communicator']} | {stages} |")
+    if models:
+        lines += model_tables(args)
     checks = []
     sar, ag = summary["random", "sparse_allreduce"], summary["random", "allgather"]
     dense = summary["random", "dense"]
@@ -251,6 +282,8 @@ def report(args, runs, predicted):
     checks.append(("random: sparse_allreduce below dense allreduce", sar[0] < dense[0]))
     checks.append(("random: sparse_allreduce within 10% of the model",
                    abs(sar[0] / sar[1] - 1) <= 0.10))
+    checks.append(("random: recursive_doubling below allgather",
+                   summary["random", "recursive_doubling"][0] < ag[0]))
     checks.append(("clustered: block below allgather",
                    summary["clustered", "block"][0] < summary["clustered", "allgather"][0]))
     checks.append(("identical: sparse_allreduce below allgather",
@@ -263,7 +296,8 @@ def report(args, runs, predicted):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--np", type=int, default=4, dest="size")
+    parser.add_argument("--np", default="4", dest="sizes",
+                        help="numbers of ranks, comma-separated (one run each)")
     parser.add_argument("--n", type=int, default=25_000_000)
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--index", default=None, help="index codec spec (default: auto)")
@@ -275,10 +309,18 @@ def main():
         vars(args).update(json.loads(os.environ["DEEPREDUCE_BENCH"]))
         worker(args)
         return
+    reports = [run_and_report(args, int(size)) for size in args.sizes.split(",")]
+    text = "\n".join(reports)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(text)
+
+
+def run_and_report(args, size):
+    """Run the benchmark on ``size`` Horovod ranks; print and return its markdown report."""
     horovodrun = Path(sys.executable).with_name("horovodrun")
     # Settings reach the ranks through the environment: horovodrun would take
     # options such as --n after the script for abbreviations of its own.
-    command = [str(horovodrun), "-np", str(args.size), "-H", f"localhost:{args.size}",
+    command = [str(horovodrun), "-np", str(size), "-H", f"localhost:{size}",
                "--gloo", sys.executable, __file__, "--worker"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                DEEPREDUCE_BENCH=json.dumps({"n": args.n, "density": args.density,
@@ -286,15 +328,13 @@ def main():
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     runs = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines()
             if "RESULT " in line]
-    if done.returncode or len(runs) != args.size:
+    if done.returncode or len(runs) != size:
         sys.stderr.write(done.stdout[-5000:] + done.stderr[-5000:])
         raise SystemExit(f"benchmark ranks failed (exit code {done.returncode})")
-    text = report(args, sorted(runs, key=lambda run: run["rank"]),
-                  predictions(args, args.size))
-    print(text)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(text)
-
+    text = report(args, sorted(runs, key=lambda run: run["rank"]), predictions(args, size),
+                  models=size == int(args.sizes.split(",")[0]))
+    print(text, flush=True)
+    return text
 
 if __name__ == "__main__":
     main()

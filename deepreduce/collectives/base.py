@@ -95,6 +95,8 @@ def _from_tensorflow(x):
     """A TensorFlow tensor or IndexedSlices as a numpy array or SparseTensor."""
     if hasattr(x, "dense_shape") and hasattr(x, "indices") and hasattr(x, "values"):
         values = np.asarray(x.values.numpy() if hasattr(x.values, "numpy") else x.values)
+        if x.dense_shape is None:
+            raise ValueError("tf.IndexedSlices without dense_shape: the dense shape is needed")
         rows = np.asarray(x.indices).astype(np.int64).reshape(-1)
         shape = tuple(int(d) for d in np.asarray(x.dense_shape))
         if values.dtype.kind != "f" and values.dtype != BFLOAT16:

@@ -168,19 +168,23 @@ def entropy_index_bytes(density: float) -> float:
     return entropy / density / 8
 
 
-def codec_index_bytes(index_codec, universe: int, seed: int = 0):
+def codec_index_bytes(index_codec, universe: int, seed: int = 0, run: int = 1):
     """A function ``density -> bytes per index`` measured with ``index_codec``.
 
     It encodes one random set of that density in ``[0, universe)``; the
     communicators' ranges hold ``n / P`` elements, so pass that as ``universe``.
+    With ``run > 1`` the set is made of aligned runs of ``run`` consecutive
+    indices (whole blocks, embedding rows), which run-aware codecs code for
+    almost nothing per index.
     """
     rng = np.random.default_rng(seed)
 
     def rate(density: float) -> float:
-        count = int(round(density * universe))
-        if count == 0:
+        runs = int(round(density * universe / run))
+        if runs == 0:
             return 0.0
-        indices = np.sort(rng.choice(universe, size=count, replace=False)).astype(np.int64)
-        return len(index_codec.encode(indices, universe)) / count
+        starts = np.sort(rng.choice(universe // run, size=runs, replace=False)) * run
+        indices = (starts[:, None] + np.arange(run)).reshape(-1).astype(np.int64)
+        return len(index_codec.encode(indices, universe)) / indices.size
 
     return rate
