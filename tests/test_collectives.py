@@ -170,6 +170,24 @@ def test_sparse_tensor_input_and_sparsifier_residual():
             np.testing.assert_array_equal(reduction.output.reshape(-1), np.sum(grads, axis=0))
 
 
+@pytest.mark.skipif("bloom" not in dr.registered_codecs("index"),
+                    reason="no Bloom-filter index codec registered")
+def test_lossy_index_codec_output_is_the_sum_of_what_was_sent():
+    # Bloom false positives travel with their true values (from the dense input)
+    rng = np.random.default_rng(6)
+    inputs = [rng.standard_normal(20000).astype(np.float32) for _ in range(4)]
+    pipeline = dr.Pipeline(dr.TopK(0.01), index="bloom")
+    for name in ("allgather", "sparse_allreduce", "recursive_doubling"):
+        reductions = reduce_everywhere(name, inputs, pipeline)
+        sent = [r.sent.to_dense() for r in reductions]
+        np.testing.assert_allclose(reductions[0].output, np.sum(sent, axis=0), rtol=1e-6,
+                                   atol=1e-6)
+        for s, x in zip(sent, inputs):
+            np.testing.assert_array_equal(s[s != 0], x[s != 0])
+    with pytest.raises(ValueError, match="lossy"):
+        dc.BlockReduce(pipeline)
+
+
 def test_block_threshold_drops_small_blocks_into_the_residual():
     size = 3
     inputs = [block_clustered(size, r, n=2048, block=32) for r in range(size)]
@@ -353,6 +371,19 @@ def test_recursive_doubling_needs_a_power_of_two():
     assert all(isinstance(e, ValueError) and "power-of-two" in str(e) for e in errors)
     with pytest.raises(ValueError, match="algorithm"):
         dc.SparseAllreduce(LOSSLESS, algorithm="ring")
+
+
+def test_many_fused_tensors_and_their_mismatch():
+    shapes = [(i % 7 + 1, 3) for i in range(200)]
+    outputs = run_ranks(2, lambda m: dc.SparseAllreduce(LOSSLESS, transport=m).reduce_many(
+        [np.full(shape, m.rank + 1, np.float32) for shape in shapes]))
+    assert all(np.array_equal(r.output, np.full(s, 3, np.float32))
+               for r, s in zip(outputs[1], shapes))
+    errors = run_ranks_catching(2, lambda m: dc.SparseAllreduce(LOSSLESS, transport=m)
+                                .reduce_many([np.ones(s, np.float32)
+                                              for s in shapes[:len(shapes) - m.rank]]))
+    assert all(isinstance(e, ValueError) and "200 tensors" in str(e) and "199 tensors" in str(e)
+               for e in errors)
 
 
 def test_mixed_dtypes_in_reduce_many_raise_everywhere():
