@@ -9,29 +9,31 @@ on the same filter, so they agree on the positions without sending them.
 
 Filter layout (stream version 1)
 --------------------------------
-The filter has ``m = 64 * words`` bits and ``k`` hash functions, sized as
-in the paper: ``m = ceil(-r ln(fpr) / ln(2)**2)`` rounded up to whole
-64-bit words, ``k = round(log2(1/fpr))``. Position ``i`` is hashed with
-MurmurHash3 x86_32 (:mod:`deepreduce.codecs._murmur`; 4-byte little-endian
-keys when ``n <= 2**32``, 8-byte keys above):
+The filter has ``m = 64 * words`` bits and ``k = round(log2(1/fpr))``
+hash functions, as in the paper. Position ``i`` is hashed with MurmurHash3
+x86_32 (:mod:`deepreduce.codecs._murmur`; 4-byte little-endian keys when
+``n <= 2**32``, 8-byte keys above):
 
 * ``h1 = murmur3_32(i, seed)``, ``h2 = murmur3_32(i, seed ^ 0x9E3779B9)``;
-* the first ``block_k`` of the ``k`` bits lie in one 64-bit word, word
-  ``(h1 * words) >> 32``, at the ``block_k`` distinct bit offsets of
-  pattern ``h1 & 4095`` of a fixed pattern table (derived from MurmurHash3
-  itself, identical everywhere);
+* ``block_k = clip(k // 2, 1, 4)`` of the ``k`` bits lie in one 64-bit
+  word, word ``(h1 * words) >> 32``, at the ``block_k`` distinct bit
+  offsets of pattern ``h1 & 4095`` of a fixed pattern table (derived from
+  MurmurHash3 itself, identical everywhere);
 * the other ``k - block_k`` bits are single bits anywhere in the filter,
   by double hashing: bit ``((h2 + j * h1) mod 2**32) * m >> 32`` for
   ``j = 0 .. k - block_k - 1``.
 
-Why the blocked word: the decoder must test every position of the universe.
-Hashing it costs about 20 numpy operations; one word gather and one mask
-test then reject 7 positions out of 8 (``block_k = 3`` bits of a
-half-full filter), so the remaining single-bit probes (and ``h2``) are
-computed for the survivors only. Confining 3 of the ``k`` bits to one word
-costs about 3-6% of false-positive rate at equal size (the word's load
-varies), far less than a fully blocked filter (about +50% at fpr 1e-3 with
-512-bit blocks).
+Why the blocked word: the decoder must test every position of the
+universe. Hashing a position costs about 20 numpy operations; one word
+gather and one mask test then reject 15 positions out of 16 (4 bits of a
+half-full filter), so ``h2`` and the single-bit probes are computed for
+the survivors only. Confining some bits to one word raises the
+false-positive rate at a given size (the number of indices per word
+varies): about +10% at fpr 1e-3 with 4 blocked bits, against +50% for a
+filter with all bits in one 512-bit block. The size compensates: ``m`` is
+the smallest whose modelled rate (:func:`predicted_fpr`) is ``fpr``,
+0.5-3% more than the paper's ``-r ln(fpr) / ln(2)**2``, rounded up to
+whole words.
 
 Stream: ``version u8 | k u8 | block_k u8 | seed u32 | words u32`` (little
 endian), then the ``words`` filter words as little-endian uint64 (bit
@@ -107,7 +109,7 @@ _CONFLICT_ROUNDS = 8
 _SCAN_CHUNK = 1 << 16
 #: Survivors of the word test are collected over this many positions before
 #: their single-bit probes run, so those probes cost few numpy calls.
-_SCAN_BATCH = 1 << 20
+_SCAN_BATCH = 1 << 18
 _MASK32 = 0xFFFFFFFF
 
 
