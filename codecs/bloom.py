@@ -146,11 +146,11 @@ def predicted_fpr(bits_per_key: float, k: int, block_k: int) -> float:
     untouched_by_singles = math.exp(-singles / bits_per_key)
     load = 64.0 / bits_per_key
     keep = 1.0 - block_k / 64.0
-    blocked, term, j = 0.0, math.exp(-load), 0
-    while j <= load + 12.0 * math.sqrt(load) + 30.0:  # Poisson terms beyond are negligible
-        blocked += term * (1.0 - keep ** j * untouched_by_singles) ** block_k
-        j += 1
-        term *= load / j
+    spread = 12.0 * math.sqrt(load) + 30.0  # Poisson terms farther out are negligible
+    blocked = 0.0
+    for j in range(int(max(0.0, load - spread)), int(load + spread) + 1):
+        weight = math.exp(j * math.log(load) - load - math.lgamma(j + 1))
+        blocked += weight * (1.0 - keep ** j * untouched_by_singles) ** block_k
     fill = 1.0 - math.exp(-k / bits_per_key)
     return blocked * fill ** singles
 

@@ -122,9 +122,9 @@ def dequantize(levels: np.ndarray, negative: np.ndarray, norms: np.ndarray, buck
                s: int, dtype: np.dtype) -> np.ndarray:
     """``(-1)**negative * norm * level / s`` per value, in ``dtype`` (shared by encoder and decoder)."""
     nnz = levels.size
-    scale = np.repeat(norms.astype(np.float64) / s, bucket)[:nnz]
+    # Corrupt streams may hold signalling NaNs, which warn when widened.
     with np.errstate(invalid="ignore"):
-        x = levels * scale
+        x = levels * np.repeat(norms.astype(np.float64) / s, bucket)[:nnz]
     np.negative(x, out=x, where=negative)
     return cast_back(x, dtype)
 

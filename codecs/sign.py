@@ -27,7 +27,8 @@ from deepreduce.registry import register_codec
 
 def _expand(negative: np.ndarray, scales: np.ndarray, bucket: int, dtype) -> np.ndarray:
     """``+-scale`` per value in ``dtype`` (shared by encoder and decoder)."""
-    x = np.repeat(scales.astype(np.float64), bucket)[:negative.size]
+    with np.errstate(invalid="ignore"):  # signalling NaNs of corrupt streams warn when widened
+        x = np.repeat(scales.astype(np.float64), bucket)[:negative.size]
     np.negative(x, out=x, where=negative)
     return cast_back(x, dtype)
 
