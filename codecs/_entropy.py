@@ -124,11 +124,13 @@ def _pack_narrow(values, width, groups) -> bytes:
     same bytes, whatever order numpy stores them in.
     """
     if values.size != 8 * groups:
-        values = np.concatenate([values, np.zeros(8 * groups - values.size, values.dtype)])
-    lanes = values.reshape(groups, 8).astype(_U64, copy=False)
-    words = lanes[:, 0] << _U64(64 - width)
+        padded = np.zeros(8 * groups, dtype=values.dtype)
+        padded[:values.size] = values
+        values = padded
+    lanes = values.reshape(groups, 8)
+    words = np.left_shift(lanes[:, 0], _U64(64 - width), dtype=_U64)
     for j in range(1, 8):
-        words |= lanes[:, j] << _U64(64 - (j + 1) * width)
+        words |= np.left_shift(lanes[:, j], _U64(64 - (j + 1) * width), dtype=_U64)
     for ahead in range(1, 8):
         if 8 * width * ahead >= 64:
             break
@@ -187,6 +189,79 @@ def unpack_fixed(data, count: int, width: int, what: str, exact: bool = True) ->
             lanes[:, j] = ((words[:, word] << _U64(-head))
                            | (words[:, word + 1] >> _U64(64 + head))) & mask
     return lanes.reshape(-1)[:count]
+
+
+# ------------------------------------------------------------ bit planes
+
+def plane_widths(width: int) -> list[int]:
+    """Split ``width`` into byte-friendly parts, most significant first: 8s, then 4, 2, 1."""
+    return [8] * (width // 8) + [part for part in (4, 2, 1) if width & part]
+
+
+def pack_planes(values: np.ndarray, width: int) -> bytes:
+    """Pack a multiple of 8 values of ``width`` bits as byte-aligned planes.
+
+    The bits of each value are cut into parts of 8, 4, 2 and 1 bits (see
+    :func:`plane_widths`); part after part, the parts of all values are
+    packed ``8 / part`` to a byte, MSB first. With a multiple of 8 values
+    no plane needs padding, so the size is exactly ``len(values) * width / 8``
+    bytes, and unpacking is a few byte-wide shifts per plane: no gathers.
+    """
+    out = []
+    shift = width
+    for part in plane_widths(width):
+        shift -= part
+        digits = ((values >> shift) & ((1 << part) - 1)).astype(np.uint8)
+        per_byte = 8 // part
+        digits = digits.reshape(-1, per_byte)
+        packed = digits[:, 0] << np.uint8(8 - part) if per_byte > 1 else digits[:, 0].copy()
+        for j in range(1, per_byte):
+            packed |= digits[:, j] << np.uint8(8 - part * (j + 1))
+        out.append(packed.tobytes())
+    return b"".join(out)
+
+
+def _spread_tables() -> dict:
+    """Per byte value: its 8 / part digits of ``part`` bits, one per byte, in memory order."""
+    byte = np.arange(256, dtype=np.uint64)
+    tables = {}
+    for part, dtype in ((4, np.uint16), (2, np.uint32), (1, _U64)):
+        per_byte = 8 // part
+        spread = np.zeros(256, dtype=_U64)
+        for j in range(per_byte):
+            digit = (byte >> _U64(8 - part * (j + 1))) & _U64((1 << part) - 1)
+            spread |= digit << _U64(8 * j)
+        tables[part] = spread.astype(dtype).astype(np.dtype(dtype).newbyteorder("<"))
+    return tables
+
+
+_SPREAD = _spread_tables()
+
+
+def unpack_planes(data, count: int, width: int) -> np.ndarray:
+    """Inverse of :func:`pack_planes` for ``count`` (a multiple of 8) values.
+
+    ``data`` must hold at least ``count * width / 8`` bytes (callers check);
+    the result is uint8 up to 8 bits, uint16 up to 16, else uint64. Each
+    plane is spread to one digit per byte by a 256-entry table lookup per
+    byte.
+    """
+    dtype = np.uint8 if width <= 8 else np.uint16 if width <= 16 else _U64
+    values = None
+    offset = 0
+    for part in plane_widths(width):
+        nbytes = count * part // 8
+        chunk = np.frombuffer(data, dtype=np.uint8, count=nbytes, offset=offset)
+        offset += nbytes
+        digits = chunk if part == 8 else np.take(_SPREAD[part], chunk).view(np.uint8)
+        if values is None:
+            values = digits.astype(dtype)
+        else:
+            values <<= dtype(part)
+            values |= digits
+    if values is None:
+        return np.zeros(count, dtype=dtype)
+    return values
 
 
 # ------------------------------------------------------------ variable width

@@ -34,7 +34,7 @@ COMPLEMENT = 0x80
 TRIAL_LIMIT = 1024
 
 #: Gap values the Huffman size estimate looks at, at most.
-HUFFMAN_SAMPLE = 1 << 15
+HUFFMAN_SAMPLE = 1 << 13
 
 #: Consecutive indices the LZ codecs are tried on to detect repetitive
 #: structure; when the sample compresses within LZ_MARGIN of the best
@@ -126,30 +126,33 @@ class AutoIndices(IndexCodec):
 
     def _estimate(self, indices, n):
         gaps = golomb.index_gaps(indices)
-        m = golomb.choose_parameter(golomb.mean_gap(indices))
-        sizes = {TAGS.index("golomb"): golomb.stream_size(gaps, m)}
+        sizes = {}
         if _sub_codec(TAGS.index("bitmap")) is not None:
             sizes[TAGS.index("bitmap")] = _entropy.packed_bytes(n)
         # Runs only pay when many neighbours are adjacent (gap 0).
         if 4 * np.count_nonzero(gaps == 0) > indices.size:
             sizes[TAGS.index("runs")] = runs.stream_size(indices)
-        sample = gaps[::-(-gaps.size // HUFFMAN_SAMPLE)]
+        sample = gaps[::-(-gaps.size // HUFFMAN_SAMPLE)] + 1
         codec = huffman.HuffmanIndices()
-        sample_bits = huffman.estimate_bits(sample + 1, codec.precision, codec.block)
+        sample_bits = huffman.estimate_bits(sample, codec.precision, codec.block)
         sizes[TAGS.index("huffman")] = int(sample_bits * gaps.size / sample.size) // 8
+        # Last use of the gaps: the Golomb split reuses their memory.
+        split = golomb.Split(gaps, golomb.choose_parameter(golomb.mean_gap(indices)),
+                             consume=True)
+        sizes[TAGS.index("golomb")] = golomb.stream_size(split)
         ranked = sorted(sizes, key=sizes.get)
         tried = [ranked[0]]
         if self._lz_worth_trying(indices, sizes[ranked[0]]):
             tried += [TAGS.index(name) for name in _LZ if _sub_codec(TAGS.index(name))]
         best = None
         for tag in tried:
-            data = self._encode_with(tag, indices, n, gaps, m)
+            data = self._encode_with(tag, indices, n, split)
             if best is None or len(data) < len(best[1]):
                 best = (tag, data)
         for tag in ranked[1:]:
             if sizes[tag] > (1 + CLOSE_CALL) * len(best[1]):
                 break
-            data = self._encode_with(tag, indices, n, gaps, m)
+            data = self._encode_with(tag, indices, n, split)
             if len(data) < len(best[1]):
                 best = (tag, data)
         if 2 * indices.size > n:
@@ -170,9 +173,9 @@ class AutoIndices(IndexCodec):
         return piece_bits * indices.size / LZ_SAMPLE < LZ_MARGIN * 8 * best_size
 
     @staticmethod
-    def _encode_with(tag, indices, n, gaps, m) -> bytes:
+    def _encode_with(tag, indices, n, split) -> bytes:
         if TAGS[tag] == "golomb":
-            return golomb.encode_index_gaps(gaps, m)
+            return golomb.encode_index_gaps(split)
         return _sub_codec(tag).encode(indices, n)
 
     def encode(self, indices, n):
@@ -197,6 +200,9 @@ class AutoIndices(IndexCodec):
         if codec is None:
             raise DecodeError(f"{what}: codec {TAGS[tag]!r} is not available")
         if not flag:
+            if TAGS[tag] == "golomb":
+                # The hot path: skip copying the stream past the tag.
+                return golomb.decode_index_gaps(memoryview(data)[1:], n, nnz, what)
             return codec.decode(data[1:], n, nnz)
         if 2 * nnz <= n:
             raise DecodeError(f"{what}: complement flag on a set of {nnz} of {n} "

@@ -53,83 +53,115 @@ def _layout(m: int) -> tuple[int, int]:
     return width, (1 << (width + 1)) - m
 
 
+class Split:
+    """A sequence split for Golomb coding with parameter ``m``, computed once.
+
+    Holds the quotients (int64), the ``width``-bit heads of the truncated
+    binary remainders (uint16 up to 16 bits, else uint64) and the extra low
+    bits of the long ones (uint8), so that :meth:`bits` and
+    :func:`encode_fields` share the work. With ``consume=True`` the
+    quotients are computed in place in ``values`` (which the caller must
+    not use afterwards) and encoding reuses them again: fewer fresh pages
+    for large sets.
+    """
+
+    def __init__(self, values: np.ndarray, m: int, consume: bool = False):
+        self.m, self.count = m, values.size
+        self.width, threshold = _layout(m)
+        self.heads = np.empty(values.size, dtype=np.uint16 if self.width <= 16 else np.uint64)
+        if m & (m - 1) == 0:
+            np.bitwise_and(values, m - 1, out=self.heads, casting="unsafe")
+            self.quotients = np.right_shift(values, self.width,
+                                            out=values if consume else None)
+            self.extra = np.zeros(0, dtype=np.uint8)
+        else:
+            quotients = values // m
+            remainders = np.subtract(values, quotients * m, out=values if consume else None)
+            long_codes = remainders >= threshold
+            # A long remainder r is sent as the width + 1 bits of r + threshold.
+            remainders += long_codes * threshold
+            self.extra = (remainders[long_codes] & 1).astype(np.uint8)
+            remainders >>= long_codes
+            self.heads[:] = remainders
+            self.quotients = quotients
+        self.consumable = consume
+
+    def bits(self) -> int:
+        """Exact bit length of the coded fields (before byte padding)."""
+        return (self.count * (self.width + 1) + int(self.quotients.sum())
+                + self.extra.size)
+
+
 def field_bits(values: np.ndarray, m: int) -> int:
     """Exact bit length of :func:`encode_fields` output (before byte padding)."""
-    width, threshold = _layout(m)
-    if m & (m - 1) == 0:
-        quotients = int(np.sum(values >> width))
-        long_codes = 0
-    else:
-        quotients = int(np.sum(values // m))
-        long_codes = int(np.count_nonzero(values % m >= threshold))
-    return values.size * (width + 1) + quotients + long_codes
+    return Split(values, m, consume=False).bits()
 
 
-def encode_fields(values: np.ndarray, m: int) -> bytes:
+def encode_fields(values: np.ndarray, m: int, split: Split | None = None) -> bytes:
     """Golomb-code non-negative int64 ``values`` with parameter ``m``; no header.
 
-    Bitstream (MSB first, zero-padded to a byte): the ``width``-bit heads of
-    all remainders, then the extra low bits of the long remainders, then the
-    quotients in unary (``q`` zeros and a one). Keeping the three parts
-    apart lets every part be written and read with whole-array operations;
-    the total is exactly the sum of the Golomb code lengths.
+    Layout: the ``width``-bit heads of the truncated binary remainders of
+    the first ``8 * (count // 8)`` values as byte planes (see
+    :func:`deepreduce.codecs._entropy.pack_planes`), then one bitstream (MSB
+    first, zero-padded to a byte) of the heads of the last ``count % 8``
+    values, the extra low bits of the long remainders, and the quotients in
+    unary (``q`` zeros and a one). Keeping the parts apart lets each be
+    written and read with whole-array operations; the total is exactly the
+    sum of the Golomb code lengths. Pass ``split`` when :class:`Split` was
+    already computed (``values`` is then unused).
     """
-    count = values.size
-    width, threshold = _layout(m)
-    if m & (m - 1) == 0:
-        quotients = values >> width
-        remainders = values & (m - 1)
-        extra = np.zeros(0, dtype=np.uint8)
-        heads = remainders
-    else:
-        quotients = values // m
-        remainders = values - quotients * m
-        long_codes = remainders >= threshold
-        shifted = np.where(long_codes, remainders + threshold, remainders)
-        extra = (shifted[long_codes] & 1).astype(np.uint8)
-        heads = np.where(long_codes, shifted >> 1, remainders)
-    head_bytes = _entropy.pack_fixed(heads, width)
-    # Terminator of value i: after all earlier codes' q + 1 unary bits.
-    terminators = quotients + 1
-    np.cumsum(terminators, out=terminators)
-    terminators -= 1
-    lead = (count * width) & 7
-    tail = np.zeros(lead + extra.size + int(terminators[-1]) + 1, dtype=np.uint8)
-    if lead:
-        tail[:lead] = np.unpackbits(np.frombuffer(head_bytes[-1:], dtype=np.uint8))[:lead]
-        head_bytes = head_bytes[:-1]
-    tail[lead:lead + extra.size] = extra
-    tail[lead + extra.size + terminators] = 1
+    split = split if split is not None else Split(values, m, consume=False)
+    aligned = split.count & ~7
+    head_bytes = _entropy.pack_planes(split.heads[:aligned], split.width)
+    rest = split.heads[aligned:].astype(np.int64)
+    # Value i's terminator follows all earlier codes' q + 1 unary bits: it
+    # is bit cumsum(q + 1)[i] of a stream with one leading spare bit.
+    ends = np.add(split.quotients, 1, out=split.quotients if split.consumable else None)
+    split.consumable = split.quotients = None
+    np.cumsum(ends, out=ends)
+    lead = rest.size * split.width
+    prefix = lead + split.extra.size
+    tail = np.zeros(prefix + int(ends[-1]) + 1, dtype=np.uint8)
+    tail[prefix + ends] = 1
+    tail = tail[1:]
+    tail[:lead] = (rest[:, None] >> np.arange(split.width - 1, -1, -1)).reshape(-1) & 1
+    tail[lead:prefix] = split.extra
     return head_bytes + np.packbits(tail).tobytes()
 
 
-def decode_fields(data, count: int, m: int, what: str,
-                  bias: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def decode_fields(data, count: int, m: int, what: str) -> tuple[np.ndarray, np.ndarray]:
     """Parse :func:`encode_fields` output of ``count >= 1`` values.
 
-    Returns ``(terminators, remainders)`` as int64: the bit position of each
+    Returns ``(terminators, remainders)``: the int64 bit position of each
     unary terminator within the unary part (so value ``i``'s quotient is
-    ``terminators[i] - terminators[i-1] - 1``) and each remainder plus
-    ``bias`` (added in the same pass that widens them). Raises DecodeError
-    when the stream is too short for ``count`` codes, the unary part does
-    not hold exactly ``count`` terminators, or bytes follow the last one.
+    ``terminators[i] - terminators[i-1] - 1``) and the remainders, as int16
+    when ``m < 512`` (room for adding ``1 - m`` in place) and int64
+    otherwise. Raises DecodeError when the stream is too short for
+    ``count`` codes, the unary part does not hold exactly ``count``
+    terminators, or bytes follow the last one.
     """
     width, threshold = _layout(m)
     if 8 * len(data) < count * (width + 1):
         raise DecodeError(f"{what}: {len(data)} bytes cannot hold {count} Golomb codes "
                           f"of at least {width + 1} bits")
-    heads = _entropy.unpack_fixed(data, count, width, what, exact=False)
-    remainders = np.add(heads, bias, dtype=np.int64)
-    head_bits = count * width
-    tail = np.unpackbits(np.frombuffer(data, dtype=np.uint8)[head_bits >> 3:])
-    tail = tail[head_bits & 7:].view(bool)
+    aligned = count & ~7
+    plane_bytes = aligned * width // 8
+    remainders = np.empty(count, dtype=np.int16 if width <= 8 else np.int64)
+    remainders[:aligned] = _entropy.unpack_planes(data, aligned, width)
+    tail = np.unpackbits(np.frombuffer(data, dtype=np.uint8, offset=plane_bytes)).view(bool)
+    lead = (count - aligned) * width
+    if lead:
+        weights = np.left_shift(1, np.arange(width - 1, -1, -1, dtype=np.int64))
+        remainders[aligned:] = tail[:lead].reshape(-1, width) @ weights
+        tail = tail[lead:]
+    else:
+        remainders[aligned:] = 0
     if m & (m - 1):
-        long_codes = np.flatnonzero(heads >= threshold)
+        long_codes = np.flatnonzero(remainders >= threshold)
         if tail.size < long_codes.size:
             raise DecodeError(f"{what}: stream ends inside the remainder bits")
         # A long remainder r was sent as the width + 1 bits of r + threshold.
-        remainders[long_codes] += (heads[long_codes].astype(np.int64)
-                                   + tail[:long_codes.size] - threshold)
+        remainders[long_codes] += remainders[long_codes] + tail[:long_codes.size] - threshold
         tail = tail[long_codes.size:]
     terminators = np.flatnonzero(tail)
     if terminators.size != count:
@@ -155,14 +187,15 @@ def decode_values(data, count: int, limit: int, what: str) -> np.ndarray:
         expect_length(data, 0, what)
         return np.zeros(0, dtype=np.int64)
     m, offset = read_parameter(data, limit, what)
-    terminators, values = decode_fields(data[offset:], count, m, what)
+    terminators, remainders = decode_fields(data[offset:], count, m, what)
     quotients = np.diff(terminators, prepend=-1) - 1
     if int(quotients.max()) >= limit // m + 1:
         raise DecodeError(f"{what}: a value exceeds {limit - 1}")
-    values += quotients * m
-    if int(values.max()) >= limit:
+    quotients *= m
+    quotients += remainders
+    if int(quotients.max()) >= limit:
         raise DecodeError(f"{what}: a value exceeds {limit - 1}")
-    return values
+    return quotients
 
 
 def read_parameter(data, limit: int, what: str) -> tuple[int, int]:
@@ -188,40 +221,40 @@ def mean_gap(indices: np.ndarray) -> float:
     return (int(indices[-1]) - indices.size + 1) / indices.size
 
 
-def stream_size(gaps: np.ndarray, m: int) -> int:
+def stream_size(split: Split) -> int:
     """Exact byte length of :func:`encode_index_gaps` output."""
-    return len(_bits.write_varint(m)) + _entropy.packed_bytes(field_bits(gaps, m))
+    return len(_bits.write_varint(split.m)) + _entropy.packed_bytes(split.bits())
 
 
-def encode_index_gaps(gaps: np.ndarray, m: int) -> bytes:
-    """Stream of a non-empty index set from its :func:`index_gaps`: varint ``m``, fields."""
-    return _bits.write_varint(m) + encode_fields(gaps, m)
+def encode_index_gaps(split: Split) -> bytes:
+    """Stream of a non-empty index set from the :class:`Split` of its :func:`index_gaps`."""
+    return _bits.write_varint(split.m) + encode_fields(None, split.m, split)
 
 
 def decode_index_gaps(data, n: int, nnz: int, what: str) -> np.ndarray:
     """Inverse of :func:`encode_index_gaps` for ``nnz >= 1``."""
     m, offset = read_parameter(data, n, what)
+    terminators, remainders = decode_fields(data[offset:], nnz, m, what)
     # Index i = m * (quotients up to i) + (remainders up to i) + i, where the
-    # quotients up to i are terminators[i] - i; the "- m*i + i" terms are
-    # folded into the remainders as a bias of 1 - m, saving a pass.
-    terminators, remainders = decode_fields(data[offset:], nnz, m, what, bias=1 - m)
-    remainders[0] += m - 1
-    # Check the largest index exactly with Python integers before the array
-    # sums. Those then stay within [0, n); an int64 overflow in the biased
-    # sums would wrap and cancel, as all the arithmetic is modulo 2**64.
-    bias_total = (nnz - 1) * (1 - m)
-    if nnz * m >= 2**62 and float(remainders.sum(dtype=np.float64)) - bias_total > 2**62:
+    # quotients up to i are terminators[i] - i; folding "- m*i + i" into the
+    # remainders (all but the first) saves a pass.
+    quotient_total = int(terminators[-1]) - nnz + 1
+    if m * quotient_total > n:
+        raise DecodeError(f"{what}: quotients alone pass n={n}")
+    if nnz * m >= 2**62 and float(remainders.sum(dtype=np.float64)) > n:
+        # Only then could the int64 running sum below wrap.
         raise DecodeError(f"{what}: remainders add up past n={n}")
-    remainder_total = (int(remainders.sum()) - bias_total) % 2**64
-    last = m * (int(terminators[-1]) - nnz + 1) + remainder_total + nnz - 1
+    remainders[1:] += 1 - m
+    running = remainders.astype(np.int64)
+    np.cumsum(running, out=running)
+    last = m * quotient_total + int(running[-1]) - (nnz - 1) * (1 - m) + nnz - 1
     if last >= n:
         raise DecodeError(f"{what}: gaps add up to index {last}, past n={n}")
-    np.cumsum(remainders, out=remainders)
     if m & (m - 1) == 0:
         terminators <<= m.bit_length() - 1
     else:
         terminators *= m
-    terminators += remainders
+    terminators += running
     return terminators
 
 
@@ -271,13 +304,14 @@ class GolombIndices(IndexCodec):
         """Exact length in bytes of ``encode(indices, n)``."""
         if indices.size == 0:
             return 0
-        return stream_size(index_gaps(indices), self.parameter(indices))
+        return stream_size(Split(index_gaps(indices), self.parameter(indices)))
 
     def encode(self, indices, n):
         indices = _bits.check_indices(indices, n)
         if indices.size == 0:
             return b""
-        return encode_index_gaps(index_gaps(indices), self.parameter(indices))
+        return encode_index_gaps(Split(index_gaps(indices), self.parameter(indices),
+                                       consume=True))
 
     def decode(self, data, n, nnz):
         what = "golomb indices"
@@ -285,4 +319,5 @@ class GolombIndices(IndexCodec):
         if nnz == 0:
             expect_length(data, 0, what)
             return np.zeros(0, dtype=np.int64)
-        return decode_index_gaps(data, n, nnz, what)
+        # A memoryview lets the parts be sliced without copying the stream.
+        return decode_index_gaps(memoryview(data), n, nnz, what)
