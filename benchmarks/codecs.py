@@ -228,6 +228,8 @@ def _step_bytes(selected, grads, density):
     registered = registered_codecs("value")
     if "qsgd" in registered:
         specs += [(index, "qsgd"), (index, "qsgd:bits=8")]
+    if "sign" in registered:
+        specs.append((index, "sign"))
     if "polyfit" in registered:
         specs.append((None, "polyfit"))
     for index_spec, value_spec in specs:
