@@ -270,27 +270,31 @@ def pack_varlen(values: np.ndarray, lengths: np.ndarray) -> tuple[bytes, int]:
     """Write ``values[i]`` in ``lengths[i]`` bits (0..64), back to back, MSB first.
 
     Returns ``(data, nbits)``: the zero-padded bytes and the number of bits
-    written. Values must fit their lengths.
+    written. Values must fit their lengths. Works in four arrays of the
+    input size, updated in place.
     """
-    values = np.asarray(values, dtype=_U64)
-    lengths = np.asarray(lengths, dtype=_U64)
-    ends = np.cumsum(lengths)
-    nbits = int(ends[-1]) if ends.size else 0
+    shifts = np.array(lengths, dtype=_U64)  # a copy: reused below
+    bounds = np.cumsum(shifts)
+    nbits = int(bounds[-1]) if bounds.size else 0
     if nbits == 0:
         return b"", 0
-    starts = ends - lengths
-    # Left-align each field in 64 bits, then split it between the word it
-    # starts in and the next one (numpy shifts by 64 give 0).
-    aligned = values << (_U64(64) - lengths)
-    in_word = starts & _U64(63)
-    heads = aligned >> in_word
-    spills = aligned << (_U64(64) - in_word)
+    # Left-align each field in 64 bits (numpy shifts by 64 give 0) ...
+    np.subtract(_U64(64), shifts, out=shifts)
+    aligned = np.left_shift(np.asarray(values, dtype=_U64), shifts)
+    # ... find where it starts (end - length = end + (64 - length) - 64) ...
+    bounds += shifts
+    bounds -= _U64(64)
+    np.bitwise_and(bounds, _U64(63), out=shifts)
+    # ... and split it between the word it starts in and the next one.
+    heads = aligned >> shifts
+    np.subtract(_U64(64), shifts, out=shifts)
+    spills = np.left_shift(aligned, shifts, out=aligned)
     # Fields starting in the same word have disjoint bits, so the word is
     # their sum: a difference of running sums, exact modulo 2**64. Only the
     # last field starting in a word can spill into the next one.
     nwords = (nbits + 63) // 64
-    last = np.searchsorted(starts, np.arange(1, nwords + 1, dtype=_U64) << _U64(6)) - 1
-    running = np.cumsum(heads)
+    last = np.searchsorted(bounds, np.arange(1, nwords + 1, dtype=_U64) << _U64(6)) - 1
+    running = np.cumsum(heads, out=heads)
     words = np.zeros(nwords + 1, dtype=_U64)
     words[:nwords] = running[last]
     words[1:nwords] -= running[last[:-1]]
@@ -312,40 +316,44 @@ def byte_windows(data, extra: int = 0) -> np.ndarray:
 
 
 def unpack_varlen(data, lengths: np.ndarray, what: str, bit_offset: int = 0,
-                  starts: np.ndarray | None = None) -> np.ndarray:
+                  windows: np.ndarray | None = None) -> np.ndarray:
     """Read fields of the given bit lengths (0..64) written by :func:`pack_varlen`.
 
-    Fields start at ``bit_offset`` and follow each other; pass ``starts``
-    (their bit positions) when the caller already has them. Raises
-    DecodeError when ``data`` holds fewer bits than the fields need. Bits
-    after the last field are not looked at.
+    Fields start at ``bit_offset`` and follow each other. Pass ``windows``
+    (native uint64 :func:`byte_windows` of ``data`` with at least one entry
+    of padding) when the caller has them. Raises DecodeError when ``data``
+    holds fewer bits than the fields need; bits after the last field are
+    not looked at. Returns uint64; works in four arrays of the input size.
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.size == 0:
+    widths = np.array(lengths, dtype=np.int64)  # a copy: reused below
+    if widths.size == 0:
         return np.zeros(0, dtype=_U64)
-    if starts is None:
-        ends = np.cumsum(lengths)
-        needed = bit_offset + int(ends[-1])
-        starts = ends - lengths
-        starts += bit_offset
-    else:
-        needed = int(starts[-1] + lengths[-1])
+    starts = np.cumsum(widths)
+    needed = bit_offset + int(starts[-1])
     if needed > 8 * len(data):
         raise DecodeError(f"{what}: fields need {needed} bits, stream holds {8 * len(data)}")
-    windows = byte_windows(data, extra=1)
-    if 4 * lengths.size > len(data):
-        # Converting every window to native order once beats converting
-        # each gathered one when the fields are dense.
-        windows = windows.astype(_U64)
-    byte, shift = starts >> 3, (starts & 7).astype(_U64)
-    values = windows[byte].astype(_U64, copy=False) << shift
-    if int(lengths.max()) > 57:
+    starts -= widths
+    starts += bit_offset
+    if windows is None:
+        windows = byte_windows(data, extra=1)
+        if 4 * widths.size > len(data):
+            # Converting every window to native order once beats converting
+            # each gathered one when the fields are dense.
+            windows = windows.astype(_U64)
+    byte = starts >> 3
+    values = np.take(windows, byte).astype(_U64, copy=False)
+    shift = np.bitwise_and(starts, 7, out=starts).view(_U64)
+    values <<= shift
+    if int(widths.max()) > 57:
         # A 64-bit window starting at the field's byte holds only 64 - shift
         # of its bits; the ninth byte supplies the rest.
-        ninth = windows[byte + 1].astype(_U64, copy=False) & _U64(0xFF)
+        byte += 1
+        ninth = np.take(windows, byte).astype(_U64, copy=False) & _U64(0xFF)
         values |= ninth >> (_U64(8) - shift)
     # numpy defines shifts by 64 or more as 0, which empty fields rely on.
-    return values >> (64 - lengths).astype(_U64)
+    np.subtract(64, widths, out=widths)
+    values >>= widths.view(_U64)
+    return values
 
 
 # ------------------------------------------------------------ bitmaps of positions
@@ -406,29 +414,27 @@ def bucket_count(precision: int) -> int:
     return (1 << (precision + 1)) + (62 - precision) * (1 << precision)
 
 
-def _floor_log2(values: np.ndarray) -> np.ndarray:
-    """Exact ``floor(log2(v))`` of positive int64 values, as int64."""
-    exponent = np.frexp(values.astype(np.float64))[1].astype(np.int64) - 1
-    if values.size and int(values.max()) >= 1 << 52:
-        # Rounding to float64 can carry into the next power of two.
-        exponent -= (values >> exponent) == 0
-    return exponent
-
-
 def bucket_symbols(values: np.ndarray, precision: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symbols and offset bit lengths of positive int64 values.
+    """Symbols and offset bit lengths (both uint8) of positive int64 values.
 
     Values below ``2**(precision + 1)`` are their own symbol and carry no
     offset bits. A larger value with ``floor(log2 v) = e`` carries its low
     ``e - precision`` bits raw; its symbol names ``e`` and the ``precision``
     bits below the leading one.
     """
-    offset_bits = np.maximum(_floor_log2(values) - precision, 0)
+    # floor(log2 v) is the biased exponent field of float64(v), minus 1023.
+    exponent = values.astype(np.float64).view(np.int64) >> 52
+    exponent -= 1023 + precision
+    if values.size and int(values.max()) >= 1 << 52:
+        # Rounding to float64 can carry into the next power of two.
+        exponent -= (values >> (exponent + precision)) == 0
+    offset_bits = np.maximum(exponent, 0, out=exponent)
     # With o = e - precision > 0 offset bits, v >> o is the leading one and
     # the mantissa, in [2**precision, 2**(precision+1)); adding o * 2**precision
     # lands every (e, mantissa) pair above the small values, which keep v.
-    symbols = (values >> offset_bits) + (offset_bits << precision)
-    return symbols, offset_bits
+    symbols = values >> offset_bits
+    symbols += offset_bits << precision
+    return symbols.astype(np.uint8), offset_bits.astype(np.uint8)
 
 
 def bucket_base(precision: int) -> tuple[np.ndarray, np.ndarray]:
@@ -443,9 +449,11 @@ def bucket_base(precision: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def bucket_values(symbols: np.ndarray, offsets: np.ndarray, precision: int) -> np.ndarray:
-    """Inverse of :func:`bucket_symbols`: ``base[symbol] + offset``."""
+    """Inverse of :func:`bucket_symbols`: ``base[symbol] + offset`` (int64)."""
     base, _ = bucket_base(precision)
-    return base[symbols] + offsets.astype(np.int64)
+    values = offsets.view(np.int64) if offsets.dtype == _U64 else offsets.astype(np.int64)
+    values += np.take(base, symbols)
+    return values
 
 
 # ------------------------------------------------------------ canonical Huffman
@@ -531,7 +539,7 @@ def decode_table(lengths: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     lengths = np.asarray(lengths, dtype=np.int64)
     codes = canonical_codes(lengths)
     peek = int(lengths.max())
-    symbol_of = np.zeros(1 << peek, dtype=np.int64)
+    symbol_of = np.zeros(1 << peek, dtype=np.uint8 if lengths.size <= 256 else np.int64)
     length_of = np.zeros(1 << peek, dtype=np.int64)
     for symbol in np.flatnonzero(lengths).tolist():
         length = int(lengths[symbol])

@@ -42,13 +42,14 @@ def code_layout(values: np.ndarray, precision: int):
     """Bucket symbols, offsets and code lengths of positive gaps.
 
     Returns ``(symbols, offset_bits, offsets, code_lengths)`` where
-    ``code_lengths`` is the Huffman code of the symbol histogram.
+    ``code_lengths`` is the Huffman code of the symbol histogram. The
+    offsets are computed in place in ``values`` (as uint64).
     """
     symbols, offset_bits = _entropy.bucket_symbols(values, precision)
     base, _ = _entropy.bucket_base(precision)
-    offsets = values - base[symbols]
+    values -= np.take(base, symbols)
     counts = np.bincount(symbols, minlength=_entropy.bucket_count(precision))
-    return symbols, offset_bits, offsets, _entropy.huffman_lengths(counts)
+    return symbols, offset_bits, values.view(np.uint64), _entropy.huffman_lengths(counts)
 
 
 def estimate_bits(values: np.ndarray, precision: int, block: int) -> int:
@@ -146,7 +147,8 @@ class HuffmanIndices(IndexCodec):
     1. the code lengths of the used symbol range (2 bytes + 4 bits each);
     2. the bit lengths of all but the last block of ``block`` symbols
        (varint minimum, a width byte, fixed-width excesses);
-    3. one bitstream: all symbol codes, then all offsets, zero-padded.
+    3. the symbol codes, back to back, zero-padded to a byte;
+    4. the offsets, back to back, zero-padded to a byte.
 
     Parameters
     ----------
@@ -189,17 +191,16 @@ class HuffmanIndices(IndexCodec):
         indices = _bits.check_indices(indices, n)
         if indices.size == 0:
             return b""
-        values = gap_values(indices)
-        symbols, offset_bits, offsets, lengths = code_layout(values, self.precision)
-        codes = _entropy.canonical_codes(lengths)
-        symbol_lengths = lengths[symbols]
-        block_bits = np.add.reduceat(symbol_lengths,
-                                     np.arange(0, symbols.size, self.block))
-        stream, _ = _entropy.pack_varlen(
-            np.concatenate([codes[symbols], offsets.astype(np.uint64)]),
-            np.concatenate([symbol_lengths, offset_bits]))
+        symbols, offset_bits, offsets, lengths = code_layout(gap_values(indices),
+                                                             self.precision)
+        symbol_lengths = np.take(lengths.astype(np.uint8), symbols)
+        block_bits = np.add.reduceat(symbol_lengths, np.arange(0, symbols.size, self.block),
+                                     dtype=np.int64)
+        codes, _ = _entropy.pack_varlen(np.take(_entropy.canonical_codes(lengths), symbols),
+                                        symbol_lengths)
+        offsets, _ = _entropy.pack_varlen(offsets, offset_bits)
         return (_entropy.pack_code_lengths(lengths) + _pack_block_lengths(block_bits)
-                + stream)
+                + codes + offsets)
 
     def decode(self, data, n, nnz):
         what = "huffman indices"
@@ -236,21 +237,26 @@ class HuffmanIndices(IndexCodec):
         if blocks > 1 and (np.any(ends[:-1] != starts[1:]) or np.any(bad[:-1])):
             raise DecodeError(f"{what}: a block does not decode to its stored length")
         tail_symbols = symbols[(blocks - 1) * self.block:]
-        tail_lengths = lengths[tail_symbols]
+        tail_lengths = np.take(lengths, tail_symbols)
         if np.any(tail_lengths == 0):
             raise DecodeError(f"{what}: bits that start no code in the last block")
         code_end = int(starts[-1]) + int(tail_lengths.sum())
+        code_bytes = _entropy.packed_bytes(code_end)
+        if code_bytes > len(stream):
+            raise DecodeError(f"{what}: stream ends inside the codes")
+        if code_end % 8 and stream[code_bytes - 1] & ((1 << (8 - code_end % 8)) - 1):
+            raise DecodeError(f"{what}: padding bits after the codes are not zero")
         _, symbol_offset_bits = _entropy.bucket_base(self.precision)
-        offset_bits = symbol_offset_bits[symbols]
-        total = code_end + int(offset_bits.sum())
-        if total > 8 * len(stream):
-            raise DecodeError(f"{what}: stream ends inside the codes or offsets")
-        if _entropy.packed_bytes(total) != len(stream):
-            raise DecodeError(f"{what}: {len(stream) - _entropy.packed_bytes(total)} "
-                              f"trailing bytes")
+        offset_bits = np.take(symbol_offset_bits.astype(np.uint8), symbols)
+        total = int(offset_bits.sum())
+        expected = code_bytes + _entropy.packed_bytes(total)
+        if len(stream) != expected:
+            raise DecodeError(f"{what}: stream holds {len(stream)} bytes after the tables, "
+                              f"the codes and offsets take {expected}")
         if total % 8 and stream[-1] & ((1 << (8 - total % 8)) - 1):
-            raise DecodeError(f"{what}: padding bits are not zero")
-        offsets = _entropy.unpack_varlen(stream, offset_bits, what, bit_offset=code_end)
+            raise DecodeError(f"{what}: padding bits after the offsets are not zero")
+        offsets = _entropy.unpack_varlen(stream, offset_bits, what, bit_offset=8 * code_bytes,
+                                         windows=windows)
         values = _entropy.bucket_values(symbols, offsets, self.precision)
         return _cumulate(values, n, what)
 
