@@ -111,6 +111,9 @@ _SCAN_CHUNK = 1 << 16
 #: their single-bit probes run, so those probes cost few numpy calls.
 _SCAN_BATCH = 1 << 18
 _MASK32 = 0xFFFFFFFF
+#: Compact the single-bit candidates when fewer than this share passed.
+_COMPACT_BELOW = 0.75
+_LITTLE_ENDIAN = np.little_endian
 
 
 @lru_cache(maxsize=None)
@@ -329,18 +332,34 @@ class BloomFilter:
         return result if limit is None else result[:limit + 1]
 
     def _probe_singles(self, positions: np.ndarray, h1: np.ndarray) -> np.ndarray:
-        """Keep the positions whose single (non-blocked) bits are all set."""
+        """Keep the positions whose single (non-blocked) bits are all set.
+
+        Probes run one bit at a time. While many candidates fail a probe
+        (the false positives of the word test, half of them per probe) the
+        candidates are compacted after each; once nearly all pass (the true
+        indices) a running mask is cheaper than copying three arrays.
+        """
         if self.k == self.block_k or positions.size == 0:
             return positions
         g = murmur3_32(positions, self.seed ^ _SECOND_HASH_SEED, self.key_bytes)
+        m, low6 = np.uint64(self.m), np.uint64(63)
+        alive = None  # None: every candidate has passed the probes so far
         for j in range(self.k - self.block_k):  # at most MAX_HASHES iterations
             if j:
-                g += h1
-            bit = self._single_bit(g)
-            hit = np.take(self.words, bit >> 6, mode="clip") >> (bit & 63).view(np.uint64)
-            keep = np.flatnonzero(hit & np.uint64(1))
-            positions, h1, g = positions[keep], h1[keep], g[keep]
-        return positions
+                np.add(g, h1, out=g)
+            bit = np.multiply(g, m, dtype=np.uint64)
+            np.right_shift(bit, np.uint64(32), out=bit)
+            word = np.take(self.words, (bit >> np.uint64(6)).view(np.int64), mode="clip")
+            np.bitwise_and(bit, low6, out=bit)
+            np.right_shift(word, bit, out=word)
+            hit = word.view(np.uint8)[::8] if _LITTLE_ENDIAN else word.astype(np.uint8)
+            passed = np.bitwise_and(hit, np.uint8(1)).view(bool)
+            alive = passed if alive is None else np.logical_and(alive, passed, out=alive)
+            if np.count_nonzero(alive) < _COMPACT_BELOW * alive.size:
+                keep = np.flatnonzero(alive)
+                positions, h1, g = positions[keep], h1[keep], g[keep]
+                alive = None
+        return positions if alive is None else positions[alive]
 
 
 # ----------------------------------------------------------------- policies
