@@ -300,6 +300,7 @@ class BloomFilter:
         word_buffer = np.empty(chunk, dtype=np.uint64)
         pattern_buffer = np.empty(chunk, dtype=np.uint64)
         mask_buffer = np.empty(chunk, dtype=bool)
+        chunk_positions = np.arange(chunk, dtype=np.intp)
         nwords = np.uint64(self.words.size)
         low_bits = np.uint32(PATTERNS - 1)
         found, found_count = [], 0
@@ -316,7 +317,7 @@ class BloomFilter:
             np.take(self.masks, index.view(np.int64), out=pattern, mode="clip")
             np.bitwise_and(word, pattern, out=word)
             np.equal(word, pattern, out=passed)
-            survivors = np.flatnonzero(passed)
+            survivors = np.compress(passed, chunk_positions[:count])  # beats flatnonzero
             batch_positions.append(survivors + start)
             batch_h1.append(h1[survivors])
             batch_size += count
