@@ -36,11 +36,15 @@ TRIAL_LIMIT = 1024
 #: Gap values the Huffman size estimate looks at, at most.
 HUFFMAN_SAMPLE = 1 << 13
 
-#: Consecutive indices the LZ codecs are tried on to detect repetitive
-#: structure; when the sample compresses within LZ_MARGIN of the best
-#: estimate, deflate and zstd are tried on the whole set.
-LZ_SAMPLE = 2048
-LZ_MARGIN = 1.05
+#: LZ codecs (deflate, zstd) win on the repetitive column patterns of real
+#: layers, which no histogram shows. They are tried on the whole set only
+#: after two checks on slices of consecutive indices, each against the best
+#: estimated codec on the same slice: zstd on LZ_SLICES[0] indices within
+#: LZ_MARGIN of it, then the better LZ codec on LZ_SLICES[1] indices no
+#: larger. (LZ gains grow with the input, so slices understate them;
+#: uniform sets fail the checks.)
+LZ_SLICES = (2048, 8192)
+LZ_MARGIN = 1.08
 
 #: When the runner-up's estimate is within this fraction of the best, both
 #: are encoded and the smaller stream kept.
@@ -142,7 +146,7 @@ class AutoIndices(IndexCodec):
         sizes[TAGS.index("golomb")] = golomb.stream_size(split)
         ranked = sorted(sizes, key=sizes.get)
         tried = [ranked[0]]
-        if self._lz_worth_trying(indices, sizes[ranked[0]]):
+        if self._lz_worth_trying(indices, ranked[0]):
             tried += [TAGS.index(name) for name in _LZ if _sub_codec(TAGS.index(name))]
         best = None
         for tag in tried:
@@ -162,15 +166,24 @@ class AutoIndices(IndexCodec):
         return best
 
     @staticmethod
-    def _lz_worth_trying(indices, best_size) -> bool:
-        """Whether zstd, on a slice of the set, comes close to the best estimate."""
-        codec = _sub_codec(TAGS.index("zstd"))
-        if codec is None or indices.size < 4 * LZ_SAMPLE:
-            return codec is not None
-        start = (indices.size - LZ_SAMPLE) // 2
-        piece = indices[start:start + LZ_SAMPLE] - indices[start]
-        piece_bits = 8 * len(codec.encode(piece, int(piece[-1]) + 1))
-        return piece_bits * indices.size / LZ_SAMPLE < LZ_MARGIN * 8 * best_size
+    def _lz_worth_trying(indices, best_tag) -> bool:
+        """Whether the LZ codecs beat the best estimated codec on slices of the set."""
+        codecs = [_sub_codec(TAGS.index(name)) for name in _LZ]
+        codecs = [codec for codec in codecs if codec is not None]
+        if not codecs:
+            return False
+        if indices.size <= 4 * LZ_SLICES[1]:
+            return True
+        best = [_sub_codec(best_tag)]
+
+        def slice_size(size, candidates):
+            start = (indices.size - size) // 2
+            piece = indices[start:start + size] - indices[start]
+            return min(len(codec.encode(piece, int(piece[-1]) + 1)) for codec in candidates)
+
+        return (slice_size(LZ_SLICES[0], codecs[-1:])
+                <= LZ_MARGIN * slice_size(LZ_SLICES[0], best)
+                and slice_size(LZ_SLICES[1], codecs) <= slice_size(LZ_SLICES[1], best))
 
     @staticmethod
     def _encode_with(tag, indices, n, split) -> bytes:
