@@ -88,8 +88,8 @@ class RunsIndices(IndexCodec):
     >>> rows = np.array([3, 4, 9])  # rows of 64 elements
     >>> indices = (rows[:, None] * 64 + np.arange(64)).ravel()
     >>> data = codec.encode(indices, n=64 * 100)
-    >>> len(data)
-    6
+    >>> len(data)  # unit 64, 3 runs: 2 + 1 length byte + two 2-byte Golomb streams
+    7
     >>> np.array_equal(codec.decode(data, n=64 * 100, nnz=indices.size), indices)
     True
     """
