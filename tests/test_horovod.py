@@ -185,6 +185,16 @@ def test_seed_reaches_specs_and_makes_runs_reproducible():
     assert GradientCompression("randomk:0.01", index="varint", seed=5).pipeline.sparsifier.seed == 5
 
 
+def test_curve_fit_values_take_the_default_index():
+    c = GradientCompression(dr.TopK(0.05), value="polyfit", memory=None)
+    g = gradients(0)
+    data = c.encode_bundle(["w", "b", "v"], g)
+    w, b, v = c.decode_bundles(data, ranks=1, rank=0)
+    assert np.count_nonzero(w) == 250 and np.array_equal(b, g[1])
+    with pytest.raises(ValueError, match="sorts the values"):
+        GradientCompression(value="polyfit", index="varint")
+
+
 @pytest.mark.parametrize("kwargs", [{"min_size": -1}, {"min_size": 1.5}, {"memory": "yes"},
                                     {"seed": "0"}, {"sparsifier": "nosuch"},
                                     {"value": "nosuch"}])

@@ -182,9 +182,11 @@ class GradientCompression:
                 or min_size < 0:
             raise ValueError(f"min_size must be an integer >= 0, got {min_size!r}")
         self.seed, self.min_size = int(seed), int(min_size)
-        self.pipeline = Pipeline(_seeded_sparsifier(sparsifier, self.seed),
-                                 index=_seeded_codec(index, "index", self.seed),
-                                 value=_seeded_codec(value, "value", self.seed))
+        value = _seeded_codec(value, "value", self.seed)
+        if not value.sorts_values:  # curve fits: the pipeline decides the index coding
+            index = _seeded_codec(index, "index", self.seed)
+        self.pipeline = Pipeline(_seeded_sparsifier(sparsifier, self.seed), index=index,
+                                 value=value)
         # small tensors: every non-zero, values bit-exact. A bitmap (n/8 bytes) is
         # exact whatever the configured index codec is (which may be lossy) and
         # costs nothing to choose
