@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -219,6 +220,166 @@ def test_stats_counters():
     assert d["steps"] == 2 and d["bytes_sent"] == 300 and d["total_bytes_sent"] == 400
     s.reset()
     assert s.total.steps == 0
+
+
+# ------------------------------------------- reducing communicators, thread ranks
+
+COMMUNICATOR_SETTINGS = [("sparse_allreduce", None),
+                         ("sparse_allreduce", {"algorithm": "recursive_doubling"}),
+                         ("block", {"block_size": 16})]
+
+
+def on_threads(size, fn):
+    """Run ``fn(member)`` for the ``size`` members of a thread group; results in rank order."""
+    from deepreduce.collectives import ThreadTransport
+
+    with ThreadPoolExecutor(size) as pool:
+        return list(pool.map(fn, ThreadTransport.group(size, timeout=30)))
+
+
+def integer_gradients(rank, shapes=((60, 50), (10,), (300,)), density=0.2):
+    """Sparse integer-valued float32 gradients: their sums are exact in any order."""
+    rng = np.random.default_rng([rank, 5])
+    grads = []
+    for shape in shapes:
+        g = rng.integers(-9, 10, shape).astype(np.float32)
+        g[rng.random(shape) > density] = 0
+        grads.append(g)
+    return grads
+
+
+@pytest.mark.parametrize("communicator, options", COMMUNICATOR_SETTINGS)
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_reducing_communicators_match_numpy(communicator, options, op):
+    names, size = ["w", "b", "v", "d"], 4
+    inputs = [integer_gradients(r) + [np.full((5, 4), r + 1.0)] for r in range(size)]
+    # float64 "d" travels in its own set of collectives; "b" and "d" are below min_size
+    compressions = [GradientCompression(None, index="varint", min_size=100,
+                                        communicator=communicator,
+                                        communicator_options=options) for _ in range(size)]
+
+    def rank_main(member):
+        return compressions[member.rank].reduce_tensors(names, inputs[member.rank], op,
+                                                        transport=member)
+
+    for results in on_threads(size, rank_main):
+        for i, result in enumerate(results):
+            expected = sum(x[i] for x in inputs)
+            if op == "average":
+                expected = expected / size
+            assert result.dtype == inputs[0][i].dtype and np.array_equal(result, expected)
+    last = compressions[0].stats.last
+    assert last.tensors == 4 and last.compressed_tensors == 2
+    assert last.dense_bytes == 4 * (3000 + 10 + 300) + 8 * 20
+    assert last.bytes_sent > 0 and last.bytes_received > 0
+
+
+@pytest.mark.parametrize("communicator, options", COMMUNICATOR_SETTINGS)
+def test_reducing_communicators_feed_back_exactly(communicator, options):
+    """Residual = corrected input - sent; small tensors exact despite fp16 values."""
+    names, size, steps = ["w", "b", "v"], 2, 3
+    compressions = [GradientCompression(dr.TopK(0.05), index="varint", value="fp16",
+                                        min_size=20, communicator=communicator,
+                                        communicator_options=options) for _ in range(size)]
+    grads = [[gradients(10 * step + r) for step in range(steps)] for r in range(size)]
+    previous = [{n: 0.0 for n in names} for _ in range(size)]
+
+    def rank_main(member):
+        r, c = member.rank, compressions[member.rank]
+        outputs = []
+        for step in range(steps):
+            corrected = [g + previous[r][n] for n, g in zip(names, grads[r][step])]
+            outputs.append(c.reduce_tensors(names, grads[r][step], transport=member))
+            for name, x in zip(names, corrected):
+                residual = c.memory.residual(name)
+                if x.size < 20:
+                    assert residual is None
+                    continue
+                sent = (x - residual).ravel()
+                # what counted of this rank's input is its top 5%, in fp16 where it
+                # was encoded (a rank's own range or blocks are used as they are)
+                kept, exact = np.flatnonzero(sent), x.ravel()
+                assert kept.size <= int(np.ceil(0.05 * x.size))
+                assert np.abs(exact[kept]).min() >= np.sort(np.abs(exact))[-kept.size]
+                rounded = exact.astype(np.float16).astype(np.float32)
+                assert np.all((sent[kept] == exact[kept]) | (sent[kept] == rounded[kept]))
+                previous[r][name] = residual
+        return outputs
+
+    per_rank = on_threads(size, rank_main)
+    for step in range(steps):
+        bias = per_rank[0][step][1]
+        assert np.array_equal(bias, grads[0][step][1] + grads[1][step][1])
+        for i in range(3):
+            assert np.array_equal(per_rank[0][step][i], per_rank[1][step][i])
+
+
+def test_block_threshold_spares_small_tensors():
+    c = [GradientCompression(None, index="varint", min_size=8, communicator="block",
+                             communicator_options={"block_size": 4, "threshold": 0.5})
+         for _ in range(2)]
+    small = np.array([0.25, 0, 0, 0.25], np.float32)
+    large = np.array([0.25, 0, 0, 0, 3, 0, 0, 0], np.float32)
+
+    def rank_main(member):
+        return c[member.rank].reduce_tensors(["s", "l"], [small, large], transport=member)
+
+    s, l = on_threads(2, rank_main)[0]
+    assert np.array_equal(s, 2 * small)             # below min_size: no threshold
+    assert np.array_equal(l, [0, 0, 0, 0, 6, 0, 0, 0])  # first block left behind
+    assert np.array_equal(c[0].memory.residual("l"), [0.25, 0, 0, 0, 0, 0, 0, 0])
+
+
+def test_reducing_communicators_reduce_sparse_inputs_to_rows():
+    shape = (6, 3)
+    a = dr.SparseTensor.from_pairs(np.ones(6, np.float32), [0, 1, 2, 12, 13, 14], shape)
+    b = dr.SparseTensor.from_pairs(np.full(3, -1, np.float32), [12, 13, 14], shape)
+    c = [GradientCompression(None, index="varint", min_size=0,
+                             communicator="sparse_allreduce") for _ in range(2)]
+
+    def rank_main(member):
+        return c[member.rank].reduce_tensors(["e"], [(a, b)[member.rank]], transport=member,
+                                             as_rows=[True])
+
+    (values, rows), = on_threads(2, rank_main)[1]
+    assert rows.tolist() == [0] and np.array_equal(values, [[1, 1, 1]])  # row 4 sums to 0
+
+
+def test_a_failing_rank_fails_every_rank():
+    c = [GradientCompression(None, index="varint", communicator="sparse_allreduce")
+         for _ in range(2)]
+
+    def rank_main(member):
+        x = np.ones(3 + member.rank, np.float32)       # shapes disagree
+        try:
+            c[member.rank].reduce_tensors(["x"], [x], transport=member)
+        except ValueError as exc:
+            return str(exc)
+
+    assert all("disagree" in message for message in on_threads(2, rank_main))
+    assert c[0].stats.total.steps == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"communicator": "ring"}, "communicator must be"),
+    ({"communicator_options": {"block_size": 4}}, "takes no options"),
+    ({"communicator": "block", "communicator_options": {"algorithm": "split"}},
+     "block_size, threshold"),
+    ({"communicator": "sparse_allreduce", "communicator_options": {"op": "sum"}},
+     "arguments of the wrappers"),
+    ({"communicator": "block", "communicator_options": {"block_size": 0}}, "block_size"),
+    ({"communicator": "block", "index": "bloom"}, "lossy"),
+    ({"communicator": "sparse_allreduce", "communicator_options": {"algorithm": "ring"}},
+     "algorithm"),
+])
+def test_bad_communicator_settings_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GradientCompression(**{"index": "varint", **kwargs})
+
+
+def test_allgather_communicator_has_no_reduce_tensors():
+    with pytest.raises(ValueError, match="encode_bundle"):
+        GradientCompression(index="varint").reduce_tensors(["x"], [np.ones(2)])
 
 
 # ------------------------------------------------------------ two Horovod ranks

@@ -1,10 +1,14 @@
-"""The framework-free half of the allgather communicator.
+"""The framework-free half of the communicators of the Horovod wrappers.
 
-All gradients of a step travel in one collective: every rank packs one
-payload per gradient into a **bundle**, the bundles are allgathered (Horovod
-concatenates them, whatever their lengths), and every rank splits the
-concatenation back into bundles, decodes every payload and sums them in rank
-order, so all ranks end with bit-identical results.
+All gradients of a step travel together. With the default **allgather**
+communicator (DeepReduce's scheme) every rank packs one payload per gradient
+into a **bundle**, the bundles are allgathered (Horovod concatenates them,
+whatever their lengths), and every rank splits the concatenation back into
+bundles, decodes every payload and sums them in rank order, so all ranks end
+with bit-identical results. With a **reducing** communicator of
+:mod:`deepreduce.collectives` (``"sparse_allreduce"``, SparCML's; ``"block"``,
+OmniReduce's) the selected entries of all gradients of one dtype are reduced in
+one set of collectives (:meth:`GradientCompression.reduce_tensors`).
 
 Bundle layout (format version 1)::
 
@@ -18,7 +22,15 @@ inconsistency raises :class:`~deepreduce.DecodeError`.
 :class:`GradientCompression` holds the configuration (sparsifier, codecs,
 error feedback, the size below which tensors travel uncompressed) and does the
 numpy work; :mod:`deepreduce.horovod.tensorflow` wraps it in TensorFlow ops
-around ``hvd.allgather``.
+around ``hvd.allgather`` (allgather) or runs the reducing communicator's
+collectives from one host call.
+
+Why two paths rather than ``collectives.AllgatherReduce`` for the default:
+the bundle carries one self-checking payload per gradient, so one allgather
+serves gradients of every dtype, each gradient gets its own pipeline (small
+ones go losslessly) and ``tf.IndexedSlices`` come back as the rows any rank
+touched; ``AllgatherReduce`` fuses the gradients of one dtype into a single
+payload and returns dense tensors.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import time
 
 import numpy as np
 
+from deepreduce import collectives
 from deepreduce.codecs._bits import read_varint, varint_decode_prefix, varint_encode, write_varint
 from deepreduce.errors import DecodeError
 from deepreduce.memory import ResidualMemory
@@ -37,11 +50,16 @@ from deepreduce.pipeline import DEFAULT_INDEX, DEFAULT_VALUE, Pipeline, decode
 from deepreduce.registry import get_codec, parse_spec
 from deepreduce.sparse import SparseTensor
 from deepreduce.sparsifiers import get_sparsifier
-from deepreduce.horovod.stats import CompressionStats
+from deepreduce.horovod.stats import CompressionStats, StepStats
 
 BUNDLE_MAGIC = b"DRB"
 BUNDLE_VERSION = 1
 _MAX_VARINT_BYTES = 10
+
+#: The communicators the Horovod wrappers accept, by name.
+COMMUNICATORS = ("allgather", "sparse_allreduce", "block")
+# what every reduction decides for itself: not options of a Compression
+_PER_CALL = ("pipeline", "op", "process_set", "transport")
 
 
 def pack_bundle(payloads) -> bytes:
@@ -157,6 +175,20 @@ class GradientCompression:
         rounding...), so runs are reproducible. The same seed on every rank
         makes RandomK draw the same coordinates everywhere; pass
         ``seed=base + hvd.rank()`` for independent draws.
+    communicator : {"allgather", "sparse_allreduce", "block"}, default "allgather"
+        How the gradients travel. ``"allgather"``: every rank's bundle to
+        every rank (:meth:`encode_bundle`, :meth:`decode_bundles`).
+        ``"sparse_allreduce"`` and ``"block"``: the communicators of
+        :mod:`deepreduce.collectives`, which reduce inside the collective
+        (:meth:`reduce_tensors`); error feedback and the sparsifier run here,
+        per gradient, and the communicator moves the selected entries of all
+        gradients of one dtype with the configured codecs. Small tensors
+        travel with the others when the codecs are lossless, otherwise in a
+        second, lossless reduction.
+    communicator_options : dict, optional
+        Settings of that communicator: ``algorithm`` (``"split"`` or
+        ``"recursive_doubling"``) for ``"sparse_allreduce"``; ``block_size``
+        and ``threshold`` for ``"block"``. ``"allgather"`` takes none.
 
     Examples
     --------
@@ -175,7 +207,8 @@ class GradientCompression:
     """
 
     def __init__(self, sparsifier=None, index=DEFAULT_INDEX, value=DEFAULT_VALUE,
-                 memory="residual", min_size: int = 1024, seed: int = 0):
+                 memory="residual", min_size: int = 1024, seed: int = 0,
+                 communicator: str = "allgather", communicator_options=None):
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         if isinstance(min_size, bool) or not isinstance(min_size, numbers.Integral) \
@@ -198,13 +231,35 @@ class GradientCompression:
         if memory is not None and not isinstance(memory, ResidualMemory):
             raise ValueError(f"memory must be 'residual', None or a ResidualMemory, got {memory!r}")
         self.memory = memory
+        self.communicator, self.communicator_options = _check_communicator(
+            communicator, communicator_options)
+        # the sparsifier runs per gradient in reduce_tensors; the communicator
+        # codes the selections with the configured codecs
+        self._wire_pipeline = Pipeline(None, index=self.pipeline.index_codec,
+                                      value=self.pipeline.value_codec)
+        # small tensors go without loss: blocks below a threshold would be dropped
+        self._small_options = ({**self.communicator_options, "threshold": 0.0}
+                               if "threshold" in self.communicator_options
+                               else self.communicator_options)
+        index_codec = self.pipeline.index_codec
+        # small tensors can share the reduction of the large ones when that loses nothing
+        self._small_ride_along = (index_codec is not None and index_codec.lossless
+                                  and self.pipeline.value_codec.lossless
+                                  and self._small_options == self.communicator_options)
+        if self.communicator != "allgather":
+            # build both now: a setting the communicator rejects (a lossy index
+            # codec for blocks, block_size=0) fails here, not at the first step
+            self._build_communicator("main")
+            self._build_communicator("small")
         self.stats = CompressionStats()
         self._lock = threading.Lock()
 
     def __repr__(self):
         memory = "None" if self.memory is None else f"ResidualMemory(beta={self.memory.beta})"
+        options = "".join(f", {k}={v!r}" for k, v in self.communicator_options.items())
         return (f"{type(self).__name__}({self.pipeline!r}, memory={memory}, "
-                f"min_size={self.min_size}, seed={self.seed})")
+                f"min_size={self.min_size}, seed={self.seed}, "
+                f"communicator={self.communicator!r}{options})")
 
     # -- one tensor -----------------------------------------------------------
     def encode_tensor(self, x, name: str | None = None) -> tuple[bytes, SparseTensor]:
@@ -214,21 +269,24 @@ class GradientCompression:
         on and a ``name``, the residual of ``name`` is added first and updated
         after (``input - received``).
         """
-        size = x.size if isinstance(x, SparseTensor) else np.size(x)
-        if size < self.min_size:
+        if _size(x) < self.min_size:
             return self.small_pipeline.encode(x)
         if self.memory is None or name is None:
             return self.pipeline.encode(x)
+        x = self._corrected(name, x)
+        payload, received = self.pipeline.encode(x)
+        self.memory.update(name, x, received)
+        return payload, received
+
+    def _corrected(self, name: str, x):
+        """``x`` plus the residual of ``name`` (error feedback on)."""
         if isinstance(x, SparseTensor):
             if name in self.memory:
                 # the residual is dense: its non-zeros join the sparse gradient's,
                 # and the sparsifier chooses among the union
                 x = SparseTensor.from_dense(self.memory.compensate(name, x))
-        else:
-            x = self.memory.compensate(name, x)
-        payload, received = self.pipeline.encode(x)
-        self.memory.update(name, x, received)
-        return payload, received
+            return x
+        return self.memory.compensate(name, x)
 
     # -- one step -------------------------------------------------------------
     def encode_bundle(self, names, tensors) -> bytes:
@@ -296,6 +354,167 @@ class GradientCompression:
         self.stats.record_decode(bytes_received=memoryview(gathered).nbytes,
                                  seconds=time.perf_counter() - start)
         return results
+
+    # -- one step, reduced inside the collective -------------------------------
+    def reduce_tensors(self, names, tensors, op="sum", process_set=None, transport=None,
+                       as_rows=None) -> list:
+        """Reduce this rank's gradients across ranks with the reducing communicator.
+
+        For ``communicator="sparse_allreduce"`` or ``"block"``. Every rank
+        calls this with the same names, shapes and dtypes, in the same order;
+        it returns when the reduction is complete (the collectives run on the
+        communicator's transport thread; a rank whose part fails makes every
+        rank raise).
+
+        Each gradient of ``min_size`` elements or more gets its residual
+        (error feedback), then the sparsifier; smaller ones send every
+        non-zero. The selections of all gradients of one dtype go through one
+        set of collectives (small ones through a second, lossless one when the
+        codecs are lossy), and the residual becomes exactly ``corrected
+        input - sent``, with ``sent`` as the communicator reports it.
+
+        Parameters
+        ----------
+        names, tensors
+            As for :meth:`encode_bundle`.
+        op : {"sum", "average"} or hvd.Sum / hvd.Average
+        process_set : horovod ProcessSet, optional
+            Reduce within this process set (the global one by default).
+        transport : deepreduce.collectives.Transport, optional
+            Instead of Horovod, e.g. a member of ``ThreadTransport.group(P)``.
+        as_rows : list of bool, optional
+            As for :meth:`decode_bundles`, except that the rows returned are
+            the non-zero rows of the reduced tensor.
+
+        Returns
+        -------
+        list
+            One reduced tensor per gradient (dtype of its values), equal on every rank.
+
+        Examples
+        --------
+        Two ranks played by threads (under ``horovodrun``, leave ``transport`` out):
+
+        >>> import numpy as np, deepreduce as dr
+        >>> from concurrent.futures import ThreadPoolExecutor
+        >>> from deepreduce.collectives import ThreadTransport
+        >>> from deepreduce.horovod.fusion import GradientCompression
+        >>> c = [GradientCompression(dr.TopK(2), index="varint", min_size=4,
+        ...                          communicator="sparse_allreduce") for _ in range(2)]
+        >>> def rank_main(member):
+        ...     grads = [np.array([0, 3, -1, 0, 2, 0], np.float32) * (member.rank + 1),
+        ...              np.ones(2, np.float32)]            # below min_size: exact
+        ...     return c[member.rank].reduce_tensors(["w", "b"], grads, transport=member)
+        >>> with ThreadPoolExecutor(2) as pool:
+        ...     w, b = list(pool.map(rank_main, ThreadTransport.group(2)))[0]
+        >>> w, b
+        (array([0., 9., 0., 0., 6., 0.], dtype=float32), array([2., 2.], dtype=float32))
+        >>> c[0].memory.residual("w")    # the entry TopK left behind, kept for the next step
+        array([ 0.,  0., -1.,  0.,  0.,  0.], dtype=float32)
+        """
+        if self.communicator == "allgather":
+            raise ValueError("communicator 'allgather' reduces with encode_bundle and "
+                             "decode_bundles")
+        if len(names) != len(tensors):
+            raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
+        as_rows = [False] * len(tensors) if as_rows is None else list(as_rows)
+        if len(as_rows) != len(tensors):
+            raise ValueError(f"as_rows has {len(as_rows)} entries for {len(tensors)} tensors")
+        with self._lock:
+            return self._reduce_tensors(list(names), list(tensors), op, process_set,
+                                        transport, as_rows)
+
+    def _build_communicator(self, kind, **per_call):
+        """The communicator of the large (``"main"``) or the small gradients."""
+        if kind == "small":
+            return collectives.get_communicator(self.communicator, pipeline=self.small_pipeline,
+                                                **self._small_options, **per_call)
+        return collectives.get_communicator(self.communicator, pipeline=self._wire_pipeline,
+                                            **self.communicator_options, **per_call)
+
+    def _reduce_tensors(self, names, tensors, op, process_set, transport, as_rows):
+        start = time.perf_counter()
+        selections, corrected, groups = [], {}, {}
+        dense_bytes = compressed = 0
+        for i, (name, x) in enumerate(zip(names, tensors)):
+            if _size(x) < self.min_size:
+                selected = self.small_pipeline.sparsify(x)[0]
+                kind = "main" if self._small_ride_along else "small"
+            else:
+                if self.memory is not None and name is not None:
+                    x = corrected[i] = self._corrected(name, x)
+                selected = self.pipeline.sparsify(x)[0]
+                kind = "main"
+                compressed += 1
+            selections.append(selected)
+            dense_bytes += selected.size * selected.dtype.itemsize
+            # insertion order is the order of the gradients: the same on every rank
+            groups.setdefault((kind, selected.dtype), []).append(i)
+        handles = []
+        for (kind, _), positions in groups.items():
+            # built per step: cheap (the Horovod transport is shared), and no
+            # communicator outlives the step accumulating its traffic
+            communicator = self._build_communicator(kind, op=op, process_set=process_set,
+                                                    transport=transport)
+            handles.append((positions, communicator.reduce_many_async(
+                [selections[i] for i in positions])))
+        encoded = time.perf_counter()
+        results, sent, received, failure = [None] * len(tensors), 0, 0, None
+        reductions = []
+        for positions, handle in handles:
+            try:  # wait for every group, so that a failing one leaves the ranks in step
+                group = handle.wait()
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                failure = failure or exc
+                continue
+            reductions += zip(positions, group)
+            sent += group[0].traffic.sent
+            received += group[0].traffic.received
+        if failure is not None:
+            raise failure
+        exchanged = time.perf_counter()
+        for i, reduction in reductions:
+            if i in corrected:
+                self.memory.update(names[i], corrected[i], reduction.sent)
+            results[i] = _nonzero_rows(reduction.output) if as_rows[i] else reduction.output
+        end = time.perf_counter()
+        self.stats.record_step(StepStats(
+            steps=1, tensors=len(tensors), compressed_tensors=compressed, bytes_sent=sent,
+            bytes_received=received, dense_bytes=dense_bytes, encode_seconds=encoded - start,
+            decode_seconds=end - exchanged, exchange_seconds=exchanged - encoded))
+        return results
+
+
+def _size(x) -> int:
+    return x.size if isinstance(x, SparseTensor) else int(np.size(x))
+
+
+def _check_communicator(name, options) -> tuple[str, dict]:
+    """The communicator's name and its options, checked against its constructor."""
+    if name not in COMMUNICATORS:
+        raise ValueError(f"communicator must be one of {', '.join(map(repr, COMMUNICATORS))}, "
+                         f"got {name!r}")
+    options = {} if options is None else dict(options)
+    if name == "allgather":
+        if options:
+            raise ValueError(f"communicator 'allgather' takes no options, got {sorted(options)}")
+        return name, options
+    accepted = [p for p in inspect.signature(collectives.COMMUNICATORS[name]).parameters
+                if p not in _PER_CALL]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        reason = (" (the pipeline is the Compression's own; op and process_set are "
+                  "arguments of the wrappers)" if set(unknown) & set(_PER_CALL) else "")
+        raise ValueError(f"communicator {name!r} takes the options {', '.join(accepted)}; "
+                         f"got {', '.join(unknown)}{reason}")
+    return name, options
+
+
+def _nonzero_rows(dense: np.ndarray):
+    """``(values, rows)`` of the rows of ``dense`` holding a non-zero (NaN counts)."""
+    flat = dense.reshape(dense.shape[0], int(np.prod(dense.shape[1:], dtype=np.int64)))
+    rows = np.flatnonzero((flat != 0).any(axis=1))
+    return dense[rows], rows.astype(np.int64)
 
 
 def _accumulator(dtype: np.dtype) -> np.dtype:

@@ -1,4 +1,4 @@
-"""Per-step traffic and timing of the allgather communicator.
+"""Per-step traffic and timing of the communicators of the Horovod wrappers.
 
 ``compression.stats`` is a :class:`CompressionStats`: ``last`` describes the
 latest completed step, ``total`` sums every step since the start (or the last
@@ -29,18 +29,25 @@ class StepStats:
         Of those, the ones large enough (``>= min_size`` elements) to go
         through the configured pipeline; the others travel losslessly.
     bytes_sent : int
-        Bytes this rank contributed to the collective: its bundle of payloads.
+        Bytes this rank contributed to the collectives. Allgather: its bundle
+        of payloads. Sparse allreduce and block: what it handed to the
+        alltoall and the allgather for the other ranks (``Reduction.traffic``).
     bytes_received : int
-        Bytes of all ranks' bundles that this rank decoded.
+        Allgather: the bytes of all ranks' bundles that this rank decoded (its
+        own included). Sparse allreduce and block: the bytes the collectives
+        brought from the other ranks.
     dense_bytes : int
         What the same gradients weigh dense (elements times item size): the
         bytes each rank contributes to Horovod's dense allreduce.
     encode_seconds, decode_seconds : float
         Wall time of error feedback + sparsification + encoding, and of
-        decoding + summing every rank's payloads.
+        decoding + summing every rank's payloads. Sparse allreduce and block
+        decode and sum inside the exchange (at the range owners, then the
+        gathered ranges): there ``decode_seconds`` is what follows it, the
+        residual update and unpacking.
     exchange_seconds : float
         Wall time from the end of encoding to the start of decoding: the
-        allgather, including waiting for the slowest rank.
+        collectives, including waiting for the slowest rank.
 
     Examples
     --------
@@ -141,6 +148,12 @@ class CompressionStats:
             if self._pending is not None:
                 step.exchange_seconds += max(0.0, now - seconds - self._encoded_at)
             self._pending = None
+            self.last = step
+            self.total = self.total + step
+
+    def record_step(self, step: StepStats) -> None:
+        """Record a whole step at once (the reducing communicators call this)."""
+        with self._lock:
             self.last = step
             self.total = self.total + step
 
