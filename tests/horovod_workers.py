@@ -71,8 +71,9 @@ def check_different_sizes(rank):
             "bytes_received": compression.stats.last.bytes_received}
 
 
-def check_error_feedback(rank):
-    compression = drh.Compression(dr.TopK(0.02), index=INDEX, value="fp16", min_size=0)
+def check_error_feedback(rank, value="fp16", communicator="allgather"):
+    compression = drh.Compression(dr.TopK(0.02), index=INDEX, value=value, min_size=0,
+                                  communicator=communicator)
     names, shapes = ["a", "b"], [(1000,), (40, 50)]
     rng = np.random.default_rng(7 + rank)
 
@@ -101,6 +102,68 @@ def check_error_feedback(rank):
             "residual_norm": [float(np.abs(r).sum()) for r in residuals],
             "delivered_checksum": float(sum(np.abs(d).sum() for d in delivered)),
             "ratio": compression.stats.last.ratio}
+
+
+#: Every communicator of the wrappers, by the key its findings are stored under.
+COMMUNICATORS = {"allgather": ("allgather", None),
+                 "sparse_allreduce": ("sparse_allreduce", None),
+                 "recursive_doubling": ("sparse_allreduce", {"algorithm": "recursive_doubling"}),
+                 "block": ("block", {"block_size": 64})}
+
+
+def check_communicators(rank):
+    """Lossless tape gradients equal Horovod's allreduce with every communicator.
+
+    The loss is linear in the variables, so each gradient is exactly a constant
+    of the rank: dense, below min_size, float64 and IndexedSlices (embedding
+    rows, one repeated) in one step.
+    """
+    rng = np.random.default_rng(300 + rank)
+
+    def coefficients(shape, density, dtype=np.float32):
+        c = rng.standard_normal(shape).astype(dtype)
+        c[rng.random(shape) > density] = 0
+        return tf.constant(c)
+
+    w = tf.Variable(tf.zeros((60, 40)), name="w")
+    b = tf.Variable(tf.zeros(30), name="b")
+    w64 = tf.Variable(tf.zeros((40, 30), tf.float64), name="w64")
+    emb = tf.Variable(tf.zeros((100, 8)), name="emb")
+    variables = [w, b, w64, emb]
+    cw, cb, c64 = coefficients((60, 40), 0.1), coefficients(30, 1.0), \
+        coefficients((40, 30), 0.5, np.float64)
+    ids = tf.constant([3, 7, 7, 42] if rank == 0 else [7, 90])
+    rows = coefficients((int(ids.shape[0]), 8), 1.0)
+
+    def loss_fn():
+        return (tf.reduce_sum(w * cw) + tf.reduce_sum(b * cb)
+                + tf.cast(tf.reduce_sum(w64 * c64), tf.float32)
+                + tf.reduce_sum(tf.gather(emb, ids) * rows))
+
+    with tf.GradientTape() as tape:
+        loss = loss_fn()
+    expected = [hvd.allreduce(tf.convert_to_tensor(g), op=hvd.Average)
+                for g in tape.gradient(loss, variables)]
+    out = {}
+    for key, (communicator, options) in COMMUNICATORS.items():
+        compression = lossless(min_size=100, communicator=communicator,
+                               communicator_options=options)
+
+        def reduced():
+            with tf.GradientTape() as tape:
+                loss = loss_fn()
+            tape = drh.DistributedGradientTape(tape, compression=compression)
+            return tape.gradient(loss, variables)
+
+        eager, graph = reduced(), tf.function(reduced)()
+        out[key] = {
+            "eager_equal": [equal(tf.convert_to_tensor(g), e) for g, e in zip(eager, expected)],
+            "graph_equal": [equal(tf.convert_to_tensor(g), e) for g, e in zip(graph, expected)],
+            "slices": [isinstance(g[3], tf.IndexedSlices) for g in (eager, graph)],
+            "steps": compression.stats.total.steps,
+            "bytes_sent": compression.stats.last.bytes_sent,
+            "dense_bytes": compression.stats.last.dense_bytes}
+    return out
 
 
 def check_indexed_slices(rank):
@@ -234,16 +297,21 @@ def weights_checksum(model):
 def check_keras_fit(rank, size, log_dir):
     x, y = digits_shard(rank, size)
     out = {}
-    for label, optimizer in (("new", tf.keras.optimizers.SGD(0.05, momentum=0.9)),
-                             ("legacy", tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9))):
-        compression = drh.Compression(dr.TopK(0.05), index=INDEX, value="fp16")
+    runs = (("new", tf.keras.optimizers.SGD(0.05, momentum=0.9), "allgather", 3),
+            ("legacy", tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9), "allgather", 3),
+            ("sparse_allreduce", tf.keras.optimizers.SGD(0.05, momentum=0.9),
+             "sparse_allreduce", 2))
+    for label, optimizer, communicator, epochs in runs:
+        compression = drh.Compression(dr.TopK(0.05), index=INDEX, value="fp16",
+                                      communicator=communicator)
         model = small_model()
         model.compile(optimizer=drh.DistributedOptimizer(optimizer, compression=compression),
                       loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
                      drh.CompressionStatsCallback(compression,
                                                   log_dir=log_dir if rank == 0 else None)]
-        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=callbacks)
+        history = model.fit(x, y, batch_size=32, epochs=epochs, verbose=0,
+                            callbacks=callbacks)
         out[label] = {"loss": history.history["loss"],
                       "dr_ratio": history.history.get("dr_ratio"),
                       "class_name": type(model.optimizer).__name__,
@@ -284,6 +352,9 @@ def main(out_dir):
     checks = [("lossless", lambda: check_lossless(rank)),
               ("different_sizes", lambda: check_different_sizes(rank)),
               ("error_feedback", lambda: check_error_feedback(rank)),
+              ("communicators", lambda: check_communicators(rank)),
+              ("sparse_allreduce_error_feedback",
+               lambda: check_error_feedback(rank, "raw", "sparse_allreduce")),
               ("indexed_slices", lambda: check_indexed_slices(rank)),
               ("tape_options", lambda: check_tape_options(rank)),
               ("misuse", lambda: check_misuse(rank)),

@@ -443,6 +443,32 @@ def test_topk_with_error_feedback_loses_no_mass(ranks):
     assert found[0]["delivered_checksum"] == found[1]["delivered_checksum"]
 
 
+def test_every_communicator_equals_horovod_allreduce(ranks):
+    found = findings(ranks, "communicators")
+    for f in found:
+        assert set(f) >= {"allgather", "sparse_allreduce", "recursive_doubling", "block"}
+        for key, run in f.items():
+            if key == "all_ranks":
+                continue
+            # w, b (below min_size), float64 w64, embedding IndexedSlices
+            assert run["eager_equal"] == [True] * 4, key
+            assert run["graph_equal"] == [True] * 4, key
+            assert run["slices"] == [True, True], key
+            assert run["steps"] == 2 and 0 < run["bytes_sent"], key
+            assert run["dense_bytes"] == 4 * (2400 + 30 + 800) + 8 * 1200, key
+
+
+def test_sparse_allreduce_error_feedback_loses_no_mass(ranks):
+    found = findings(ranks, "sparse_allreduce_error_feedback")
+    for f in found:
+        # raw values: the owners' sums round once, to float32
+        assert max(f["mass_error"]) < 1e-4
+        assert all(0 < r for r in f["residual_norm"])
+        assert all(a <= 40 and b <= 80 for a, b in f["nonzeros"])
+        assert f["ratio"] > 5
+    assert found[0]["delivered_checksum"] == found[1]["delivered_checksum"]
+
+
 def test_indexed_slices_stay_sparse(ranks):
     for f in findings(ranks, "indexed_slices"):
         assert f["local_is_slices"] and f["is_slices"]
@@ -475,15 +501,15 @@ def test_compression_in_plain_horovod_tape_fails_loudly(ranks):
 def test_keras_fit_reduces_the_loss(ranks):
     found = findings(ranks, "keras_fit")
     for f in found:
-        for generation in ("new", "legacy"):
-            run = f[generation]
-            assert run["loss"][-1] < 0.5 * run["loss"][0], generation
+        for label, epochs in (("new", 3), ("legacy", 3), ("sparse_allreduce", 2)):
+            run = f[label]
+            assert run["loss"][-1] < 0.5 * run["loss"][0], label
             assert run["class_name"] == "SGD"
-            assert run["steps"] == 3 * 29  # 899 samples per rank, batch 32, 3 epochs
-            assert len(run["dr_ratio"]) == 3 and min(run["dr_ratio"]) > 10
+            assert run["steps"] == epochs * 29  # 899 samples per rank, batch 32
+            assert len(run["dr_ratio"]) == epochs and min(run["dr_ratio"]) > 10, label
     assert found[0]["event_files"]  # TensorBoard events from the stats callback
-    for generation in ("new", "legacy"):
-        assert found[0][generation]["checksum"] == found[1][generation]["checksum"]
+    for label in ("new", "legacy", "sparse_allreduce"):
+        assert found[0][label]["checksum"] == found[1][label]["checksum"]
 
 
 def test_custom_loop_reduces_the_loss(ranks):

@@ -22,9 +22,23 @@ all of them and sums in rank order (dividing by the number of ranks for
 decoding are numpy code, run directly in eager mode and through
 ``tf.numpy_function`` inside ``tf.function`` and ``model.fit``.
 
+``Compression(communicator="sparse_allreduce")`` (SparCML) or ``"block"``
+(OmniReduce) reduces inside the collective instead, with the communicators of
+:mod:`deepreduce.collectives`: index ranges (or blocks) go to their owner
+ranks over ``hvd.alltoall``, are summed there and allgathered back, so what a
+rank receives no longer grows with the number of ranks. Error feedback, the
+sparsifier and the codecs stay as configured; all gradients of one dtype
+travel in one set of collectives::
+
+    compression = drh.Compression(dr.TopK(0.01), value="fp16",
+                                  communicator="sparse_allreduce")
+    compression = drh.Compression(communicator="block",
+                                  communicator_options={"block_size": 256})
+
 ``tf.IndexedSlices`` gradients (embeddings) are encoded as sparse tensors of the
 variable's shape, never densified, and come back as ``tf.IndexedSlices`` of the
-rows any rank touched (unless ``sparse_as_dense=True``).
+rows any rank touched (unless ``sparse_as_dense=True``); with sparse allreduce
+and block, of the rows whose reduced sum is non-zero.
 """
 
 from __future__ import annotations
@@ -87,9 +101,18 @@ class Compression(GradientCompression):
     memory : "residual", None or ResidualMemory, default "residual"
         Error feedback per variable (``residual = input - received``, exactly).
     min_size : int, default 1024
-        Gradients with fewer elements travel losslessly in the same bundle.
+        Gradients with fewer elements travel losslessly in the same bundle
+        (sparse allreduce and block: in the same reduction when the codecs
+        are lossless, else in a second, lossless one).
     seed : int, default 0
         Seed for sparsifiers/codecs named by spec strings that take one.
+    communicator : {"allgather", "sparse_allreduce", "block"}, default "allgather"
+        How the wrappers move the gradients: every rank's payloads to every
+        rank (DeepReduce), SparCML's sparse allreduce, or OmniReduce's block
+        reduction (see :mod:`deepreduce.collectives`).
+    communicator_options : dict, optional
+        ``{"algorithm": "recursive_doubling"}`` for sparse allreduce (default
+        ``"split"``); ``{"block_size": 256, "threshold": 0.0}`` for block.
 
     Notes
     -----
@@ -107,12 +130,19 @@ class Compression(GradientCompression):
     the bytes and times of every step this object compresses in the
     communicator: ``compression.stats.last.ratio``,
     ``compression.stats.as_dict()``.
+
+    With sparse allreduce, a lossy value codec rounds twice (what a rank
+    sends to a range owner, then the owner's sum); the residual holds the
+    first rounding exactly, the second is the same on every rank and not fed
+    back.
     """
 
     def __init__(self, sparsifier=None, index=DEFAULT_INDEX, value=DEFAULT_VALUE,
-                 memory="residual", min_size: int = 1024, seed: int = 0):
+                 memory="residual", min_size: int = 1024, seed: int = 0,
+                 communicator: str = "allgather", communicator_options=None):
         super().__init__(sparsifier, index=index, value=value, memory=memory,
-                         min_size=min_size, seed=seed)
+                         min_size=min_size, seed=seed, communicator=communicator,
+                         communicator_options=communicator_options)
 
     # -- Horovod's compressor protocol ---------------------------------------
     @_plain_python
@@ -172,8 +202,14 @@ def _source_keys(sources) -> list[str]:
     return keys
 
 
-class _AllgatherReducer:
-    """Reduces a list of gradients over one allgather of one bundle per rank."""
+class _Reducer:
+    """Reduces a list of gradients across ranks with the compression's communicator.
+
+    Allgather: one bundle per rank through one ``hvd.allgather`` between two
+    host calls (encode, decode). Sparse allreduce and block: one host call runs
+    the whole reduction, its collectives included (they are Horovod
+    operations of :mod:`deepreduce.collectives`, issued from its thread).
+    """
 
     def __init__(self, compression, op, sparse_as_dense, gradient_predivide_factor,
                  process_set):
@@ -209,10 +245,8 @@ class _AllgatherReducer:
             names.append(keys[i])
             templates.append(g)
 
-        compression, ranks = self.compression, self.process_set.size()
-        rank, average = self.process_set.rank(), self.op == hvd.Average
-
-        def encode(*arrays):
+        def unpack(arrays):
+            """The host arrays of the inputs as dense arrays and SparseTensors."""
             tensors, pos = [], 0
             for kind in kinds:
                 if kind == "dense":
@@ -221,12 +255,10 @@ class _AllgatherReducer:
                 else:
                     tensors.append(_slices_to_sparse(*arrays[pos:pos + 3]))
                     pos += 3
-            bundle = compression.encode_bundle(names, tensors)
-            return (np.frombuffer(bundle, dtype=np.uint8),)
+            return tensors
 
-        def decode_all(gathered):
-            reduced = compression.decode_bundles(gathered, ranks, rank, average,
-                                                 as_rows=[k == "rows" for k in kinds])
+        def pack(reduced):
+            """The reduced tensors as the flat list of host outputs (see ``tout``)."""
             outputs = []
             for kind, template, result in zip(kinds, templates, reduced):
                 if kind == "dense":
@@ -240,10 +272,31 @@ class _AllgatherReducer:
         tout = []
         for kind, template in zip(kinds, templates):
             tout += [template.dtype] if kind == "dense" else [template.values.dtype, tf.int64]
-        (bundle,) = _host_call(encode, inputs, [tf.uint8])
-        bundle.set_shape([None])
-        gathered = hvd.allgather(bundle, process_set=self.process_set)
-        outputs = _host_call(decode_all, [gathered], tout)
+        compression, as_rows = self.compression, [k == "rows" for k in kinds]
+        average = self.op == hvd.Average
+        if compression.communicator == "allgather":
+            ranks, rank = self.process_set.size(), self.process_set.rank()
+
+            def encode(*arrays):
+                bundle = compression.encode_bundle(names, unpack(arrays))
+                return (np.frombuffer(bundle, dtype=np.uint8),)
+
+            def decode_all(gathered):
+                return pack(compression.decode_bundles(gathered, ranks, rank, average,
+                                                       as_rows=as_rows))
+
+            (bundle,) = _host_call(encode, inputs, [tf.uint8])
+            bundle.set_shape([None])
+            gathered = hvd.allgather(bundle, process_set=self.process_set)
+            outputs = _host_call(decode_all, [gathered], tout)
+        else:
+            op, process_set = "average" if average else "sum", self.process_set
+
+            def reduce_all(*arrays):
+                return pack(compression.reduce_tensors(names, unpack(arrays), op, process_set,
+                                                       as_rows=as_rows))
+
+            outputs = _host_call(reduce_all, inputs, tout)
 
         reduced, pos = list(grads), 0
         for (i, _), kind, template in zip(todo, kinds, templates):
@@ -300,7 +353,10 @@ def _reduce_with_local(reducer, grads, sources, local_refs, scale_local_gradient
 @_plain_python
 def grouped_allreduce(tensors, compression=None, op=hvd.Average, names=None,
                       process_set=hvd.global_process_set, sparse_as_dense=False):
-    """Reduce several tensors across ranks in one allgather of deepreduce payloads.
+    """Reduce several tensors across ranks in one exchange of deepreduce payloads.
+
+    One allgather of one bundle per rank, or (``communicator=`` of the
+    compression) one set of sparse-allreduce or block collectives per dtype.
 
     Parameters
     ----------
@@ -320,7 +376,7 @@ def grouped_allreduce(tensors, compression=None, op=hvd.Average, names=None,
     list
         The reduced tensors (IndexedSlices stay IndexedSlices), equal on every rank.
     """
-    reducer = _AllgatherReducer(compression, op, sparse_as_dense, 1.0, process_set)
+    reducer = _Reducer(compression, op, sparse_as_dense, 1.0, process_set)
     tensors = list(tensors)
     if names is None:
         if reducer.compression.memory is not None:
@@ -332,7 +388,7 @@ def grouped_allreduce(tensors, compression=None, op=hvd.Average, names=None,
 
 def allreduce(tensor, compression=None, op=hvd.Average, name=None,
               process_set=hvd.global_process_set, sparse_as_dense=False):
-    """Reduce one tensor across ranks through deepreduce payloads and allgather.
+    """Reduce one tensor across ranks through deepreduce payloads.
 
     See :func:`grouped_allreduce`; ``name`` keys the error-feedback residual.
     """
@@ -379,11 +435,12 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     """A tape whose ``gradient()`` returns gradients reduced through deepreduce payloads.
 
     Drop-in replacement for ``hvd.DistributedGradientTape`` with the same
-    arguments. All gradients of one ``gradient()`` call travel in one bundle
-    per rank over one ``hvd.allgather``, so ``num_groups``/``groups`` (Horovod's
-    allreduce grouping) have nothing left to group and are accepted for
-    compatibility only, as are ``device_dense``/``device_sparse`` (codecs run
-    on the host CPU).
+    arguments. All gradients of one ``gradient()`` call travel together (one
+    bundle per rank over one ``hvd.allgather``, or one set of collectives per
+    dtype with the compression's ``communicator="sparse_allreduce"`` or
+    ``"block"``), so ``num_groups``/``groups`` (Horovod's allreduce grouping)
+    have nothing left to group and are accepted for compatibility only, as are
+    ``device_dense``/``device_sparse`` (codecs run on the host CPU).
 
     Parameters
     ----------
@@ -404,7 +461,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
         by the number of ranks, as Horovod does.
     """
     del device_dense, device_sparse, num_groups, groups  # one bundle; host codecs
-    reducer = _AllgatherReducer(compression, op, sparse_as_dense, gradient_predivide_factor,
+    reducer = _Reducer(compression, op, sparse_as_dense, gradient_predivide_factor,
                                 process_set)
     cls = type(gradtape.__class__.__name__, (_DistributedTapeMixin, gradtape.__class__), {})
     return cls(gradtape, reducer, gradtape._persistent, gradtape._watch_accessed_variables,
@@ -457,10 +514,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
 
     Drop-in replacement for ``horovod.tensorflow.keras.DistributedOptimizer``
     (Keras 2 / ``tf.keras``, new and legacy optimizers): ``model.fit`` and
-    ``optimizer.minimize`` reduce the gradients over one allgather per step.
+    ``optimizer.minimize`` reduce the gradients in one exchange per step
+    (through the compression's communicator).
     The returned optimizer has the wrapped optimizer's class name and config,
     so saved models load without deepreduce. ``name``, ``device_*``,
-    ``num_groups`` and ``groups`` are accepted for compatibility (one bundle
+    ``num_groups`` and ``groups`` are accepted for compatibility (one exchange
     per step leaves nothing to group); ``backward_passes_per_step`` must be 1.
     Gradients passed straight to ``apply_gradients`` are not reduced (as in
     Horovod): custom loops use :func:`DistributedGradientTape`.
@@ -475,7 +533,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     """
     del name, device_dense, device_sparse, num_groups, groups
     _check_unsupported(backward_passes_per_step, average_aggregated_gradients)
-    reducer = _AllgatherReducer(compression, op, sparse_as_dense, gradient_predivide_factor,
+    reducer = _Reducer(compression, op, sparse_as_dense, gradient_predivide_factor,
                                 process_set)
     base = optimizer.__class__
     # hook the methods this optimizer generation calls; same class name, so
