@@ -492,7 +492,7 @@ class BloomIndices(IndexCodec):
     >>> codec = BloomIndices(fpr=0.001, policy="p0")
     >>> data, received, values = codec.encode_selection(true, dense[true], n, dense)
     >>> bool(np.isin(true, received).all()), bool((values == dense[received]).all())
-    True True
+    (True, True)
     >>> bool((codec.decode(data, n, received.size) == received).all())
     True
     """
