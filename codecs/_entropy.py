@@ -20,8 +20,8 @@ Fixed-width fields
 Variable-width fields
     :func:`pack_varlen` / :func:`unpack_varlen`: values of given bit lengths
     written back to back; the reader gathers a 64-bit window per value.
-Bitmaps of positions
-    :func:`positions_to_bits` / :func:`bits_to_positions`.
+Set bits
+    :func:`set_bit_positions`: where the ones of a unary code are.
 Peeking
     :func:`byte_windows`: a big-endian 64-bit window starting at every byte,
     for table-driven decoders that look at the next few bits of many lanes.
@@ -358,17 +358,41 @@ def unpack_varlen(data, lengths: np.ndarray, what: str, bit_offset: int = 0,
 
 # ------------------------------------------------------------ bitmaps of positions
 
-def positions_to_bits(positions: np.ndarray, nbits: int) -> bytes:
-    """MSB-first bitmap of ``nbits`` bits with the given positions set."""
-    bits = np.zeros(nbits, dtype=np.uint8)
-    bits[positions] = 1
-    return np.packbits(bits).tobytes()
+def _bit_position_tables():
+    """Per byte value: the positions of its set bits (MSB = 0), padded, and which are real."""
+    byte = np.arange(256)[:, None]
+    present = ((byte >> (7 - np.arange(8))) & 1).astype(bool)
+    # A stable sort of "absent" puts each byte's set positions first, in order.
+    order = np.argsort(~present, axis=1, kind="stable").astype(np.int32)
+    valid = np.arange(8) < present.sum(axis=1, keepdims=True)
+    return order, valid
 
 
-def bits_to_positions(data, bit_offset: int = 0) -> np.ndarray:
-    """Positions (int64, relative to ``bit_offset``) of the set bits of ``data``."""
-    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8)[bit_offset >> 3:])
-    return np.flatnonzero(bits[bit_offset & 7:])
+_BIT_POSITIONS, _BIT_VALID = _bit_position_tables()
+
+
+def set_bit_positions(data, bit_offset: int = 0) -> np.ndarray:
+    """Positions of the set bits of ``data`` at or after ``bit_offset``, relative to it.
+
+    Each byte is expanded to its (padded) set-bit positions by an 8-entry
+    table row and the padding is dropped with one ``np.compress``: about a
+    quarter faster than ``flatnonzero(unpackbits(...))`` at the 50% density
+    of unary codes. Returns int32 (int64 for streams of 2**28 bytes or more).
+    """
+    chunk = np.frombuffer(data, dtype=np.uint8)[bit_offset >> 3:]
+    if chunk.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if chunk.size >= 1 << 28:
+        return np.flatnonzero(np.unpackbits(chunk)[bit_offset & 7:])
+    if bit_offset & 7:
+        chunk = chunk.copy()
+        chunk[0] &= 0xFF >> (bit_offset & 7)
+    positions = np.take(_BIT_POSITIONS, chunk, axis=0).reshape(-1)
+    byte_starts = np.arange(positions.size, dtype=np.int32)
+    positions += np.bitwise_and(byte_starts, -8, out=byte_starts)
+    positions = np.compress(np.take(_BIT_VALID, chunk, axis=0).reshape(-1), positions)
+    positions -= bit_offset & 7
+    return positions
 
 
 # ------------------------------------------------------------ geometric model

@@ -80,9 +80,11 @@ class AutoIndices(IndexCodec):
     kept, so ``auto`` is never more than one byte larger than any of them.
     Above that, sizes come from cheap estimates instead of trial encodings:
     exact closed forms for the bitmap, Golomb and run codes (one pass over
-    the gaps), the symbol histogram of a gap sample for Huffman, and a
-    trial of zstd on a slice of the set to detect repetitive structure
-    that only the LZ codecs exploit.
+    the gaps) and the symbol histogram of a gap sample for Huffman. The LZ
+    codecs, whose gains no histogram predicts, are tried on the whole set
+    only when they beat the best estimated codec on slices of it (see
+    :data:`LZ_SLICES`). The best estimate is encoded, and so is the
+    runner-up when within :data:`CLOSE_CALL` of it.
 
     Examples
     --------

@@ -60,9 +60,10 @@ class Split:
     binary remainders (uint16 up to 16 bits, else uint64) and the extra low
     bits of the long ones (uint8), so that :meth:`bits` and
     :func:`encode_fields` share the work. With ``consume=True`` the
-    quotients are computed in place in ``values`` (which the caller must
-    not use afterwards) and encoding reuses them again: fewer fresh pages
-    for large sets.
+    quotients are computed in place in ``values``, which the caller must
+    not use afterwards: fewer fresh pages for large sets. Encoding turns
+    the quotients into terminator positions in place, so a split encodes
+    once.
     """
 
     def __init__(self, values: np.ndarray, m: int, consume: bool = False):
@@ -84,7 +85,6 @@ class Split:
             remainders >>= long_codes
             self.heads[:] = remainders
             self.quotients = quotients
-        self.consumable = consume
 
     def bits(self) -> int:
         """Exact bit length of the coded fields (before byte padding)."""
@@ -116,8 +116,8 @@ def encode_fields(values: np.ndarray, m: int, split: Split | None = None) -> byt
     rest = split.heads[aligned:].astype(np.int64)
     # Value i's terminator follows all earlier codes' q + 1 unary bits: it
     # is bit cumsum(q + 1)[i] of a stream with one leading spare bit.
-    ends = np.add(split.quotients, 1, out=split.quotients if split.consumable else None)
-    split.consumable = split.quotients = None
+    ends, split.quotients = split.quotients, None
+    ends += 1
     np.cumsum(ends, out=ends)
     lead = rest.size * split.width
     prefix = lead + split.extra.size
@@ -132,7 +132,7 @@ def encode_fields(values: np.ndarray, m: int, split: Split | None = None) -> byt
 def decode_fields(data, count: int, m: int, what: str) -> tuple[np.ndarray, np.ndarray]:
     """Parse :func:`encode_fields` output of ``count >= 1`` values.
 
-    Returns ``(terminators, remainders)``: the int64 bit position of each
+    Returns ``(terminators, remainders)``: the bit position (int32 or int64) of each
     unary terminator within the unary part (so value ``i``'s quotient is
     ``terminators[i] - terminators[i-1] - 1``) and the remainders, as int16
     when ``m < 512`` (room for adding ``1 - m`` in place) and int64
@@ -148,28 +148,34 @@ def decode_fields(data, count: int, m: int, what: str) -> tuple[np.ndarray, np.n
     plane_bytes = aligned * width // 8
     remainders = np.empty(count, dtype=np.int16 if width <= 8 else np.int64)
     remainders[:aligned] = _entropy.unpack_planes(data, aligned, width)
-    tail = np.unpackbits(np.frombuffer(data, dtype=np.uint8, offset=plane_bytes)).view(bool)
+    tail = np.frombuffer(data, dtype=np.uint8, offset=plane_bytes)
+    tail_bits = 8 * tail.size
+    # The first bits of the tail: heads of the last count % 8 remainders,
+    # then the extra bits of the long remainders; the unary part follows.
     lead = (count - aligned) * width
     if lead:
+        bits = np.unpackbits(tail[:-(-lead // 8)])[:lead]
         weights = np.left_shift(1, np.arange(width - 1, -1, -1, dtype=np.int64))
-        remainders[aligned:] = tail[:lead].reshape(-1, width) @ weights
-        tail = tail[lead:]
+        remainders[aligned:] = bits.reshape(-1, width) @ weights
     else:
         remainders[aligned:] = 0
+    unary_start = lead
     if m & (m - 1):
         long_codes = np.flatnonzero(remainders >= threshold)
-        if tail.size < long_codes.size:
+        unary_start += long_codes.size
+        if tail_bits < unary_start:
             raise DecodeError(f"{what}: stream ends inside the remainder bits")
+        extra = np.unpackbits(tail[lead >> 3:-(-unary_start // 8)])
+        extra = extra[lead & 7:(lead & 7) + long_codes.size]
         # A long remainder r was sent as the width + 1 bits of r + threshold.
-        remainders[long_codes] += remainders[long_codes] + tail[:long_codes.size] - threshold
-        tail = tail[long_codes.size:]
-    terminators = np.flatnonzero(tail)
+        remainders[long_codes] += remainders[long_codes] + extra - threshold
+    terminators = _entropy.set_bit_positions(tail, unary_start)
     if terminators.size != count:
         raise DecodeError(f"{what}: unary part holds {terminators.size} terminators, "
                           f"expected {count} (truncated or corrupt)")
-    if tail.size - int(terminators[-1]) > 8:
-        raise DecodeError(f"{what}: {(tail.size - int(terminators[-1]) - 1) // 8} "
-                          f"trailing bytes after the last code")
+    if tail_bits - unary_start - int(terminators[-1]) > 8:
+        raise DecodeError(f"{what}: {(tail_bits - unary_start - int(terminators[-1]) - 1) // 8}"
+                          f" trailing bytes after the last code")
     return terminators, remainders
 
 
@@ -188,7 +194,7 @@ def decode_values(data, count: int, limit: int, what: str) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     m, offset = read_parameter(data, limit, what)
     terminators, remainders = decode_fields(data[offset:], count, m, what)
-    quotients = np.diff(terminators, prepend=-1) - 1
+    quotients = np.diff(terminators.astype(np.int64), prepend=-1) - 1
     if int(quotients.max()) >= limit // m + 1:
         raise DecodeError(f"{what}: a value exceeds {limit - 1}")
     quotients *= m
@@ -251,11 +257,11 @@ def decode_index_gaps(data, n: int, nnz: int, what: str) -> np.ndarray:
     if last >= n:
         raise DecodeError(f"{what}: gaps add up to index {last}, past n={n}")
     if m & (m - 1) == 0:
-        terminators <<= m.bit_length() - 1
+        indices = np.left_shift(terminators, m.bit_length() - 1, dtype=np.int64)
     else:
-        terminators *= m
-    terminators += running
-    return terminators
+        indices = np.multiply(terminators, m, dtype=np.int64)
+    indices += running
+    return indices
 
 
 @register_codec
