@@ -59,6 +59,35 @@ def _sub_codec(tag: int):
     return cls() if cls is not None else None
 
 
+def _size_floor(codec_id: str, indices: np.ndarray, n: int, run_count: int) -> int:
+    """A size in bytes the codec's stream cannot go below (from its documented layout).
+
+    Used only to skip trials, so a loose floor costs time, never size.
+    """
+    k = indices.size
+    if codec_id == "raw":
+        return 4 * k
+    if codec_id == "varint":
+        return k
+    if codec_id == "bitpack":
+        return k * max(n - 1, 0).bit_length() // 8
+    if codec_id == "bitmap":
+        return _entropy.packed_bytes(n)
+    if codec_id == "rle":
+        return 2 * run_count
+    if codec_id == "eliasfano":
+        # k low parts of floor(log2(n / k)) bits and k unary ones.
+        return k * (max(0, (n // k).bit_length() - 1) + 1) // 8
+    if codec_id == "runs":
+        # Three varints, then two Golomb streams of run_count codes each.
+        return 5 + 2 * (run_count // 8)
+    if codec_id == "huffman":
+        # Table, codes and offsets without the block lengths: one block.
+        precision = huffman.HuffmanIndices().precision
+        return huffman.estimate_bits(huffman.gap_values(indices), precision, k) // 8
+    return 0
+
+
 def complement(indices: np.ndarray, n: int) -> np.ndarray:
     """The sorted indices of ``[0, n)`` not in ``indices`` (allocates ``n`` bytes)."""
     mask = np.ones(n, dtype=bool)
@@ -113,20 +142,22 @@ class AutoIndices(IndexCodec):
         return self._estimate(indices, n)
 
     def _try_all(self, indices, n):
-        bitmap = TAGS.index("bitmap")
         best = None
         sets = [(0, indices)]
         if 2 * indices.size > n:
             sets.append((COMPLEMENT, complement(indices, n)))
         for flag, members in sets:
+            if members.size == 0:
+                return TRIAL_ORDER[0] | flag, b""
+            run_count = int(np.count_nonzero(np.diff(members) != 1)) + 1
             for tag in TRIAL_ORDER:
                 codec = _sub_codec(tag)
-                # A bitmap's size is known without building it, which
-                # matters when n is huge.
-                if codec is None or (tag == bitmap and best is not None
-                                     and _entropy.packed_bytes(n) >= len(best[1])):
+                # Skip codecs whose stream cannot be smaller than the best
+                # so far: saves most trials on small tensors.
+                if codec is None or (best is not None and _size_floor(
+                        TAGS[tag], members, n, run_count) >= len(best[1])):
                     continue
-                data = codec.encode(members, n) if members.size else b""
+                data = codec.encode(members, n)
                 if best is None or len(data) < len(best[1]):
                     best = (tag | flag, data)
         return best
