@@ -238,30 +238,32 @@ def _spread_tables() -> dict:
 _SPREAD = _spread_tables()
 
 
-def unpack_planes(data, count: int, width: int) -> np.ndarray:
+def unpack_planes(data, count: int, width: int, out: np.ndarray | None = None) -> np.ndarray:
     """Inverse of :func:`pack_planes` for ``count`` (a multiple of 8) values.
 
-    ``data`` must hold at least ``count * width / 8`` bytes (callers check);
-    the result is uint8 up to 8 bits, uint16 up to 16, else uint64. Each
-    plane is spread to one digit per byte by a 256-entry table lookup per
-    byte.
+    ``data`` must hold at least ``count * width / 8`` bytes (callers check).
+    The values go to ``out`` (any integer array of ``count`` elements wide
+    enough) or to a new array, uint8 up to 8 bits, uint16 up to 16, else
+    uint64. Each plane is spread to one digit per byte by a 256-entry table
+    lookup per byte.
     """
-    dtype = np.uint8 if width <= 8 else np.uint16 if width <= 16 else _U64
-    values = None
+    if out is None:
+        out = np.empty(count, dtype=np.uint8 if width <= 8 else
+                       np.uint16 if width <= 16 else _U64)
+    if width == 0:
+        out[:] = 0
     offset = 0
-    for part in plane_widths(width):
+    for number, part in enumerate(plane_widths(width)):
         nbytes = count * part // 8
         chunk = np.frombuffer(data, dtype=np.uint8, count=nbytes, offset=offset)
         offset += nbytes
         digits = chunk if part == 8 else np.take(_SPREAD[part], chunk).view(np.uint8)
-        if values is None:
-            values = digits.astype(dtype)
+        if number == 0:
+            out[:] = digits
         else:
-            values <<= dtype(part)
-            values |= digits
-    if values is None:
-        return np.zeros(count, dtype=dtype)
-    return values
+            out <<= part
+            out |= digits
+    return out
 
 
 # ------------------------------------------------------------ variable width

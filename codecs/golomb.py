@@ -147,7 +147,7 @@ def decode_fields(data, count: int, m: int, what: str) -> tuple[np.ndarray, np.n
     aligned = count & ~7
     plane_bytes = aligned * width // 8
     remainders = np.empty(count, dtype=np.int16 if width <= 8 else np.int64)
-    remainders[:aligned] = _entropy.unpack_planes(data, aligned, width)
+    _entropy.unpack_planes(data, aligned, width, out=remainders[:aligned])
     tail = np.frombuffer(data, dtype=np.uint8, offset=plane_bytes)
     tail_bits = 8 * tail.size
     # The first bits of the tail: heads of the last count % 8 remainders,
