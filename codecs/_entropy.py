@@ -17,6 +17,8 @@ Fixed-width fields
     :func:`pack_fixed` / :func:`unpack_fixed`: value ``i`` in stream bits
     ``[i*width, (i+1)*width)``. Eight values fill exactly ``width`` bytes,
     so both directions work on groups of eight with constant shifts.
+    :func:`pack_planes` / :func:`unpack_planes`: the same bits cut into
+    byte-aligned planes of 8, 4, 2 and 1 bits, decoded by table lookups.
 Variable-width fields
     :func:`pack_varlen` / :func:`unpack_varlen`: values of given bit lengths
     written back to back; the reader gathers a 64-bit window per value.
@@ -140,24 +142,21 @@ def _pack_narrow(values, width, groups) -> bytes:
     return out[:groups * width].tobytes()
 
 
-def unpack_fixed(data, count: int, width: int, what: str, exact: bool = True) -> np.ndarray:
+def unpack_fixed(data, count: int, width: int, what: str) -> np.ndarray:
     """Inverse of :func:`pack_fixed`; returns ``count`` values.
 
-    With ``exact`` (the default) ``data`` must be exactly the packed length
-    and its padding bits zero; otherwise only its first bytes are read (the
-    caller owns the bits that follow, as when another field continues in
-    the last byte). The result is uint16 for widths up to 8 (callers widen
-    it in their first arithmetic step), uint64 otherwise.
+    ``data`` must be exactly the packed length with zero padding bits. The
+    result is uint16 for widths up to 8 (callers widen it in their first
+    arithmetic step), uint64 otherwise.
     """
     nbytes = packed_bytes(count * width)
-    if len(data) < nbytes or (exact and len(data) != nbytes):
-        raise DecodeError(f"{what}: stream holds {len(data)} bytes, expected "
-                          f"{'' if exact else 'at least '}{nbytes} for {count} "
-                          f"values of {width} bits")
+    if len(data) != nbytes:
+        raise DecodeError(f"{what}: stream holds {len(data)} bytes, expected {nbytes} "
+                          f"for {count} values of {width} bits")
     if width == 0 or count == 0:
         return np.zeros(count, dtype=np.uint16)
     padding = 8 * nbytes - count * width
-    if exact and padding and data[nbytes - 1] & ((1 << padding) - 1):
+    if padding and data[nbytes - 1] & ((1 << padding) - 1):
         raise DecodeError(f"{what}: padding bits of the last byte are not zero")
     groups = -(-count // 8)
     if width <= 8:

@@ -406,3 +406,20 @@ def test_golomb_parameter_is_the_best_for_geometric_sources():
     assert golomb.choose_parameter(99.0, "rice") == 64
     assert huffman.gap_values(np.array([2, 3, 9])).tolist() == [3, 1, 6]
     assert runs.common_unit(np.array([64, 256]), np.array([128, 64])) == 64
+
+
+@given(width=st.integers(0, 40), groups=st.integers(0, 30), seed=st.integers(0, 2**32 - 1))
+@SETTINGS
+def test_bit_planes_round_trip_without_padding(width, groups, seed):
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 2**width, 8 * groups, dtype=np.uint64)
+    data = _entropy.pack_planes(values, width)
+    assert len(data) == groups * width
+    np.testing.assert_array_equal(_entropy.unpack_planes(data, values.size, width), values)
+
+
+@given(data=st.binary(max_size=300), offset=st.integers(0, 2500))
+@SETTINGS
+def test_set_bit_positions_match_unpackbits(data, offset):
+    expected = np.flatnonzero(np.unpackbits(np.frombuffer(data, dtype=np.uint8))[offset:])
+    np.testing.assert_array_equal(_entropy.set_bit_positions(data, offset), expected)
