@@ -313,32 +313,39 @@ class BloomFilter:
             return np.zeros(0, dtype=np.int64)
         chunk = min(_SCAN_CHUNK, n)
         hasher = RangeHasher(chunk)
-        # Three uint64 buffers and a mask, reused for every chunk: about 33
-        # bytes per position, so a 64K-position chunk stays in L2.
-        index_buffer = np.empty(chunk, dtype=np.uint64)
-        word_buffer = np.empty(chunk, dtype=np.uint64)
-        pattern_buffer = np.empty(chunk, dtype=np.uint64)
-        mask_buffer = np.empty(chunk, dtype=bool)
-        chunk_positions = np.arange(chunk, dtype=np.intp)
-        nwords = np.uint64(self.block_words)
-        low_bits = np.uint32(PATTERNS - 1)
+        # Three 8-byte buffers reused for every chunk (with the hasher's two
+        # 4-byte ones about 33 bytes per position, so a chunk stays in L2):
+        # ``wide`` holds h1 widened, then the word index, then the pattern;
+        # ``pattern_index`` and ``word`` what their names say.
+        wide = np.empty(chunk, dtype=np.uint64)
+        pattern_index = np.empty(chunk, dtype=np.int64)
+        word = np.empty(chunk, dtype=np.uint64)
+        passed = np.empty(chunk, dtype=bool)
+        nwords, shift = np.uint64(self.block_words), np.uint64(32)
+        low_bits = np.uint64(PATTERNS - 1)
+        words, masks = self.words, self.masks
         found, found_count = [], 0
         batch_positions, batch_h1, batch_size = [], [], 0
         for start in range(0, n, chunk):
             count = min(chunk, n - start)
             h1 = hasher.hash_range(start, count, self.seed, self.key_bytes)
-            index, word = index_buffer[:count], word_buffer[:count]
-            pattern, passed = pattern_buffer[:count], mask_buffer[:count]
-            np.multiply(h1, nwords, out=index, dtype=np.uint64)
-            np.right_shift(index, np.uint64(32), out=index)
-            np.take(self.words, index.view(np.int64), out=word, mode="clip")
-            np.bitwise_and(h1, low_bits, out=index, casting="unsafe")
-            np.take(self.masks, index.view(np.int64), out=pattern, mode="clip")
-            np.bitwise_and(word, pattern, out=word)
-            np.equal(word, pattern, out=passed)
-            survivors = np.compress(passed, chunk_positions[:count])  # beats flatnonzero
-            batch_positions.append(survivors + start)
+            if count < chunk:
+                wide, pattern_index = wide[:count], pattern_index[:count]
+                word, passed = word[:count], passed[:count]
+            # A plain widening copy then 8-byte arithmetic beats mixed-type
+            # ufuncs, which cast through small buffers.
+            np.copyto(wide, h1)
+            np.bitwise_and(wide, low_bits, out=pattern_index.view(np.uint64))
+            np.multiply(wide, nwords, out=wide)
+            np.right_shift(wide, shift, out=wide)
+            np.take(words, wide.view(np.int64), out=word, mode="clip")
+            np.take(masks, pattern_index, out=wide, mode="clip")
+            np.bitwise_and(word, wide, out=word)
+            np.equal(word, wide, out=passed)
+            survivors = np.flatnonzero(passed)
             batch_h1.append(h1[survivors])
+            survivors += start
+            batch_positions.append(survivors)
             batch_size += count
             if batch_size >= _SCAN_BATCH or start + count == n:
                 kept = self._probe_singles(np.concatenate(batch_positions),
