@@ -29,6 +29,10 @@ from deepreduce.registry import register_codec
 SYMBOLS_PER_WINDOW = 3
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def gap_values(indices: np.ndarray) -> np.ndarray:
     """``[i0 + 1, i1 - i0, i2 - i1, ...]``: the positive gaps (int64) of an index set."""
     values = np.empty_like(indices)
@@ -156,9 +160,9 @@ class HuffmanIndices(IndexCodec):
         Bits of each gap below its leading one that go into the symbol:
         more adapt better to the distribution, at a larger table.
     block : int, 8 to 4096
-        Symbols per independently decodable block (a multiple of 3 plus
-        one costs nothing extra; larger blocks cost fewer length bits but
-        decode with fewer parallel lanes).
+        Symbols per independently decodable block. Larger blocks store
+        fewer block lengths but decode with fewer parallel lanes and more
+        lockstep steps; multiples of 3 use every 64-bit window read fully.
 
     Examples
     --------
@@ -174,12 +178,12 @@ class HuffmanIndices(IndexCodec):
     codec_id = "huffman"
 
     def __init__(self, precision: int = 2, block: int = 128):
-        if not isinstance(precision, int) or not 0 <= precision <= 2:
+        if not _is_int(precision) or not 0 <= precision <= 2:
             raise ValueError(f"precision must be an integer in [0, 2], got {precision!r}")
-        if not isinstance(block, int) or not 8 <= block <= 4096:
+        if not _is_int(block) or not 8 <= block <= 4096:
             raise ValueError(f"block must be an integer in [8, 4096], got {block!r}")
-        self.precision = precision
-        self.block = block
+        self.precision = int(precision)
+        self.block = int(block)
 
     def encoded_bits(self, indices: np.ndarray) -> int:
         """Close estimate of ``8 * len(encode(indices, n))`` from the gap histogram."""

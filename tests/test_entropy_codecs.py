@@ -320,7 +320,7 @@ def test_huffman_rejects_incomplete_code_tables():
 def test_bad_arguments_raise_value_error():
     for spec in ({"id": "golomb", "mode": "fast"}, {"id": "huffman", "precision": 3},
                  {"id": "huffman", "block": 4}, {"id": "huffman", "block": 10_000},
-                 {"id": "huffman", "precision": 1.5}):
+                 {"id": "huffman", "precision": 1.5}, {"id": "huffman", "block": True}):
         with pytest.raises(ValueError):
             get_codec(spec, family="index")
     for name in ("golomb", "huffman", "runs", "auto"):
