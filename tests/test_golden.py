@@ -23,6 +23,13 @@ CASES = {
     "rle_fp32_f64": ((1000,), np.float64, dr.BlockTopK(0.1, block=16), "rle", "fp32"),
     "bitpack_raw_f32": ((1000,), np.float32, dr.TopK(k=40), "bitpack", "raw"),
     "raw_raw_empty": ((0,), np.float32, None, "raw", "raw"),
+    # auto's tag table names other codecs' default streams: these pin all of them
+    "auto_fp16_small": ((1000,), np.float32, dr.TopK(k=40), "auto", "fp16"),
+    "auto_raw_large": ((200_000,), np.float32, dr.TopK(0.01), "auto", "raw"),
+    "auto_raw_blocks": ((4096,), np.float32, dr.BlockTopK(0.25, block=64), "auto", "raw"),
+    "golomb_raw_f32": ((1000,), np.float32, dr.TopK(k=40), "golomb", "raw"),
+    "huffman_raw_f32": ((5000,), np.float32, dr.TopK(k=500), "huffman", "raw"),
+    "runs_raw_f32": ((4096,), np.float32, dr.BlockTopK(0.25, block=64), "runs", "raw"),
 }
 
 
