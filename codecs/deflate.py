@@ -12,10 +12,7 @@ import zlib
 
 import numpy as np
 
-from deepreduce.codecs import _bits
-from deepreduce.codecs.base import IndexCodec, ValueCodec, expect_length
-from deepreduce.codecs.floats import (check_nnz, check_values, shuffle_bytes, unshuffle_bytes,
-                                      value_dtype)
+from deepreduce.codecs._compressed import CompressedGapIndices, CompressedShuffledValues
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
@@ -55,7 +52,7 @@ def inflate(data, limit: int, what: str) -> bytes:
 
 
 @register_codec
-class DeflateIndices(IndexCodec):
+class DeflateIndices(CompressedGapIndices):
     """Gap varints (as in the ``varint`` codec) compressed with raw DEFLATE.
 
     Parameters
@@ -87,24 +84,14 @@ class DeflateIndices(IndexCodec):
     def __init__(self, level: int = 6):
         self.level = _check_level(level)
 
-    def encode(self, indices, n):
-        indices = _bits.check_indices(indices, n)
-        if indices.size == 0:
-            return b""
-        return deflate(_bits.varint_encode(_bits.gaps(indices)), self.level)
+    def _compress(self, data):
+        return deflate(data, self.level)
 
-    def decode(self, data, n, nnz):
-        what = "deflate indices"
-        n, nnz = _bits.check_counts(n, nnz, what)
-        if nnz == 0:
-            expect_length(data, 0, what)
-            return np.zeros(0, dtype=np.int64)
-        varints = inflate(data, _bits.varint_gap_bytes_bound(n, nnz), what)
-        return _bits.ungaps(_bits.varint_decode(varints, nnz, what), n, what)
-
+    def _decompress(self, data, limit, what):
+        return inflate(data, limit, what)
 
 @register_codec
-class DeflateValues(ValueCodec):
+class DeflateValues(CompressedShuffledValues):
     """Byte-shuffled values compressed with raw DEFLATE; lossless for every dtype.
 
     Parameters
@@ -130,20 +117,8 @@ class DeflateValues(ValueCodec):
     def __init__(self, level: int = 6):
         self.level = _check_level(level)
 
-    def encode(self, values):
-        values = check_values(values)
-        if values.size == 0:
-            return b""
-        return deflate(shuffle_bytes(values), self.level)
+    def _compress(self, data):
+        return deflate(data, self.level)
 
-    def decode(self, data, nnz, dtype):
-        dtype = value_dtype(dtype, DecodeError)
-        what = f"deflate {dtype.name} values"
-        nnz = check_nnz(nnz, what)
-        size = nnz * dtype.itemsize
-        if nnz == 0:
-            expect_length(data, 0, what)
-            return np.zeros(0, dtype=dtype)
-        shuffled = inflate(data, size, what)
-        expect_length(shuffled, size, what + " (decompressed)")
-        return unshuffle_bytes(shuffled, nnz, dtype)
+    def _decompress(self, data, limit, what):
+        return inflate(data, limit, what)

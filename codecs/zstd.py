@@ -13,10 +13,7 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from deepreduce.codecs import _bits
-from deepreduce.codecs.base import IndexCodec, ValueCodec, expect_length
-from deepreduce.codecs.floats import (check_nnz, check_values, shuffle_bytes, unshuffle_bytes,
-                                      value_dtype)
+from deepreduce.codecs._compressed import CompressedGapIndices, CompressedShuffledValues
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
@@ -72,7 +69,7 @@ def zstd_decompress(data, limit: int, what: str) -> bytes:
 
 
 @register_codec
-class ZstdIndices(IndexCodec):
+class ZstdIndices(CompressedGapIndices):
     """Gap varints (as in the ``varint`` codec) compressed with zstd.
 
     Parameters
@@ -106,24 +103,14 @@ class ZstdIndices(IndexCodec):
     def __init__(self, level: int = 3):
         self.level = _check_level(level)
 
-    def encode(self, indices, n):
-        indices = _bits.check_indices(indices, n)
-        if indices.size == 0:
-            return b""
-        return zstd_compress(_bits.varint_encode(_bits.gaps(indices)), self.level)
+    def _compress(self, data):
+        return zstd_compress(data, self.level)
 
-    def decode(self, data, n, nnz):
-        what = "zstd indices"
-        n, nnz = _bits.check_counts(n, nnz, what)
-        if nnz == 0:
-            expect_length(data, 0, what)
-            return np.zeros(0, dtype=np.int64)
-        varints = zstd_decompress(data, _bits.varint_gap_bytes_bound(n, nnz), what)
-        return _bits.ungaps(_bits.varint_decode(varints, nnz, what), n, what)
-
+    def _decompress(self, data, limit, what):
+        return zstd_decompress(data, limit, what)
 
 @register_codec
-class ZstdValues(ValueCodec):
+class ZstdValues(CompressedShuffledValues):
     """Byte-shuffled values compressed with zstd; lossless for every dtype.
 
     Parameters
@@ -149,20 +136,8 @@ class ZstdValues(ValueCodec):
     def __init__(self, level: int = 3):
         self.level = _check_level(level)
 
-    def encode(self, values):
-        values = check_values(values)
-        if values.size == 0:
-            return b""
-        return zstd_compress(shuffle_bytes(values), self.level)
+    def _compress(self, data):
+        return zstd_compress(data, self.level)
 
-    def decode(self, data, nnz, dtype):
-        dtype = value_dtype(dtype, DecodeError)
-        what = f"zstd {dtype.name} values"
-        nnz = check_nnz(nnz, what)
-        if nnz == 0:
-            expect_length(data, 0, what)
-            return np.zeros(0, dtype=dtype)
-        size = nnz * dtype.itemsize
-        shuffled = zstd_decompress(data, size, what)
-        expect_length(shuffled, size, what + " (decompressed)")
-        return unshuffle_bytes(shuffled, nnz, dtype)
+    def _decompress(self, data, limit, what):
+        return zstd_decompress(data, limit, what)
