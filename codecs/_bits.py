@@ -248,10 +248,13 @@ def write_varint(value: int) -> bytes:
             return bytes(out)
 
 
-def read_varint(data, offset: int, what: str = "varint") -> tuple[int, int]:
+def read_varint(data, offset: int, what: str = "varint",
+                limit: int = 2**64 - 1) -> tuple[int, int]:
     """Read one varint at ``offset``; return ``(value, offset_after_it)``.
 
     Same strictness as :func:`varint_decode_prefix`; reads at most 10 bytes.
+    A value above ``limit`` raises DecodeError too (header fields bound
+    themselves this way before anything is sized from them).
     """
     value = 0
     for group in range(MAX_VARINT_BYTES):
@@ -264,6 +267,8 @@ def read_varint(data, offset: int, what: str = "varint") -> tuple[int, int]:
                 raise DecodeError(f"{what}: varint not in its shortest form")
             if value >= 2**64:
                 raise DecodeError(f"{what}: varint overflows 64 bits")
+            if value > limit:
+                raise DecodeError(f"{what} = {value} exceeds its limit {limit}")
             return value, offset + group + 1
     raise DecodeError(f"{what}: varint longer than {MAX_VARINT_BYTES} bytes")
 

@@ -18,6 +18,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from deepreduce.codecs._bits import read_varint, write_varint
 from deepreduce.errors import DecodeError
 from deepreduce.sparse import CODE_DTYPES, DTYPE_CODES, MAX_SIZE
 
@@ -60,15 +61,6 @@ class Header:
         return bool(self.flags & FLAG_VALUE_ORDER)
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 class _Reader:
     """Bounded reads from the header bytes with DecodeError on every shortfall."""
 
@@ -82,16 +74,8 @@ class _Reader:
         return self.data[self.pos - 1]
 
     def varint(self, what: str, limit: int = MAX_SIZE) -> int:
-        value = shift = 0
-        for _ in range(10):
-            byte = self.byte(what)
-            value |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                if value > limit:
-                    raise DecodeError(f"header field {what} = {value} exceeds its limit {limit}")
-                return value
-            shift += 7
-        raise DecodeError(f"header field {what} is not a valid varint")
+        value, self.pos = read_varint(self.data, self.pos, f"header field {what}", limit)
+        return value
 
     def text(self, what: str) -> str:
         length = self.varint(f"{what} length", MAX_SPEC_LENGTH)
@@ -109,16 +93,16 @@ def _encode_spec(spec: str, what: str) -> bytes:
     raw = spec.encode("ascii")
     if len(raw) > MAX_SPEC_LENGTH:
         raise ValueError(f"{what} spec longer than {MAX_SPEC_LENGTH} bytes: {spec!r}")
-    return _varint(len(raw)) + raw
+    return write_varint(len(raw)) + raw
 
 
 def pack(dtype, shape, nnz: int, index_spec: str, value_spec: str,
          index_stream: bytes, value_stream: bytes, flags: int = 0) -> bytes:
     """Assemble one payload from its parts (no validation of the streams)."""
-    parts = [MAGIC, bytes((VERSION, flags, DTYPE_CODES[dtype])), _varint(len(shape))]
-    parts += [_varint(d) for d in shape]
-    parts += [_varint(nnz), _encode_spec(index_spec, "index"), _encode_spec(value_spec, "value"),
-              _varint(len(index_stream)), _varint(len(value_stream)), index_stream, value_stream]
+    parts = [MAGIC, bytes((VERSION, flags, DTYPE_CODES[dtype])), write_varint(len(shape))]
+    parts += [write_varint(d) for d in shape]
+    parts += [write_varint(nnz), _encode_spec(index_spec, "index"), _encode_spec(value_spec, "value"),
+              write_varint(len(index_stream)), write_varint(len(value_stream)), index_stream, value_stream]
     body = b"".join(parts)
     return body + _CRC.pack(zlib.crc32(body))
 

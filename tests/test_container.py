@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import deepreduce as dr
-from deepreduce import container
+from deepreduce.codecs._bits import write_varint
 from deepreduce.sparse import BFLOAT16
 
 FLOAT_DTYPES = [np.float16, np.float32, np.float64] + ([BFLOAT16] if BFLOAT16 is not None else [])
@@ -95,7 +95,7 @@ def test_bad_crc():
 
 def hand_made(shape=(100,), nnz=3, index_spec="varint", value_spec="raw", index_stream=b"\x01\x01\x01",
               value_stream=b"\0" * 12, index_length=None, value_length=None, flags=0, dtype=2):
-    w = container._varint
+    w = write_varint
     body = b"DR" + bytes((1, flags, dtype)) + w(len(shape)) + b"".join(w(d) for d in shape)
     body += w(nnz) + w(len(index_spec)) + index_spec.encode() + w(len(value_spec)) + value_spec.encode()
     body += w(len(index_stream) if index_length is None else index_length)

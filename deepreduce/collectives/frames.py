@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deepreduce import container
+from deepreduce.codecs._bits import read_varint, write_varint
 from deepreduce.errors import DecodeError
 from deepreduce.pipeline import decode as decode_payload
 from deepreduce.registry import get_codec
@@ -34,43 +35,18 @@ ERROR, SPARSE, DENSE, BLOCKS = 0, 1, 2, 3
 MAX_SIGNATURE = 1024
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint(view: memoryview, pos: int, what: str, limit: int) -> tuple[int, int]:
-    value = shift = 0
-    for _ in range(10):
-        if pos >= len(view):
-            raise DecodeError(f"frame truncated in {what}")
-        byte = view[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            if value > limit:
-                raise DecodeError(f"{what} = {value} exceeds its limit {limit}")
-            return value, pos
-        shift += 7
-    raise DecodeError(f"{what} is not a valid varint")
-
-
 def signed(signature: str, frame: bytes) -> bytes:
     """Prefix ``frame`` with ``signature``."""
     raw = signature.encode("ascii")
     if len(raw) > MAX_SIGNATURE:
         raise ValueError(f"signature longer than {MAX_SIGNATURE} bytes")
-    return _varint(len(raw)) + raw + frame
+    return write_varint(len(raw)) + raw + frame
 
 
 def read_signed(frame) -> tuple[str, memoryview]:
     """Split a signed frame into its signature and the frame proper."""
     view = memoryview(frame).cast("B")
-    length, pos = _read_varint(view, 0, "signature length", MAX_SIGNATURE)
+    length, pos = read_varint(view, 0, "signature length", MAX_SIGNATURE)
     if pos + length > len(view):
         raise DecodeError("frame truncated in the signature")
     try:
@@ -95,7 +71,7 @@ def dense_frame(value_stream: bytes, dtype, length: int, value_spec: str) -> byt
 
 def blocks_frame(index_stream: bytes, value_stream: bytes, dtype, blocks_in_range: int,
                  block_size: int, count: int, index_spec: str, value_spec: str) -> bytes:
-    return (bytes((BLOCKS,)) + _varint(block_size)
+    return (bytes((BLOCKS,)) + write_varint(block_size)
             + container.pack(dtype, (blocks_in_range, block_size), count, index_spec,
                              value_spec, index_stream, value_stream))
 
@@ -161,7 +137,7 @@ def read_frame(frame, length: int, dtype, block_size: int | None = None):
         _check_dtype(header, dtype, "dense frame")
         return _values(header, value_stream, length, dtype, "dense frame")
     if kind == BLOCKS and block_size is not None:
-        declared, pos = _read_varint(view, 1, "block size", 2**31)
+        declared, pos = read_varint(view, 1, "block size", 2**31)
         if declared != block_size:
             raise DecodeError(f"block frame uses blocks of {declared}, expected {block_size}")
         header, index_stream, value_stream = container.unpack(view[pos:])
