@@ -521,10 +521,19 @@ def _accumulator(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype.itemsize >= 8 else np.dtype(np.float32)
 
 
-def _finish(total: np.ndarray, scale, dtype) -> np.ndarray:
-    # Horovod's Average multiplies the sum by 1/size in double precision
+def _finish(total: np.ndarray, scale, dtype, touched=None) -> np.ndarray:
+    """Apply Horovod's Average (times 1/size in double precision) and cast to ``dtype``.
+
+    ``touched`` lists the positions that can be non-zero (repeats allowed):
+    only those are scaled, so a sparse sum into a large dense gradient does
+    not pay for a float64 copy of the whole tensor.
+    """
     if scale is not None:
-        total = np.multiply(total, scale, dtype=np.float64)
+        if touched is None:
+            total = np.multiply(total, scale, dtype=np.float64)
+        else:
+            # the right side is computed before any write: repeats scale once
+            total[touched] = np.multiply(total[touched], scale, dtype=np.float64)
     return total.astype(dtype, copy=False)
 
 
@@ -534,7 +543,8 @@ def _sum_dense(parts, scale) -> np.ndarray:
     total = np.zeros(first.size, dtype=_accumulator(first.dtype))
     for part in parts:
         total[part.indices] += part.values  # indices are unique within a part
-    return _finish(total, scale, first.dtype).reshape(first.shape)
+    touched = np.concatenate([part.indices for part in parts])
+    return _finish(total, scale, first.dtype, touched).reshape(first.shape)
 
 
 def _sum_rows(parts, scale):
