@@ -21,11 +21,14 @@ LEB128 varints (7 bits per byte, high bit set on every byte but the last)
     end offset), :func:`read_varint` / :func:`write_varint` (one scalar, for
     small headers), :func:`varint_gap_bytes_bound` (largest varint stream the
     gaps of ``nnz`` indices below ``n`` can need, a safe decompression limit).
-Fixed-width little-endian bit packing
-    :func:`pack_bits`, :func:`unpack_bits`, :func:`packed_size`. Value ``i``
-    occupies stream bits ``[i*width, (i+1)*width)``, least significant bit
-    first, stream bit ``b`` being bit ``b % 8`` of byte ``b // 8``; the
-    padding bits of the last byte are zero.
+Fixed-width bit packing, most significant bit first
+    :func:`pack_fixed`, :func:`unpack_fixed`, :func:`packed_bytes`. Value
+    ``i`` occupies stream bits ``[i*width, (i+1)*width)``, its most
+    significant bit first, stream bit ``b`` being bit ``7 - b % 8`` of byte
+    ``b // 8`` (``np.packbits``'s default order, the order of every
+    bitstream in :mod:`._entropy`); the padding bits of the last byte are
+    zero. Eight values fill exactly ``width`` bytes, so both directions work
+    on groups of eight with constant shifts.
 
 Examples
 --------
@@ -36,7 +39,10 @@ Examples
 '01ac02'
 >>> _bits.varint_decode(data, 2, "demo").tolist()
 [1, 300]
->>> _bits.unpack_bits(_bits.pack_bits(np.array([5, 2, 7], np.uint64), 3), 3, 3, "demo").tolist()
+>>> packed = _bits.pack_fixed(np.array([5, 2, 7], np.uint64), 3)
+>>> packed.hex()  # 101 010 111, MSB first
+'ab80'
+>>> _bits.unpack_fixed(packed, 3, 3, "demo").tolist()
 [5, 2, 7]
 >>> _bits.ungaps(_bits.gaps(np.array([3, 4, 9])), 10, "demo").tolist()
 [3, 4, 9]
@@ -56,6 +62,7 @@ MAX_UNIVERSE = 2**62
 MAX_VARINT_BYTES = 10
 
 _U64 = np.dtype("<u8")
+_BE64 = np.dtype(">u8")
 
 
 # ----------------------------------------------------------------- checks
@@ -287,72 +294,131 @@ def varint_gap_bytes_bound(n: int, nnz: int) -> int:
 
 # ----------------------------------------------------------------- bit packing
 
-def packed_size(count: int, width: int) -> int:
-    """Bytes taken by ``count`` values of ``width`` bits: ``ceil(count*width/8)``."""
-    return (count * width + 7) // 8
+def packed_bytes(nbits: int) -> int:
+    """Bytes holding ``nbits`` bits: ``ceil(nbits / 8)``."""
+    return (nbits + 7) // 8
 
 
-def pack_bits(values: np.ndarray, width: int) -> bytes:
-    """Pack unsigned integers into ``width`` bits each (0 <= width <= 64), little-endian.
+def _group_layout(width: int):
+    """Where each of the 8 values of a group sits: ``(word, shift_in_word)``.
 
-    Raises ValueError if a value does not fit in ``width`` bits.
+    A group of 8 values of ``width`` bits is ``width`` bytes, i.e. at most
+    ``width / 8`` uint64 words; value ``j`` starts at group bit ``j * width``.
+    """
+    return [((j * width) >> 6, (j * width) & 63) for j in range(8)]
+
+
+def pack_fixed(values: np.ndarray, width: int) -> bytes:
+    """Pack unsigned integers into ``width`` bits each (0 <= width <= 64), MSB first.
+
+    Returns ``packed_bytes(len(values) * width)`` bytes whose padding bits
+    are zero. Raises ValueError if ``width`` is out of range or a value does
+    not fit in ``width`` bits.
     """
     if not 0 <= width <= 64:
         raise ValueError(f"bit width must be in [0, 64], got {width}")
     values = np.ascontiguousarray(values, dtype=np.uint64)
-    if width == 0 or values.size == 0:
-        if values.size and values.any():
-            raise ValueError("values do not fit in 0 bits")
+    count = values.size
+    if count == 0:
         return b""
     if width < 64 and int(values.max()) >> width:
         raise ValueError(f"values do not fit in {width} bits (max {int(values.max())})")
-    bit_pos = np.arange(values.size, dtype=np.uint64) * np.uint64(width)
-    word = (bit_pos >> np.uint64(6)).astype(np.int64)
-    shift = bit_pos & np.uint64(63)
-    words = np.zeros((values.size * width + 63) // 64 + 1, dtype=_U64)
-    # Values sharing a word have disjoint bits, so OR-reducing each run of
-    # equal word numbers (they are sorted) assembles the word in one pass.
-    run_starts = np.flatnonzero(np.diff(word, prepend=-1))
-    words[word[run_starts]] = np.bitwise_or.reduceat(values << shift, run_starts)
-    # A value crossing a word boundary spills its top bits into the next
-    # word; at most one value spills into any word.
-    spills = np.flatnonzero(shift + np.uint64(width) > np.uint64(64))
-    words[word[spills] + 1] |= values[spills] >> (np.uint64(64) - shift[spills])
-    return words.tobytes()[:packed_size(values.size, width)]
+    if width == 0:
+        return b""
+    groups = -(-count // 8)
+    if width <= 8:
+        return _pack_narrow(values, width, groups)[:packed_bytes(count * width)]
+    lanes = np.zeros((groups, 8), dtype=np.uint64)
+    lanes.reshape(-1)[:count] = values
+    words_per_group = -(-width // 8)
+    words = np.zeros((groups, words_per_group), dtype=np.uint64)
+    for j, (word, shift) in enumerate(_group_layout(width)):
+        lane = lanes[:, j]
+        head = 64 - shift - width
+        if head >= 0:
+            words[:, word] |= lane << np.uint64(head)
+        else:
+            words[:, word] |= lane >> np.uint64(-head)
+            words[:, word + 1] |= lane << np.uint64(64 + head)
+    raw = words.astype(_BE64).view(np.uint8).reshape(groups, 8 * words_per_group)
+    return raw[:, :width].tobytes()[:packed_bytes(count * width)]
 
 
-def unpack_bits(data, count: int, width: int, what: str) -> np.ndarray:
-    """Inverse of :func:`pack_bits`; ``data`` must be exactly ``packed_size(count, width)`` bytes.
+def _pack_narrow(values, width, groups) -> bytes:
+    """Widths up to 8: a group of 8 values is one 64-bit word (its top ``8*width`` bits).
 
-    Raises DecodeError on a length mismatch or non-zero padding bits. With
-    ``width == 0`` the stream is empty whatever ``count`` is: callers must
-    bound ``count`` themselves before calling.
+    The words are stored at byte stride ``width``, so consecutive 8-byte
+    stores overlap; each word is first completed with the leading bytes of
+    the groups that follow it, making every overlapping store write the
+    same bytes, whatever order numpy stores them in.
+    """
+    if values.size != 8 * groups:
+        padded = np.zeros(8 * groups, dtype=np.uint64)
+        padded[:values.size] = values
+        values = padded
+    lanes = values.reshape(groups, 8)
+    words = lanes[:, 0] << np.uint64(64 - width)
+    for j in range(1, 8):
+        words |= lanes[:, j] << np.uint64(64 - (j + 1) * width)
+    for ahead in range(1, 8):
+        if 8 * width * ahead >= 64:
+            break
+        words[:-ahead] |= words[ahead:] >> np.uint64(8 * width * ahead)
+    out = np.zeros(groups * width + 8, dtype=np.uint8)
+    np.ndarray(shape=(groups,), dtype=_BE64, buffer=out, strides=(width,))[:] = words
+    return out[:groups * width].tobytes()
+
+
+def unpack_fixed(data, count: int, width: int, what: str) -> np.ndarray:
+    """Inverse of :func:`pack_fixed`; returns ``count`` values.
+
+    ``data`` must be exactly ``packed_bytes(count * width)`` bytes with zero
+    padding bits, else DecodeError. The result is uint16 for widths up to 8
+    (callers widen it in their first arithmetic step), uint64 otherwise.
+    With ``width == 0`` the stream is empty whatever ``count`` is: callers
+    must bound ``count`` themselves before calling.
     """
     if not 0 <= width <= 64:
         raise DecodeError(f"{what}: bit width {width} outside [0, 64]")
-    expected = packed_size(count, width)
-    if len(data) != expected:
-        raise DecodeError(f"{what}: bit-packed stream holds {len(data)} bytes, "
-                          f"expected {expected} for {count} values of {width} bits")
+    nbytes = packed_bytes(count * width)
+    if len(data) != nbytes:
+        raise DecodeError(f"{what}: stream holds {len(data)} bytes, expected {nbytes} "
+                          f"for {count} values of {width} bits")
     if width == 0 or count == 0:
-        return np.zeros(count, dtype=np.uint64)
-    padding = expected * 8 - count * width
-    if padding and data[-1] >> (8 - padding):
+        return np.zeros(count, dtype=np.uint16 if width <= 8 else np.uint64)
+    padding = 8 * nbytes - count * width
+    if padding and data[nbytes - 1] & ((1 << padding) - 1):
         raise DecodeError(f"{what}: padding bits of the last byte are not zero")
-    words = np.zeros((expected + 7) // 8 + 1, dtype=_U64)
-    words.view(np.uint8)[:expected] = np.frombuffer(data, dtype=np.uint8)
-    bit_pos = np.arange(count, dtype=np.uint64) * np.uint64(width)
-    word = (bit_pos >> np.uint64(6)).astype(np.int64)
-    shift = bit_pos & np.uint64(63)
-    values = words[word] >> shift
-    # Shifting a uint64 by 64 is undefined, so the next word only contributes
-    # where shift > 0; where the value did not cross, the extra bits are
-    # masked off below.
-    crossing = shift > 0
-    values[crossing] |= words[word[crossing] + 1] << (np.uint64(64) - shift[crossing])
-    if width < 64:
-        values &= np.uint64((1 << width) - 1)
-    return values
+    groups = -(-count // 8)
+    if width <= 8:
+        # Byte pairs as 16-bit words; value j of a group sits in pair
+        # (j*width) // 8 at a constant shift.
+        raw = np.zeros(groups * width + 1, dtype=np.uint8)
+        raw[:nbytes] = np.frombuffer(data, dtype=np.uint8, count=nbytes)
+        pairs = raw[:-1].astype(np.uint16) << 8
+        pairs |= raw[1:]
+        pairs = pairs.reshape(groups, width)
+        starts = np.arange(8) * width
+        lanes = pairs[:, starts >> 3]
+        lanes >>= (16 - (starts & 7) - width).astype(np.uint16)
+        lanes &= np.uint16((1 << width) - 1)
+        return lanes.reshape(-1)[:count]
+    words_per_group = -(-width // 8)
+    raw = np.zeros((groups, 8 * words_per_group), dtype=np.uint8)
+    flat = np.zeros(groups * width, dtype=np.uint8)
+    flat[:nbytes] = np.frombuffer(data, dtype=np.uint8, count=nbytes)
+    raw[:, :width] = flat.reshape(groups, width)
+    words = raw.view(_BE64).astype(np.uint64)
+    lanes = np.empty((groups, 8), dtype=np.uint64)
+    mask = np.uint64((1 << width) - 1)
+    for j, (word, shift) in enumerate(_group_layout(width)):
+        head = 64 - shift - width
+        if head >= 0:
+            lanes[:, j] = (words[:, word] >> np.uint64(head)) & mask
+        else:
+            lanes[:, j] = ((words[:, word] << np.uint64(-head))
+                           | (words[:, word + 1] >> np.uint64(64 + head))) & mask
+    return lanes.reshape(-1)[:count]
 
 
 # ----------------------------------------------------------------- bitmaps

@@ -14,11 +14,10 @@ elements of a stream.
 API
 ---
 Fixed-width fields
-    :func:`pack_fixed` / :func:`unpack_fixed`: value ``i`` in stream bits
-    ``[i*width, (i+1)*width)``. Eight values fill exactly ``width`` bytes,
-    so both directions work on groups of eight with constant shifts.
-    :func:`pack_planes` / :func:`unpack_planes`: the same bits cut into
-    byte-aligned planes of 8, 4, 2 and 1 bits, decoded by table lookups.
+    :func:`pack_planes` / :func:`unpack_planes`: the bits of
+    :func:`deepreduce.codecs._bits.pack_fixed` (which writes fixed-width
+    fields in this same MSB-first order) cut into byte-aligned planes of 8,
+    4, 2 and 1 bits, decoded by table lookups.
 Variable-width fields
     :func:`pack_varlen` / :func:`unpack_varlen`: values of given bit lengths
     written back to back; the reader gathers a 64-bit window per value.
@@ -43,11 +42,6 @@ Examples
 --------
 >>> import numpy as np
 >>> from deepreduce.codecs import _entropy
->>> data = _entropy.pack_fixed(np.array([5, 2, 7], np.uint64), 3)
->>> data.hex()  # 101 010 111, MSB first
-'ab80'
->>> _entropy.unpack_fixed(data, 3, 3, "demo").tolist()
-[5, 2, 7]
 >>> values, lengths = np.array([1, 0, 5], np.uint64), np.array([1, 2, 3])
 >>> packed, nbits = _entropy.pack_varlen(values, lengths)
 >>> packed.hex(), nbits  # 1 00 101
@@ -63,6 +57,7 @@ import math
 
 import numpy as np
 
+from deepreduce.codecs._bits import pack_fixed, packed_bytes, unpack_fixed
 from deepreduce.errors import DecodeError
 
 _U64 = np.uint64
@@ -71,123 +66,6 @@ _BE64 = np.dtype(">u8")
 #: Longest Huffman code built here. Decode tables have ``2**MAX_CODE_LENGTH``
 #: entries, and three codes plus a 7-bit misalignment fit in one 64-bit window.
 MAX_CODE_LENGTH = 15
-
-
-# ------------------------------------------------------------ fixed width
-
-def packed_bytes(nbits: int) -> int:
-    """Bytes holding ``nbits`` bits: ``ceil(nbits / 8)``."""
-    return (nbits + 7) // 8
-
-
-def _group_layout(width: int):
-    """Where each of the 8 values of a group sits: ``(word, shift_in_word)``.
-
-    A group of 8 values of ``width`` bits is ``width`` bytes, i.e. at most
-    ``width / 8`` uint64 words; value ``j`` starts at group bit ``j * width``.
-    """
-    return [((j * width) >> 6, (j * width) & 63) for j in range(8)]
-
-
-def pack_fixed(values: np.ndarray, width: int) -> bytes:
-    """Pack non-negative integers into ``width`` bits each (0 <= width <= 64), MSB first.
-
-    Values must already fit in ``width`` bits (callers compute them so); the
-    last byte's padding bits are zero. Returns ``ceil(len(values) * width / 8)`` bytes.
-    """
-    count = values.size
-    if width == 0 or count == 0:
-        return b""
-    groups = -(-count // 8)
-    if width <= 8:
-        return _pack_narrow(values, width, groups)[:packed_bytes(count * width)]
-    lanes = np.zeros((groups, 8), dtype=_U64)
-    lanes.reshape(-1)[:count] = values
-    words_per_group = -(-width // 8)
-    words = np.zeros((groups, words_per_group), dtype=_U64)
-    for j, (word, shift) in enumerate(_group_layout(width)):
-        lane = lanes[:, j]
-        head = 64 - shift - width
-        if head >= 0:
-            words[:, word] |= lane << _U64(head)
-        else:
-            words[:, word] |= lane >> _U64(-head)
-            words[:, word + 1] |= lane << _U64(64 + head)
-    raw = words.astype(_BE64).view(np.uint8).reshape(groups, 8 * words_per_group)
-    return raw[:, :width].tobytes()[:packed_bytes(count * width)]
-
-
-def _pack_narrow(values, width, groups) -> bytes:
-    """Widths up to 8: a group of 8 values is one 64-bit word (its top ``8*width`` bits).
-
-    The words are stored at byte stride ``width``, so consecutive 8-byte
-    stores overlap; each word is first completed with the leading bytes of
-    the groups that follow it, making every overlapping store write the
-    same bytes, whatever order numpy stores them in.
-    """
-    if values.size != 8 * groups:
-        padded = np.zeros(8 * groups, dtype=values.dtype)
-        padded[:values.size] = values
-        values = padded
-    lanes = values.reshape(groups, 8)
-    words = np.left_shift(lanes[:, 0], _U64(64 - width), dtype=_U64)
-    for j in range(1, 8):
-        words |= np.left_shift(lanes[:, j], _U64(64 - (j + 1) * width), dtype=_U64)
-    for ahead in range(1, 8):
-        if 8 * width * ahead >= 64:
-            break
-        words[:-ahead] |= words[ahead:] >> _U64(8 * width * ahead)
-    out = np.zeros(groups * width + 8, dtype=np.uint8)
-    np.ndarray(shape=(groups,), dtype=_BE64, buffer=out, strides=(width,))[:] = words
-    return out[:groups * width].tobytes()
-
-
-def unpack_fixed(data, count: int, width: int, what: str) -> np.ndarray:
-    """Inverse of :func:`pack_fixed`; returns ``count`` values.
-
-    ``data`` must be exactly the packed length with zero padding bits. The
-    result is uint16 for widths up to 8 (callers widen it in their first
-    arithmetic step), uint64 otherwise.
-    """
-    nbytes = packed_bytes(count * width)
-    if len(data) != nbytes:
-        raise DecodeError(f"{what}: stream holds {len(data)} bytes, expected {nbytes} "
-                          f"for {count} values of {width} bits")
-    if width == 0 or count == 0:
-        return np.zeros(count, dtype=np.uint16)
-    padding = 8 * nbytes - count * width
-    if padding and data[nbytes - 1] & ((1 << padding) - 1):
-        raise DecodeError(f"{what}: padding bits of the last byte are not zero")
-    groups = -(-count // 8)
-    if width <= 8:
-        # Byte pairs as 16-bit words; value j of a group sits in pair
-        # (j*width) // 8 at a constant shift.
-        raw = np.zeros(groups * width + 1, dtype=np.uint8)
-        raw[:nbytes] = np.frombuffer(data, dtype=np.uint8, count=nbytes)
-        pairs = raw[:-1].astype(np.uint16) << 8
-        pairs |= raw[1:]
-        pairs = pairs.reshape(groups, width)
-        starts = np.arange(8) * width
-        lanes = pairs[:, starts >> 3]
-        lanes >>= (16 - (starts & 7) - width).astype(np.uint16)
-        lanes &= np.uint16((1 << width) - 1)
-        return lanes.reshape(-1)[:count]
-    words_per_group = -(-width // 8)
-    raw = np.zeros((groups, 8 * words_per_group), dtype=np.uint8)
-    flat = np.zeros(groups * width, dtype=np.uint8)
-    flat[:nbytes] = np.frombuffer(data, dtype=np.uint8, count=nbytes)
-    raw[:, :width] = flat.reshape(groups, width)
-    words = raw.view(_BE64).astype(_U64)
-    lanes = np.empty((groups, 8), dtype=_U64)
-    mask = _U64((1 << width) - 1) if width < 64 else _U64(2**64 - 1)
-    for j, (word, shift) in enumerate(_group_layout(width)):
-        head = 64 - shift - width
-        if head >= 0:
-            lanes[:, j] = (words[:, word] >> _U64(head)) & mask
-        else:
-            lanes[:, j] = ((words[:, word] << _U64(-head))
-                           | (words[:, word + 1] >> _U64(64 + head))) & mask
-    return lanes.reshape(-1)[:count]
 
 
 # ------------------------------------------------------------ bit planes

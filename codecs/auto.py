@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepreduce.codecs import _bits, _entropy, golomb, huffman, runs
+from deepreduce.codecs import _bits, golomb, huffman, runs
 from deepreduce.codecs.base import IndexCodec, expect_length
 from deepreduce.errors import DecodeError
 from deepreduce.registry import registered_codecs, register_codec
@@ -72,7 +72,7 @@ def _size_floor(codec_id: str, indices: np.ndarray, n: int, run_count: int) -> i
     if codec_id == "bitpack":
         return k * max(n - 1, 0).bit_length() // 8
     if codec_id == "bitmap":
-        return _entropy.packed_bytes(n)
+        return _bits.packed_bytes(n)
     if codec_id == "rle":
         return 2 * run_count
     if codec_id == "eliasfano":
@@ -166,7 +166,7 @@ class AutoIndices(IndexCodec):
         gaps = golomb.index_gaps(indices)
         sizes = {}
         if _sub_codec(TAGS.index("bitmap")) is not None:
-            sizes[TAGS.index("bitmap")] = _entropy.packed_bytes(n)
+            sizes[TAGS.index("bitmap")] = _bits.packed_bytes(n)
         # Runs only pay when many neighbours are adjacent (gap 0).
         if 4 * np.count_nonzero(gaps == 0) > indices.size:
             sizes[TAGS.index("runs")] = runs.stream_size(indices)

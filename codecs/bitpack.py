@@ -9,7 +9,7 @@ from deepreduce.registry import register_codec
 
 @register_codec
 class BitpackIndices(IndexCodec):
-    """Each index in ``ceil(log2 n)`` bits, packed little-endian (see :mod:`._bits`).
+    """Each index in ``ceil(log2 n)`` bits, packed MSB first (see :mod:`._bits`).
 
     The width follows from ``n`` (``n = 1`` needs 0 bits, ``n = 2`` one bit),
     so the stream is exactly ``ceil(nnz * width / 8)`` bytes.
@@ -35,10 +35,10 @@ class BitpackIndices(IndexCodec):
 
     def encode(self, indices, n):
         indices = _bits.check_indices(indices, n)
-        return _bits.pack_bits(indices.astype("uint64"), self.width(n))
+        return _bits.pack_fixed(indices.astype("uint64"), self.width(n))
 
     def decode(self, data, n, nnz):
         what = "bitpack indices"
         n, nnz = _bits.check_counts(n, nnz, what)
-        values = _bits.unpack_bits(data, nnz, self.width(n), what)
+        values = _bits.unpack_fixed(data, nnz, self.width(n), what)
         return _bits.check_decoded_indices(values, n, what)

@@ -17,10 +17,12 @@ class EliasFanoIndices(IndexCodec):
     With ``l = max(0, floor(log2(n / nnz)))``, index ``i[k]`` splits into its
     low ``l`` bits and its high part ``h[k] = i[k] >> l``. The stream is
 
-    1. the ``nnz`` low parts, bit-packed ``l`` bits each (see :mod:`._bits`);
+    1. the ``nnz`` low parts, bit-packed ``l`` bits each, most significant
+       bit first (:func:`._bits.pack_fixed`);
     2. a bitmap of ``nnz + ((n - 1) >> l)`` bits with bit ``h[k] + k`` set
        for every ``k`` (the high parts in unary: the number of zeros before
-       the ``k``-th one is ``h[k]``).
+       the ``k``-th one is ``h[k]``), bit ``p`` being bit ``p % 8`` of byte
+       ``p // 8`` (:func:`._bits.positions_to_bitmap`).
 
     Both lengths follow from ``n`` and ``nnz``, so nothing else is stored;
     the total is about ``2 + log2(n / nnz)`` bits per index.
@@ -53,7 +55,7 @@ class EliasFanoIndices(IndexCodec):
         unary_bits = nnz + ((n - 1) >> low_bits)
         lows = indices.astype(np.uint64) & np.uint64((1 << low_bits) - 1)
         ones = (indices >> low_bits) + np.arange(nnz, dtype=np.int64)
-        return _bits.pack_bits(lows, low_bits) + _bits.positions_to_bitmap(ones, unary_bits)
+        return _bits.pack_fixed(lows, low_bits) + _bits.positions_to_bitmap(ones, unary_bits)
 
     def decode(self, data, n, nnz):
         what = "eliasfano indices"
@@ -63,7 +65,7 @@ class EliasFanoIndices(IndexCodec):
             return np.zeros(0, dtype=np.int64)
         low_bits = self.low_bits(n, nnz)
         unary_bits = nnz + ((n - 1) >> low_bits)
-        low_size = _bits.packed_size(nnz, low_bits)
+        low_size = _bits.packed_bytes(nnz * low_bits)
         expect_length(data, low_size + _bits.bitmap_size(unary_bits), what)
         ones = _bits.bitmap_to_positions(data[low_size:], unary_bits, what)
         if ones.size != nnz:
@@ -71,6 +73,6 @@ class EliasFanoIndices(IndexCodec):
         # The k-th one sits at h[k] + k, so h is non-decreasing and, the
         # bitmap being nnz + max_high bits long, at most max_high.
         highs = (ones - np.arange(nnz, dtype=np.int64)).astype(np.uint64)
-        lows = _bits.unpack_bits(data[:low_size], nnz, low_bits, what)
+        lows = _bits.unpack_fixed(data[:low_size], nnz, low_bits, what)
         indices = (highs << np.uint64(low_bits)) | lows
         return _bits.check_decoded_indices(indices, n, what)

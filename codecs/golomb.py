@@ -229,7 +229,7 @@ def mean_gap(indices: np.ndarray) -> float:
 
 def stream_size(split: Split) -> int:
     """Exact byte length of :func:`encode_index_gaps` output."""
-    return len(_bits.write_varint(split.m)) + _entropy.packed_bytes(split.bits())
+    return len(_bits.write_varint(split.m)) + _bits.packed_bytes(split.bits())
 
 
 def encode_index_gaps(split: Split) -> bytes:

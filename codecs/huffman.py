@@ -70,7 +70,7 @@ def estimate_bits(values: np.ndarray, precision: int, block: int) -> int:
     _, symbol_offset_bits = _entropy.bucket_base(precision)
     payload = int(counts @ (lengths + symbol_offset_bits))
     used = np.flatnonzero(counts)
-    table = 8 * (2 + _entropy.packed_bytes(4 * (int(used[-1]) - int(used[0]) + 1)))
+    table = 8 * (2 + _bits.packed_bytes(4 * (int(used[-1]) - int(used[0]) + 1)))
     blocks = -(-values.size // block)
     if blocks > 1:
         mean = float(counts @ lengths) / values.size
@@ -88,7 +88,7 @@ def _pack_block_lengths(block_bits: np.ndarray) -> bytes:
     low = int(lengths.min())
     width = int(lengths.max() - low).bit_length()
     return (_bits.write_varint(low) + bytes([width])
-            + _entropy.pack_fixed((lengths - low).astype(np.uint64), width))
+            + _bits.pack_fixed((lengths - low).astype(np.uint64), width))
 
 
 def _unpack_block_lengths(data, offset: int, blocks: int, limit: int,
@@ -102,10 +102,10 @@ def _unpack_block_lengths(data, offset: int, blocks: int, limit: int,
     offset += 1
     if low > limit or width > limit.bit_length():
         raise DecodeError(f"{what}: block lengths exceed {limit} bits")
-    size = _entropy.packed_bytes((blocks - 1) * width)
+    size = _bits.packed_bytes((blocks - 1) * width)
     if len(data) < offset + size:
         raise DecodeError(f"{what}: block length table truncated")
-    excess = _entropy.unpack_fixed(data[offset:offset + size], blocks - 1, width, what)
+    excess = _bits.unpack_fixed(data[offset:offset + size], blocks - 1, width, what)
     lengths = excess.astype(np.int64) + low
     if int(lengths.max()) > limit:
         raise DecodeError(f"{what}: block lengths exceed {limit} bits")
@@ -245,7 +245,7 @@ class HuffmanIndices(IndexCodec):
         if np.any(tail_lengths == 0):
             raise DecodeError(f"{what}: bits that start no code in the last block")
         code_end = int(starts[-1]) + int(tail_lengths.sum())
-        code_bytes = _entropy.packed_bytes(code_end)
+        code_bytes = _bits.packed_bytes(code_end)
         if code_bytes > len(stream):
             raise DecodeError(f"{what}: stream ends inside the codes")
         if code_end % 8 and stream[code_bytes - 1] & ((1 << (8 - code_end % 8)) - 1):
@@ -253,7 +253,7 @@ class HuffmanIndices(IndexCodec):
         _, symbol_offset_bits = _entropy.bucket_base(self.precision)
         offset_bits = np.take(symbol_offset_bits.astype(np.uint8), symbols)
         total = int(offset_bits.sum())
-        expected = code_bytes + _entropy.packed_bytes(total)
+        expected = code_bytes + _bits.packed_bytes(total)
         if len(stream) != expected:
             raise DecodeError(f"{what}: stream holds {len(stream)} bytes after the tables, "
                               f"the codes and offsets take {expected}")

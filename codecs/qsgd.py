@@ -20,8 +20,8 @@ L2 error is about 0.19 against 1.26).
 Stream: ``seed u32`` (the generator seed of this call: the codec's
 ``seed`` mixed with a per-call counter, so calls differ but a run is
 reproducible), the ``ceil(nnz / bucket)`` norms as little-endian float32,
-then one ``bits``-bit code per value, ``2 * l + negative``, packed least
-significant bit first (:func:`deepreduce.codecs._bits.pack_bits`). A code
+then one ``bits``-bit code per value, ``2 * l + negative``, packed most
+significant bit first (:func:`deepreduce.codecs._bits.pack_fixed`). A code
 with ``l = 0`` has its sign bit clear (every ``bits``-bit code holds a
 level ``<= s``, so no other code is invalid). A bucket holding an infinity or NaN
 has a non-finite norm and decodes to NaN.
@@ -201,7 +201,7 @@ class QSGDValues(ValueCodec):
         negative = (x < 0) & (levels > 0)
         codes = levels * np.uint64(2) + negative
         data = (_SEED.pack(seed) + norms.astype("<f4").tobytes()
-                + _bits.pack_bits(codes, self.bits))
+                + _bits.pack_fixed(codes, self.bits))
         return data, levels, negative, norms, values.dtype
 
     def encode(self, values):
@@ -217,14 +217,14 @@ class QSGDValues(ValueCodec):
         what = f"qsgd values (bits={self.bits}, bucket={self.bucket})"
         nnz = check_nnz(nnz, what)
         buckets = -(-nnz // self.bucket)
-        expected = _SEED.size + 4 * buckets + _bits.packed_size(nnz, self.bits)
+        expected = _SEED.size + 4 * buckets + _bits.packed_bytes(nnz * self.bits)
         if len(data) != expected:
             raise DecodeError(f"{what}: stream holds {len(data)} bytes, expected {expected} "
                               f"for {nnz} values")
         norms = np.frombuffer(data, dtype="<f4", count=buckets, offset=_SEED.size)
         if np.any(norms < 0):
             raise DecodeError(f"{what}: negative bucket norm")
-        codes = _bits.unpack_bits(data[_SEED.size + 4 * buckets:], nnz, self.bits, what)
+        codes = _bits.unpack_fixed(data[_SEED.size + 4 * buckets:], nnz, self.bits, what)
         levels, negative = codes >> np.uint64(1), (codes & np.uint64(1)).astype(bool)
         if np.any(negative & (levels == 0)):
             raise DecodeError(f"{what}: level 0 with the sign bit set")

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from deepreduce.codecs import _bits, _entropy, golomb
+from deepreduce.codecs import _bits, golomb
 from deepreduce.codecs.base import IndexCodec, expect_length
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
@@ -50,7 +50,7 @@ def run_fields(starts: np.ndarray, lengths: np.ndarray, unit: int):
 def _values_size(values: np.ndarray) -> int:
     """Exact length of ``golomb.encode_values(values)``."""
     m = golomb.choose_parameter(float(values.mean()))
-    return len(_bits.write_varint(m)) + _entropy.packed_bytes(golomb.field_bits(values, m))
+    return len(_bits.write_varint(m)) + _bits.packed_bytes(golomb.field_bits(values, m))
 
 
 def stream_size(indices: np.ndarray) -> int:

@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from deepreduce import container
-from deepreduce.codecs._bits import pack_bits, unpack_bits
+from deepreduce.codecs._bits import pack_fixed, unpack_fixed
 from deepreduce.errors import DecodeError
 from deepreduce.registry import get_codec
 from deepreduce.sparse import SparseTensor, check_dtype
@@ -95,7 +95,7 @@ class Pipeline:
             order = self.value_codec.order(st.values)
             value_stream, received_values = self.value_codec.encode_and_receive(st.values[order])
             indices = st.indices[order]
-            index_stream = pack_bits(indices.astype(np.uint64), _order_width(n))
+            index_stream = pack_fixed(indices.astype(np.uint64), _order_width(n))
             back = np.argsort(indices)
             received = SparseTensor._trusted(received_values[back], indices[back], st.shape)
             flags, index_spec = container.FLAG_VALUE_ORDER, ""
@@ -128,7 +128,7 @@ def decode(payload) -> SparseTensor:
     if index_codec is None:
         if header.index_spec:
             raise DecodeError("a value-ordered payload must have an empty index spec")
-        indices = unpack_bits(bytes(index_stream), nnz, _order_width(n),
+        indices = unpack_fixed(bytes(index_stream), nnz, _order_width(n),
                               "value-ordered indices").astype(np.int64)
         order = np.argsort(indices, kind="stable")
         indices, values = indices[order], values[order]

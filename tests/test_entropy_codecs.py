@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deepreduce as dr
-from deepreduce.codecs import _entropy, auto, golomb, huffman, runs
+from deepreduce.codecs import _bits, _entropy, auto, golomb, huffman, runs
 from deepreduce.errors import DecodeError
 from deepreduce.registry import get_codec, registered_codecs
 
@@ -344,11 +344,11 @@ def test_fixed_width_packing_is_msb_first(width, count, seed):
     rng = np.random.default_rng(seed)
     values = rng.integers(0, 2**63, count, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
     values = values >> np.uint64(64 - width) if width else values * np.uint64(0)
-    data = _entropy.pack_fixed(values, width)
+    data = _bits.pack_fixed(values, width)
     text = "".join(format(int(v), f"0{width}b") for v in values) if width else ""
     text += "0" * (-len(text) % 8)
     assert data == bytes(int(text[i:i + 8], 2) for i in range(0, len(text), 8))
-    np.testing.assert_array_equal(_entropy.unpack_fixed(data, count, width, "t"), values)
+    np.testing.assert_array_equal(_bits.unpack_fixed(data, count, width, "t"), values)
 
 
 @given(lengths=st.lists(st.integers(0, 64), max_size=40), seed=st.integers(0, 2**32 - 1))

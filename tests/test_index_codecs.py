@@ -133,11 +133,11 @@ def test_round_trip_moderate_universe(codec_id):
 @pytest.mark.parametrize("codec_id, indices, n, expected", [
     ("raw", [1, 5], 10, "0100000005000000"),
     ("raw", [1, 5], 2**31 + 1, "01000000000000000500000000000000"),
-    ("bitpack", [1, 5, 6], 8, "a901"),
+    ("bitpack", [1, 5, 6], 8, "3700"),         # 001 101 110, MSB first
     ("varint", [3, 4, 200], 1000, "0300c301"),
     ("bitmap", [0, 3, 9], 10, "0902"),
     ("rle", [2, 3, 4, 8], 10, "02020200"),
-    ("eliasfano", [3, 17, 18, 60], 64, "13c24d"),
+    ("eliasfano", [3, 17, 18, 60], 64, "312c4d"),  # lows 3 1 2 12, unary bits 0 2 3 6
 ])
 def test_wire_format_is_pinned(codec_id, indices, n, expected):
     assert codec(codec_id).encode(np.array(indices, dtype=np.int64), n).hex() == expected
@@ -333,15 +333,15 @@ def test_huge_nnz_with_short_stream_is_rejected_cheaply(codec_id):
     ("bitmap", b"\x01\x04", 10, 2),         # padding bit set
     ("bitmap", b"\x03\x00", 10, 1),         # popcount differs
     ("bitpack", b"\xff\x0f", 10, 3),        # wrong length for 3 x 4 bits
-    ("bitpack", b"\x23\x01", 10, 3),        # 3, 2, 1: not increasing
-    ("bitpack", b"\xf1", 10, 2),            # 1, 15: index 15 >= n
-    ("bitpack", b"\x21\x13", 10, 3),        # padding bits set
+    ("bitpack", b"\x32\x10", 10, 3),        # 3, 2, 1: not increasing
+    ("bitpack", b"\x1f", 10, 2),            # 1, 15: index 15 >= n
+    ("bitpack", b"\x12\x31", 10, 3),        # padding bits set
     ("raw", b"\x02\x00\x00\x00\x01\x00\x00\x00", 10, 2),  # decreasing
     ("raw", b"\x0a\x00\x00\x00", 10, 1),    # out of range
     ("raw", b"\xff\xff\xff\xff", 10, 1),    # negative
     ("eliasfano", b"\x00\x07", 10, 2),      # unary part holds 3 ones
-    ("eliasfano", b"\x07\x02", 10, 1),      # low 7, high 1: index 15 >= n
-    ("eliasfano", b"\x0f\x01", 10, 1),      # padding bit of the low part set
+    ("eliasfano", b"\xe0\x02", 10, 1),      # low 7, high 1: index 15 >= n
+    ("eliasfano", b"\xf0\x01", 10, 1),      # padding bit of the low part set
     ("eliasfano", b"\x00\x04", 10, 1),      # padding bit of the unary part set
 ])
 def test_specific_malformed_streams(codec_id, data, n, nnz):
@@ -351,7 +351,7 @@ def test_specific_malformed_streams(codec_id, data, n, nnz):
 
 def test_eliasfano_equal_highs_must_have_increasing_lows():
     # n=16, nnz=2: l=3 low bits; lows 5 then 2 with equal highs 0 -> 5, 2.
-    data = _bits.pack_bits(np.array([5, 2], np.uint64), 3) + _bits.positions_to_bitmap(
+    data = _bits.pack_fixed(np.array([5, 2], np.uint64), 3) + _bits.positions_to_bitmap(
         np.array([0, 1]), 2 + (15 >> 3))
     with pytest.raises(DecodeError, match="increasing"):
         codec("eliasfano").decode(data, 16, 2)
@@ -448,31 +448,35 @@ def test_largest_varint():
 
 @settings(max_examples=120, deadline=None)
 @given(width=st.integers(0, 64), count=st.integers(0, 200), seed=st.integers(0, 2**32 - 1))
-def test_pack_bits_matches_bit_matrix(width, count, seed):
+def test_pack_fixed_matches_bit_matrix(width, count, seed):
     rng = np.random.default_rng(seed)
     values = rng.integers(0, 2**64, size=count, dtype=np.uint64, endpoint=False)
     values &= np.uint64(2**width - 1) if width < 64 else np.uint64(2**64 - 1)
-    data = _bits.pack_bits(values, width)
-    assert len(data) == _bits.packed_size(count, width)
-    bit_matrix = (values[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)
-    reference = np.packbits(bit_matrix.astype(np.uint8).ravel(), bitorder="little").tobytes()
+    data = _bits.pack_fixed(values, width)
+    assert len(data) == _bits.packed_bytes(count * width)
+    # Row i holds value i's bits from the most significant down.
+    shifts = np.arange(width - 1, -1, -1, dtype=np.uint64)
+    bit_matrix = (values[:, None] >> shifts) & np.uint64(1)
+    reference = np.packbits(bit_matrix.astype(np.uint8).ravel()).tobytes()
     assert data == reference
-    np.testing.assert_array_equal(_bits.unpack_bits(data, count, width, "t"), values)
+    unpacked = _bits.unpack_fixed(data, count, width, "t")
+    assert unpacked.dtype == (np.uint16 if width <= 8 else np.uint64)
+    np.testing.assert_array_equal(unpacked, values)
 
 
-def test_pack_bits_errors():
+def test_pack_fixed_errors():
     with pytest.raises(ValueError):
-        _bits.pack_bits(np.array([8], np.uint64), 3)
+        _bits.pack_fixed(np.array([8], np.uint64), 3)
     with pytest.raises(ValueError):
-        _bits.pack_bits(np.array([1], np.uint64), 0)
+        _bits.pack_fixed(np.array([1], np.uint64), 0)
     with pytest.raises(ValueError):
-        _bits.pack_bits(np.array([1], np.uint64), 65)
+        _bits.pack_fixed(np.array([1], np.uint64), 65)
     with pytest.raises(DecodeError, match="expected 2"):
-        _bits.unpack_bits(b"\x00", 3, 5, "t")
-    with pytest.raises(DecodeError, match="padding"):
-        _bits.unpack_bits(b"\x00\x80", 3, 5, "t")
+        _bits.unpack_fixed(b"\x00", 3, 5, "t")
+    with pytest.raises(DecodeError, match="^t: padding"):
+        _bits.unpack_fixed(b"\x00\x01", 3, 5, "t")
     with pytest.raises(DecodeError):
-        _bits.unpack_bits(b"", 1, 65, "t")
+        _bits.unpack_fixed(b"", 1, 65, "t")
 
 
 @settings(max_examples=100, deadline=None)

@@ -170,7 +170,7 @@ def test_qsgd_rejects_non_canonical_codes():
     codec = QSGDValues(bits=3, bucket=4)
     clean = codec.encode(np.array([0.0, 0.0, 0.0, 1.0]))  # seed, norm, 12 bits of codes
     signed_zero = bytearray(clean)
-    signed_zero[8] |= 1  # the first value's code becomes level 0 with the sign bit
+    signed_zero[8] |= 0x20  # the first code (MSB first) becomes level 0 with the sign bit
     with pytest.raises(DecodeError, match="sign bit"):
         codec.decode(bytes(signed_zero), 4, np.float32)
     negative_norm = bytearray(clean)
