@@ -423,11 +423,6 @@ def unpack_fixed(data, count: int, width: int, what: str) -> np.ndarray:
 
 # ----------------------------------------------------------------- bitmaps
 
-def bitmap_size(nbits: int) -> int:
-    """Bytes of a bitmap of ``nbits`` bits: ``ceil(nbits / 8)``."""
-    return (nbits + 7) // 8
-
-
 def positions_to_bitmap(positions: np.ndarray, nbits: int) -> bytes:
     """Bitmap of ``nbits`` bits with the given (strictly increasing) positions set.
 
@@ -435,7 +430,7 @@ def positions_to_bitmap(positions: np.ndarray, nbits: int) -> bytes:
     ``bitorder="little"``). Costs O(len(positions)) plus zeroing the bitmap;
     never builds an ``nbits``-byte array.
     """
-    out = np.zeros(bitmap_size(nbits), dtype=np.uint8)
+    out = np.zeros(packed_bytes(nbits), dtype=np.uint8)
     positions = np.asarray(positions, dtype=np.int64)
     if positions.size:
         byte = positions >> 3
@@ -452,7 +447,7 @@ def bitmap_to_positions(data, nbits: int, what: str) -> np.ndarray:
     with zero padding bits. Only the non-zero bytes are expanded to bits, so
     sparse bitmaps decode in O(nbits / 8 + set bits).
     """
-    expected = bitmap_size(nbits)
+    expected = packed_bytes(nbits)
     if len(data) != expected:
         raise DecodeError(f"{what}: bitmap holds {len(data)} bytes, expected "
                           f"{expected} for {nbits} bits")

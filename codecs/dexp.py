@@ -179,7 +179,7 @@ class DoubleExpValues(ValueCodec):
         dtype = value_dtype(dtype, DecodeError)
         what = "dexp values"
         nnz = check_nnz(nnz, what)
-        expected = 4 * _PARAMS + _bits.bitmap_size(nnz)
+        expected = 4 * _PARAMS + _bits.packed_bytes(nnz)
         if len(data) != expected:
             raise DecodeError(f"{what}: stream holds {len(data)} bytes, expected {expected} "
                               f"for {nnz} values")

@@ -66,7 +66,7 @@ class EliasFanoIndices(IndexCodec):
         low_bits = self.low_bits(n, nnz)
         unary_bits = nnz + ((n - 1) >> low_bits)
         low_size = _bits.packed_bytes(nnz * low_bits)
-        expect_length(data, low_size + _bits.bitmap_size(unary_bits), what)
+        expect_length(data, low_size + _bits.packed_bytes(unary_bits), what)
         ones = _bits.bitmap_to_positions(data[low_size:], unary_bits, what)
         if ones.size != nnz:
             raise DecodeError(f"{what}: unary part has {ones.size} ones, expected {nnz}")

@@ -84,7 +84,7 @@ class SignValues(ValueCodec):
         what = f"sign values (bucket={self.bucket})"
         nnz = check_nnz(nnz, what)
         buckets = -(-nnz // self.bucket)
-        expected = 4 * buckets + _bits.bitmap_size(nnz)
+        expected = 4 * buckets + _bits.packed_bytes(nnz)
         if len(data) != expected:
             raise DecodeError(f"{what}: stream holds {len(data)} bytes, expected {expected} "
                               f"for {nnz} values")
