@@ -52,4 +52,4 @@ class AllgatherReduce(Communicator):
                  for r in range(transport.size)]
         if not all(isinstance(part, SparseTensor) for part in parts):
             raise DecodeError("allgather frames must hold sparse payloads")
-        return sum_sparse(parts, n, dtype).to_dense(), sent
+        return sum_sparse(parts, n, dtype).to_dense(), sent, "allgather"

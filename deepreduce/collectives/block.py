@@ -3,8 +3,9 @@
 The flat tensor is cut into blocks of ``block_size`` elements; a block is zero
 when every ``|x| <= threshold``. Only the non-zero blocks travel: their block
 numbers through the pipeline's (exact) index codec, their values, whole,
-through its value codec. The blocks are split over P owners in contiguous block
-ranges; each owner adds the blocks it receives (the union of the non-zero
+through its value codec. The blocks are dealt to the P owners in granules of
+whole blocks, round-robin (:class:`~deepreduce.collectives.base.Ownership`:
+hot low-numbered rows spread over all owners); each owner adds the blocks it receives (the union of the non-zero
 blocks stays block-sparse) and one allgather returns every reduced range,
 block-sparse or dense, whichever encodes smaller.
 
@@ -21,7 +22,7 @@ import numbers
 import numpy as np
 
 from deepreduce.collectives import frames
-from deepreduce.collectives.base import Communicator, check_peers, ranges
+from deepreduce.collectives.base import GRANULE, Communicator, Ownership, check_peers
 from deepreduce.collectives.frames import Blocks
 from deepreduce.errors import DecodeError
 from deepreduce.sparse import SparseTensor
@@ -61,6 +62,8 @@ class BlockReduce(Communicator):
     """
 
     name = "block"
+    #: Elements per granule of the owners' interleaved parts (rounded to whole blocks).
+    granule = GRANULE
 
     def __init__(self, pipeline=None, block_size=256, threshold=0.0, op="sum",
                  process_set=None, transport=None):
@@ -85,12 +88,11 @@ class BlockReduce(Communicator):
                 f"threshold={self.threshold}, op={self.op!r})")
 
     def _settings(self):
-        return {"block_size": self.block_size}
+        return {"block_size": self.block_size, "granule": self.granule}
 
-    def _layout(self, n, size):
-        """Block boundaries of the owners' ranges and the matching element boundaries."""
-        block_bounds = ranges(-(-n // self.block_size), size)
-        return block_bounds, np.minimum(block_bounds * self.block_size, n)
+    def _ownership(self, n, size):
+        """Granules of whole blocks: an owner's local index space holds whole blocks."""
+        return Ownership.of(n, size, self.granule, unit=self.block_size)
 
     def _blocks(self, st: SparseTensor) -> Blocks:
         """The non-zero blocks of ``st``: sorted block numbers and their full contents."""
@@ -107,35 +109,37 @@ class BlockReduce(Communicator):
         return Blocks(ids, rows)
 
     def _encode(self, inp, rank, size):
-        st = inp.selected
-        block_bounds, _ = self._layout(st.size, size)
+        st, block = inp.selected, self.block_size
+        owners = self._ownership(st.size, size)
         blocks = self._blocks(st)
-        cuts = np.searchsorted(blocks.ids, block_bounds).tolist()
+        order, cuts, local = owners.split(blocks.ids * block)
         index_codec, value_codec = self.pipeline.index_codec, self.pipeline.value_codec
-        per_rank, sent_rows, own = [], [], None
+        per_rank, own = [], None
+        sent_rows = np.empty_like(blocks.rows)
         for r in range(size):
-            ids = blocks.ids[cuts[r]:cuts[r + 1]] - block_bounds[r]
-            rows = blocks.rows[cuts[r]:cuts[r + 1]]
+            chosen = order[cuts[r]:cuts[r + 1]]
+            ids, rows = local[chosen] // block, blocks.rows[chosen]
             if r == rank:
                 own = Blocks(ids, rows)
                 per_rank.append(b"")
-                sent_rows.append(rows)
+                sent_rows[chosen] = rows
                 continue
-            blocks_in_range = int(block_bounds[r + 1] - block_bounds[r])
+            blocks_in_range = -(-owners.length(r) // block)
             index_stream = index_codec.encode(ids, blocks_in_range)
             value_stream, received = value_codec.encode_and_receive(rows.reshape(-1))
             per_rank.append(frames.blocks_frame(
-                index_stream, value_stream, st.dtype, blocks_in_range, self.block_size,
+                index_stream, value_stream, st.dtype, blocks_in_range, block,
                 ids.size, index_codec.spec(), value_codec.spec()))
-            sent_rows.append(np.asarray(received, dtype=st.dtype).reshape(rows.shape))
-        sent = Blocks(blocks.ids, np.concatenate(sent_rows))
-        return per_rank, own, _expand(sent, self.block_size, 0, st.size, st.shape)
+            sent_rows[chosen] = np.asarray(received, dtype=st.dtype).reshape(rows.shape)
+        sent = Blocks(blocks.ids, sent_rows)
+        return per_rank, own, _expand(sent, block, 0, st.size, st.shape)
 
     def _communicate(self, transport, inp, signature, plan, traffic):
         per_rank, own, sent = plan
         rank, size, dtype, n = transport.rank, transport.size, inp.dtype, inp.selected.size
-        block_bounds, bounds = self._layout(n, size)
-        length = int(bounds[rank + 1] - bounds[rank])
+        block = self.block_size
+        owners = self._ownership(n, size)
+        length = owners.length(rank)
         signed = [b"" if r == rank else frames.signed(signature, f)
                   for r, f in enumerate(per_rank)]
         received = transport.alltoall(signed, traffic, "scatter")
@@ -143,28 +147,27 @@ class BlockReduce(Communicator):
                              signature, rank)
         parts = []  # in rank order, as every sum here
         for r in range(size):
-            decoded = own if r == rank else frames.read_frame(bodies[r], length, dtype,
-                                                              self.block_size)
+            decoded = own if r == rank else frames.read_frame(bodies[r], length, dtype, block)
             if not isinstance(decoded, Blocks):
                 raise DecodeError(f"rank {r} sent a frame that holds no blocks")
             parts.append(decoded)
-        reduced = _sum_blocks(parts, self.block_size, dtype)
-        frame, mine = self._encode_reduced(reduced, int(block_bounds[rank + 1] -
-                                                        block_bounds[rank]), length, dtype)
+        reduced = _sum_blocks(parts, block, dtype)
+        frame, mine = self._encode_reduced(reduced, -(-length // block), length, dtype)
         gathered = transport.allgather(frame, traffic, "gather")
         output = np.zeros(n, dtype=dtype)
         for r in range(size):
-            start, end = int(bounds[r]), int(bounds[r + 1])
-            decoded = mine if r == rank else frames.read_frame(gathered[r], end - start, dtype,
-                                                               self.block_size)
+            decoded = mine if r == rank else frames.read_frame(gathered[r], owners.length(r),
+                                                               dtype, block)
             if isinstance(decoded, Blocks):
-                part = _expand(decoded, self.block_size, start, end, (n,))
+                # granules hold whole blocks: a block's elements follow its first one
+                starts = owners.to_global(r, decoded.ids * block)
+                part = _expand(Blocks(starts // block, decoded.rows), block, 0, n, (n,))
                 output[part.indices] = part.values
             elif isinstance(decoded, np.ndarray):
-                output[start:end] = decoded
+                owners.place(output, r, decoded)
             else:
                 raise DecodeError(f"rank {r} gathered a frame that holds no blocks")
-        return output, sent
+        return output, sent, "block"
 
     def _encode_reduced(self, reduced: Blocks, blocks_in_range, length, dtype):
         """Blocks frame, or the dense range when that is smaller; and what receivers get."""

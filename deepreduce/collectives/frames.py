@@ -12,6 +12,8 @@
                    (blocks in range, block_size) whose nnz rows are the non-zero
                    blocks: the index stream holds their block numbers, the value
                    stream their nnz * block_size values, row after row
+    kind 4 COUNTS  body = varint nnz | varint index bytes | varint value bytes:
+                   what ``algorithm="auto"`` agrees on before it chooses
 
 The first frame of every reduction also carries the sender's signature
 (``varint length | ASCII``, see :func:`signed`), so that ranks which disagree
@@ -31,7 +33,7 @@ from deepreduce.errors import DecodeError
 from deepreduce.pipeline import decode as decode_payload
 from deepreduce.registry import get_codec
 
-ERROR, SPARSE, DENSE, BLOCKS = 0, 1, 2, 3
+ERROR, SPARSE, DENSE, BLOCKS, COUNTS = 0, 1, 2, 3, 4
 MAX_SIGNATURE = 1024
 
 
@@ -74,6 +76,24 @@ def blocks_frame(index_stream: bytes, value_stream: bytes, dtype, blocks_in_rang
     return (bytes((BLOCKS,)) + write_varint(block_size)
             + container.pack(dtype, (blocks_in_range, block_size), count, index_spec,
                              value_spec, index_stream, value_stream))
+
+
+def counts_frame(nnz: int, index_bytes: int, value_bytes: int) -> bytes:
+    return bytes((COUNTS,)) + write_varint(nnz) + write_varint(index_bytes) \
+        + write_varint(value_bytes)
+
+
+def read_counts(frame, n: int) -> tuple[int, int, int]:
+    """``(nnz, index bytes, value bytes)`` of a COUNTS frame about a tensor of ``n`` elements."""
+    view = memoryview(frame).cast("B")
+    if not len(view) or view[0] != COUNTS:
+        raise DecodeError(f"expected a counts frame, got kind {view[0] if len(view) else None}")
+    nnz, pos = read_varint(view, 1, "non-zeros", n)
+    index_bytes, pos = read_varint(view, pos, "index bytes", 2**62)
+    value_bytes, pos = read_varint(view, pos, "value bytes", 2**62)
+    if pos != len(view):
+        raise DecodeError(f"counts frame has {len(view) - pos} trailing bytes")
+    return nnz, index_bytes, value_bytes
 
 
 @dataclass

@@ -1,16 +1,21 @@
-"""SparCML's sparse allreduce, SSAR_Split_allgather, with the switch to DSAR.
+"""SparCML's sparse allreduce: SSAR_Split_allgather (with DSAR), SSAR_Recursive_double,
+and the choice between them and a plain allgather from the alpha-beta cost model.
 
-1. **Split.** Each rank cuts its sparse input into P contiguous index ranges;
-   range r is encoded as a deepreduce payload (indices re-based to the range)
-   and sent to its owner, rank r, in one ``alltoall``.
+``algorithm="split"``:
+
+1. **Split.** The index space is dealt to the P owners in granules
+   (:class:`~deepreduce.collectives.base.Ownership`: round-robin, so that hot
+   low indices spread over all owners); each rank encodes the part of its
+   sparse input that each owner holds as a deepreduce payload (indices local
+   to the owner) and sends it there, in one ``alltoall``.
 2. **Reduce.** The owner decodes the P - 1 payloads, adds its own part and
    keeps the sum sparse: its support is the union of the supports.
-3. **Allgather.** The owner encodes its reduced range again and one
-   ``allgather`` gives every rank every range. A range whose sparse payload
+3. **Allgather.** The owner encodes its reduced part again and one
+   ``allgather`` gives every rank every part. A part whose sparse payload
    is not clearly smaller than its dense encoding is encoded densely as well
    and the smaller one travels (SparCML's ``nnz (isize + vsize) >= n vsize``,
    with the sizes the codecs actually produce): dense-ish results become
-   DSAR_Split_allgather range by range.
+   DSAR_Split_allgather part by part.
 
 The value codec of the pipeline applies in both stages (fp16, QSGD...), so a
 lossy one rounds twice: the residual in :attr:`Reduction.sent` covers the
@@ -20,31 +25,49 @@ first rounding, the owner's rounding of the sum is shared by all ranks.
 instead (P a power of two): in round i every rank swaps its partial sum with
 rank ``rank XOR 2**i``, ``log2 P`` rounds. Horovod has no point-to-point
 send, so each round is an alltoall in which only the partner's split is
-non-empty; docs/collectives.md compares both with the cost model.
+non-empty.
+
+``algorithm="auto"`` (the default) first exchanges every rank's non-zero count
+and encoded sizes (one small alltoall that also checks the signatures), then
+every rank evaluates :func:`~deepreduce.collectives.cost.choose_algorithm` on
+the same numbers and runs the cheapest of split, recursive doubling and a
+plain allgather of the payloads. docs/collectives.md has the argument.
 """
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from deepreduce import container
-from deepreduce.collectives import frames
-from deepreduce.collectives.base import Communicator, check_peers, ranges, sum_sparse
+from deepreduce.collectives import cost, frames
+from deepreduce.collectives.base import (GRANULE, Communicator, Ownership, check_peers,
+                                         sum_sparse)
 from deepreduce.sparse import SparseTensor
 
 
 class SparseAllreduce(Communicator):
-    """Sparse allreduce by index ranges: alltoall to the range owners, then allgather.
+    """Sparse allreduce: split-allgather, recursive doubling or allgather, chosen by cost.
 
     Parameters
     ----------
     pipeline, op, process_set, transport
         As for :class:`~deepreduce.collectives.base.Communicator`.
-    algorithm : {"split", "recursive_doubling"}, default "split"
-        SSAR_Split_allgather (2 collectives, any P) or SSAR_Recursive_double
-        (``log2 P`` collectives, P a power of two; receives no more than the
-        allgather, and less than the split version when supports overlap
-        little).
+    algorithm : {"auto", "split", "recursive_doubling"}, default "auto"
+        ``"split"``: SSAR_Split_allgather (2 collectives, any P).
+        ``"recursive_doubling"``: SSAR_Recursive_double (``log2 P``
+        collectives, P a power of two; receives no more than the allgather,
+        and less than the split version when supports overlap little).
+        ``"auto"``: one small exchange of the ranks' sizes, then the cheapest
+        of those two and a plain allgather under the cost model
+        (:func:`~deepreduce.collectives.cost.choose_algorithm`);
+        :attr:`Reduction.algorithm` says which ran.
+    alpha_op, alpha, beta : float
+        The network ``"auto"`` weighs the algorithms with: seconds per
+        Horovod operation, per message and per byte (defaults
+        :data:`~deepreduce.collectives.cost.ALPHA_OP`, ``ALPHA``, ``BETA``).
+        ``alpha_op=0, alpha=0`` chooses by bytes alone.
 
     Examples
     --------
@@ -58,63 +81,150 @@ class SparseAllreduce(Communicator):
     ...     x = np.zeros(12, np.float32)
     ...     x[[member.rank, 5]] = 1.0
     ...     pipe = dr.Pipeline(index="varint", value="raw")
-    ...     return SparseAllreduce(pipe, transport=member).reduce(x).output
+    ...     return SparseAllreduce(pipe, transport=member).reduce(x)
     >>> with ThreadPoolExecutor(4) as pool:
-    ...     outputs = list(pool.map(rank_main, ThreadTransport.group(4)))
-    >>> outputs[2]
+    ...     reductions = list(pool.map(rank_main, ThreadTransport.group(4)))
+    >>> reductions[2].output
     array([1., 1., 1., 1., 0., 4., 0., 0., 0., 0., 0., 0.], dtype=float32)
+    >>> reductions[2].algorithm    # a tiny tensor: one operation beats two
+    'allgather'
     """
 
     name = "sparse_allreduce"
-    ALGORITHMS = ("split", "recursive_doubling")
+    ALGORITHMS = ("auto", "split", "recursive_doubling")
+    #: Elements per granule of the owners' interleaved parts (``"split"``).
+    granule = GRANULE
 
     def __init__(self, pipeline=None, op="sum", process_set=None, transport=None,
-                 algorithm="split"):
+                 algorithm="auto", alpha_op=cost.ALPHA_OP, alpha=cost.ALPHA, beta=cost.BETA):
         if algorithm not in self.ALGORITHMS:
             raise ValueError(f"algorithm must be one of {self.ALGORITHMS}, got {algorithm!r}")
+        for name, value in (("alpha_op", alpha_op), ("alpha", alpha), ("beta", beta)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         super().__init__(pipeline, op, process_set, transport)
         self.algorithm = algorithm
+        self.alpha_op, self.alpha, self.beta = float(alpha_op), float(alpha), float(beta)
 
     def __repr__(self):
         return (f"SparseAllreduce(pipeline={self.pipeline!r}, op={self.op!r}, "
                 f"algorithm={self.algorithm!r})")
 
     def _settings(self):
-        return {"algorithm": self.algorithm}
+        settings = {"algorithm": self.algorithm}
+        if self.algorithm == "auto":  # every rank must weigh the algorithms alike
+            settings["network"] = f"{self.alpha_op:g}/{self.alpha:g}/{self.beta:g}"
+        if self.algorithm != "recursive_doubling":
+            settings["granule"] = self.granule
+        return settings
 
     def _encode(self, inp, rank, size):
         if self.algorithm == "recursive_doubling":
             return self._encode_doubling(inp, rank, size)
-        st, dense = inp.selected, inp.dense
-        bounds = ranges(st.size, size)
-        cuts = np.searchsorted(st.indices, bounds).tolist()
-        per_rank, sent, own = [], [], None
-        for r in range(size):
-            start, end = int(bounds[r]), int(bounds[r + 1])
-            part = SparseTensor._trusted(st.values[cuts[r]:cuts[r + 1]],
-                                         st.indices[cuts[r]:cuts[r + 1]] - start,
-                                         (end - start,))
-            if r == rank:  # the own range never leaves this rank: nothing to encode
-                own, received = part, part
-                per_rank.append(b"")
-            else:
-                payload, received = self.pipeline.encode_sparse(
-                    part, None if dense is None else dense[start:end])
-                per_rank.append(frames.sparse_frame(payload))
-            sent.append(received)
-        sent = SparseTensor._trusted(
-            np.concatenate([part.values for part in sent]).astype(st.dtype, copy=False),
-            np.concatenate([part.indices + bounds[r] for r, part in enumerate(sent)]),
-            st.shape)
-        return per_rank, own, sent
+        if self.algorithm == "auto":
+            return self._encode_auto(inp, rank, size)
+        return self._encode_split(inp, rank, size)
 
     def _communicate(self, transport, inp, signature, plan, traffic):
         if self.algorithm == "recursive_doubling":
             return self._communicate_doubling(transport, inp, signature, plan, traffic)
+        if self.algorithm == "auto":
+            return self._communicate_auto(transport, inp, signature, plan, traffic)
+        return self._communicate_split(transport, inp, signature, plan, traffic)
+
+    # -- algorithm="auto" -------------------------------------------------------------
+    def _encode_auto(self, inp, rank, size):
+        """The whole input as one payload (what allgather and recursive doubling's first
+        round send), and its sizes for the agreement."""
+        frame, received = encode_range(self.pipeline, inp.selected, inp.dense)
+        if frame[0] == frames.SPARSE:
+            header = container.read_header(frame[1:])
+            sizes = (inp.selected.nnz, header.index_length, header.value_length)
+        else:
+            sizes = (inp.selected.nnz, 0, len(frame))
+        return frame, received, sizes
+
+    def choose(self, size: int, n: int, table) -> str:
+        """The algorithm for ``size`` ranks given every rank's ``(nnz, index bytes, value
+        bytes)`` of its whole payload: the cost model's choice, the same on every rank."""
+        counts = [nnz for nnz, _, _ in table]
+        total = sum(counts)
+        if total == 0:
+            index_bytes, value_bytes = 0.0, 0.0
+        else:
+            # bytes per entry measured at the ranks' own density; index codecs
+            # spend fewer bytes per index on denser sets (the union), modelled
+            # by the entropy bound's slope
+            own_rate = sum(i for _, i, _ in table) / total
+            value_bytes = sum(v for _, _, v in table) / total
+            own_density = min(total / size / n, 1.0)
+            floor = cost.entropy_index_bytes(own_density)
+            index_bytes = (own_rate if floor == 0.0 else
+                           lambda d: own_rate * cost.entropy_index_bytes(d) / floor)
+        name, _ = cost.choose_algorithm(size, n, counts, index_bytes, value_bytes,
+                                        self.alpha_op, self.alpha, self.beta)
+        return name
+
+    def _communicate_auto(self, transport, inp, signature, plan, traffic):
+        frame, mine, sizes = plan
+        rank, size, n = transport.rank, transport.size, inp.selected.size
+        counts = frames.signed(signature, frames.counts_frame(*sizes))
+        received = transport.alltoall([b"" if r == rank else counts for r in range(size)],
+                                      traffic, "agree")
+        bodies = check_peers({r: received[r] for r in range(size) if r != rank},
+                             signature, rank)
+        table = [sizes if r == rank else frames.read_counts(bodies[r], n) for r in range(size)]
+        algorithm = self.choose(size, n, table)
+        if algorithm == "split":
+            split_plan = self._encode_split(inp, rank, size)
+            return self._communicate_split(transport, inp, signature, split_plan, traffic)
+        if algorithm == "recursive_doubling":
+            per_rank = [frame if r == rank ^ 1 else b"" for r in range(size)]
+            return self._communicate_doubling(transport, inp, signature,
+                                              (per_rank, mine, _sparse(mine)), traffic)
+        gathered = transport.allgather(frame, traffic, "gather")
+        parts = [_sparse(mine if r == rank else frames.read_frame(gathered[r], n, inp.dtype))
+                 for r in range(size)]
+        return sum_sparse(parts, n, inp.dtype).to_dense(), _sparse(mine), "allgather"
+
+    # -- SSAR_Split_allgather ---------------------------------------------------------
+    def _ownership(self, n, size):
+        return Ownership.of(n, size, self.granule)
+
+    def _encode_split(self, inp, rank, size):
+        st, dense = inp.selected, inp.dense
+        owners = self._ownership(st.size, size)
+        order, cuts, local = owners.split(st.indices)
+        lossy_index = self.pipeline.index_codec is not None \
+            and not self.pipeline.index_codec.lossless
+        per_rank, sent, own = [], [], None
+        for r in range(size):
+            chosen = order[cuts[r]:cuts[r + 1]]
+            part = SparseTensor._trusted(st.values[chosen], local[chosen],
+                                         (owners.length(r),))
+            if r == rank:  # the own part never leaves this rank: nothing to encode
+                own, received = part, part
+                per_rank.append(b"")
+            else:
+                # only lossy index codecs read the dense source (false positives' values)
+                source = owners.take(dense, r) if lossy_index and dense is not None else None
+                payload, received = self.pipeline.encode_sparse(part, source)
+                per_rank.append(frames.sparse_frame(payload))
+            sent.append(received)
+        indices = np.concatenate([owners.to_global(r, part.indices)
+                                  for r, part in enumerate(sent)])
+        values = np.concatenate([part.values for part in sent]).astype(st.dtype, copy=False)
+        if owners.n > owners.stride:  # interleaved parts: back to increasing indices
+            back = np.argsort(indices, kind="stable")
+            indices, values = indices[back], values[back]
+        return per_rank, own, SparseTensor._trusted(values, indices, st.shape)
+
+    def _communicate_split(self, transport, inp, signature, plan, traffic):
         per_rank, own, sent = plan
         rank, size, dtype, n = transport.rank, transport.size, inp.dtype, inp.selected.size
-        bounds = ranges(n, size)
-        start, end = int(bounds[rank]), int(bounds[rank + 1])
+        owners = self._ownership(n, size)
+        length = owners.length(rank)
         signed = [b"" if r == rank else frames.signed(signature, f)
                   for r, f in enumerate(per_rank)]
         received = transport.alltoall(signed, traffic, "scatter")
@@ -122,38 +232,41 @@ class SparseAllreduce(Communicator):
                              signature, rank)
         # in rank order, like every other sum here: float64 sums are then bit-identical
         # whichever communicator computes them
-        parts = [own if r == rank else _sparse(frames.read_frame(bodies[r], end - start, dtype))
+        parts = [own if r == rank else _sparse(frames.read_frame(bodies[r], length, dtype))
                  for r in range(size)]
-        frame, mine = self._encode_reduced(sum_sparse(parts, end - start, dtype))
+        frame, mine = self._encode_reduced(sum_sparse(parts, length, dtype))
         gathered = transport.allgather(frame, traffic, "gather")
         output = np.zeros(n, dtype=dtype)
         for r in range(size):
-            start, end = int(bounds[r]), int(bounds[r + 1])
-            decoded = mine if r == rank else frames.read_frame(gathered[r], end - start, dtype)
-            _place(output, start, end, decoded)
-        return output, sent
+            decoded = mine if r == rank else frames.read_frame(gathered[r], owners.length(r),
+                                                               dtype)
+            if isinstance(decoded, SparseTensor):
+                output[owners.to_global(r, decoded.indices)] = decoded.values
+            else:
+                owners.place(output, r, decoded)
+        return output, sent, "split"
 
     def _encode_reduced(self, reduced: SparseTensor):
-        """The frame of a reduced range (sparse or dense, whichever is smaller) and its content."""
+        """The frame of a reduced part (sparse or dense, whichever is smaller) and its content."""
         return encode_range(self.pipeline, reduced)
 
     # -- SSAR_Recursive_double ------------------------------------------------------
     def _encode_doubling(self, inp, rank, size):
         if size & (size - 1):
             raise ValueError(f"recursive doubling needs a power-of-two number of ranks, "
-                             f"got {size}; use algorithm='split'")
+                             f"got {size}; use algorithm='split' or 'auto'")
         if size == 1:
             return [b""], inp.selected, inp.selected
         frame, received = encode_range(self.pipeline, inp.selected, inp.dense)
         # Round 0 carries the signature to every rank, the data to the partner only
-        per_rank = [b"" if r == rank else frame if r == rank ^ 1 else b"" for r in range(size)]
+        per_rank = [frame if r == rank ^ 1 else b"" for r in range(size)]
         return per_rank, received, _sparse(received)
 
     def _communicate_doubling(self, transport, inp, signature, plan, traffic):
         per_rank, mine, sent = plan
         rank, size, dtype, n = transport.rank, transport.size, inp.dtype, inp.selected.size
         if size == 1:
-            return mine.to_dense(), sent
+            return _sparse(mine).to_dense(), sent, "recursive_doubling"
         partial = None
         for round_ in range(size.bit_length() - 1):
             partner = rank ^ (1 << round_)
@@ -172,7 +285,7 @@ class SparseAllreduce(Communicator):
             # Both partners add what the other decodes, lower rank first: identical sums
             pair = [_sparse(mine), theirs] if rank < partner else [theirs, _sparse(mine)]
             partial = sum_sparse(pair, n, dtype)
-        return partial.to_dense(), sent
+        return partial.to_dense(), sent, "recursive_doubling"
 
 
 def encode_range(pipeline, reduced: SparseTensor, source=None):
@@ -211,9 +324,3 @@ def _sparse(decoded):
     return SparseTensor._trusted(decoded, np.arange(decoded.size, dtype=np.int64),
                                  (decoded.size,))
 
-
-def _place(output, start, end, decoded):
-    if isinstance(decoded, SparseTensor):
-        output[start + decoded.indices] = decoded.values
-    else:
-        output[start:end] = decoded
