@@ -88,16 +88,24 @@ def _run_checks():
                    for row in gathered)
 
     lossless = dr.Pipeline(index="eliasfano", value="raw")
-    names = ("allgather", "sparse_allreduce", "recursive_doubling", "block")
+    # sparse_allreduce's algorithms; "auto" weighs bytes alone here, so that it picks
+    # split or recursive doubling on these small tensors (the default network: allgather)
+    names = ("allgather", "split", "recursive_doubling", "auto", "block")
+    by_bytes = {"algorithm": "auto", "alpha_op": 0, "alpha": 0}
+    algorithms = ("allgather", "split", "recursive_doubling", "block")
+    chosen = set()
+
+    def settings_of(name):
+        return by_bytes if name == "auto" else {"algorithm": name}
 
     def communicator(name, **kwargs):
-        if name == "recursive_doubling":
-            return dc.SparseAllreduce(algorithm="recursive_doubling", **kwargs)
+        if name in ("split", "recursive_doubling", "auto"):
+            return dc.SparseAllreduce(**settings_of(name), **kwargs)
         return dc.get_communicator(name, **kwargs)
 
     def allreduce(x, name, **kwargs):
-        if name == "recursive_doubling":
-            name, kwargs = "sparse_allreduce", dict(kwargs, algorithm="recursive_doubling")
+        if name in ("split", "recursive_doubling", "auto"):
+            name, kwargs = "sparse_allreduce", dict(kwargs, **settings_of(name))
         return dc.allreduce(x, name, **kwargs)
 
     for scenario in SCENARIOS:
@@ -109,21 +117,49 @@ def _run_checks():
             def exact(x=x, expected=expected, name=name, settings=settings):
                 reduction = communicator(name, pipeline=lossless, **settings).reduce(x)
                 out = reduction.output
-                return (np.array_equal(out, expected) and out.dtype == x.dtype
+                # every rank ran the same algorithm
+                agreed = same_everywhere(np.array([algorithms.index(reduction.algorithm)]))
+                if name == "auto":
+                    chosen.add(reduction.algorithm)
+                return (np.array_equal(out, expected) and out.dtype == x.dtype and agreed
                         and np.array_equal(reduction.sent.to_dense(), x)), \
-                    f"max diff {np.abs(out - expected).max() if out.size else 0}"
+                    f"max diff {np.abs(out - expected).max() if out.size else 0}, " \
+                    f"{reduction.algorithm}"
             check(f"{name}/{scenario}", exact)
 
     # The dense switch really happens: gathered ranges arrive as dense frames.
     def dsar():
         x = make_input("dense_after", size, rank, n=8000)
-        reduction = dc.SparseAllreduce(lossless).reduce(x)
+        reduction = dc.SparseAllreduce(lossless, algorithm="split").reduce(x)
         gathered = sum(received for stage, _, received in reduction.traffic.stages
                        if stage == "gather")
         dense_bound = (size - 1) * (8000 / size * 4 + 64)
         return np.array_equal(reduction.output, dense_sum(x)) and gathered <= dense_bound, \
             f"gathered {gathered} bytes, dense bound {dense_bound}"
     check("sparse_allreduce/dsar_switch", dsar)
+
+    def auto_choices():
+        # with the default network, small tensors take one operation (allgather; at
+        # P = 2 recursive doubling is one operation too, with fewer bytes); by bytes,
+        # the scenarios above made auto pick split and recursive doubling at P = 4
+        x = make_input("overlap", size, rank)
+        reduction = dc.SparseAllreduce(lossless).reduce(x)
+        wanted = {"split", "recursive_doubling"} if size == 4 else {"recursive_doubling"}
+        default = "recursive_doubling" if size == 2 else "allgather"
+        return (reduction.algorithm == default and wanted <= chosen
+                and np.array_equal(reduction.output, dense_sum(x))), \
+            f"default {reduction.algorithm}, by bytes {sorted(chosen)}"
+    check("sparse_allreduce/auto_choices", auto_choices)
+
+    # Interleaved ownership: small granules deal the index space round-robin
+    xi = make_input("overlap", size, rank)
+    for name in ("split", "block"):
+        def interleaved(name=name):
+            comm = communicator(name, pipeline=lossless,
+                                **({"block_size": 8} if name == "block" else {}))
+            comm.granule = 24
+            return np.array_equal(comm.reduce(xi).output, dense_sum(xi)), ""
+        check(f"{name}/interleaved_granules", interleaved)
 
     # dtypes and shapes
     for dtype in (np.float64, np.float16):

@@ -25,31 +25,44 @@ from hypothesis import strategies as st
 
 import deepreduce as dr
 from deepreduce import collectives as dc
+from deepreduce import container
 from deepreduce.collectives import cost, frames
+from deepreduce.collectives.base import Ownership
 from deepreduce.collectives.transport import ThreadTransport
 from deepreduce.errors import DecodeError
 
 from collectives_workers import SCENARIOS, block_clustered, make_input
 
-#: The communicators under test; "recursive_doubling" is sparse_allreduce's other algorithm.
-NAMES = ("allgather", "sparse_allreduce", "recursive_doubling", "block")
+#: The communicators under test: "split", "recursive_doubling" and "auto" are
+#: sparse_allreduce's algorithms; "auto" here weighs bytes alone, so that on these small
+#: tensors it picks each of the three somewhere (the default network picks allgather).
+NAMES = ("allgather", "split", "recursive_doubling", "auto", "block")
+BY_BYTES = {"algorithm": "auto", "alpha_op": 0, "alpha": 0}
 LOSSLESS = dr.Pipeline(index="eliasfano", value="raw")
 
 
-def communicator(name, **kwargs):
+def sparse_settings(name):
+    return BY_BYTES if name == "auto" else {"algorithm": name}
+
+
+def communicator(name, granule=None, **kwargs):
     """Build a communicator of :data:`NAMES`; block settings only reach "block"."""
     if name != "block":
         kwargs.pop("block_size", None)
         kwargs.pop("threshold", None)
-    if name == "recursive_doubling":
-        return dc.SparseAllreduce(algorithm="recursive_doubling", **kwargs)
-    return dc.get_communicator(name, **kwargs)
+    if name in ("split", "recursive_doubling", "auto"):
+        comm = dc.SparseAllreduce(**sparse_settings(name), **kwargs)
+    else:
+        comm = dc.get_communicator(name, **kwargs)
+    if granule is not None:
+        comm.granule = granule
+    return comm
 
 
 def allreduce(x, name, member, **settings):
     """``dc.allreduce`` with a name of :data:`NAMES`."""
-    if name == "recursive_doubling":
-        name, settings = "sparse_allreduce", dict(settings, algorithm="recursive_doubling")
+    if name in ("split", "recursive_doubling", "auto"):
+        name, settings = "sparse_allreduce", dict(settings, **sparse_settings(name))
     return dc.allreduce(x, name, pipeline=LOSSLESS, transport=member, **settings)
 
 
@@ -101,8 +114,9 @@ def test_lossless_equals_dense_sum(name, scenario, size):
 @given(size=st.integers(1, 5), n=st.integers(0, 400), density=st.floats(0, 1),
        block_size=st.integers(1, 40), index=st.sampled_from(
            ["eliasfano", "varint", "bitmap", "rle", "raw"]),
-       op=st.sampled_from(["sum", "average"]), seed=st.integers(0, 2**16))
-def test_random_inputs_exact(size, n, density, block_size, index, op, seed):
+       op=st.sampled_from(["sum", "average"]), seed=st.integers(0, 2**16),
+       granule=st.sampled_from([1, 3, 16, None]))
+def test_random_inputs_exact(size, n, density, block_size, index, op, seed, granule):
     rng = np.random.default_rng(seed)
     inputs = [np.where(rng.random(n) < density, rng.integers(-9, 10, n), 0).astype(np.float32)
               for _ in range(size)]
@@ -112,7 +126,7 @@ def test_random_inputs_exact(size, n, density, block_size, index, op, seed):
     pipeline = dr.Pipeline(index=index, value="raw")
     for name in names_for(size):
         for reduction in reduce_everywhere(name, inputs, pipeline, op=op,
-                                           block_size=block_size):
+                                           block_size=block_size, granule=granule):
             np.testing.assert_array_equal(reduction.output, expected)
 
 
@@ -125,9 +139,10 @@ def test_general_floats_identical_across_communicators(dtype):
               for _ in range(4)]
     expected = np.sum(np.array(inputs, dtype=np.float64), axis=0).astype(dtype)
     for name in NAMES:
-        outputs = [r.output for r in reduce_everywhere(name, inputs, block_size=32)]
+        reductions = reduce_everywhere(name, inputs, block_size=32)
+        outputs = [r.output for r in reductions]
         assert all(o.tobytes() == outputs[0].tobytes() for o in outputs)
-        if name == "recursive_doubling":
+        if reductions[0].algorithm == "recursive_doubling":
             # its partial sums travel, so they are rounded to the dtype every round
             np.testing.assert_allclose(outputs[0], expected, rtol=4 * np.finfo(dtype).eps,
                                        atol=4 * np.finfo(dtype).eps)
@@ -177,7 +192,7 @@ def test_lossy_index_codec_output_is_the_sum_of_what_was_sent():
     rng = np.random.default_rng(6)
     inputs = [rng.standard_normal(20000).astype(np.float32) for _ in range(4)]
     pipeline = dr.Pipeline(dr.TopK(0.01), index="bloom")
-    for name in ("allgather", "sparse_allreduce", "recursive_doubling"):
+    for name in ("allgather", "split", "recursive_doubling", "auto"):
         reductions = reduce_everywhere(name, inputs, pipeline)
         sent = [r.sent.to_dense() for r in reductions]
         np.testing.assert_allclose(reductions[0].output, np.sum(sent, axis=0), rtol=1e-6,
@@ -217,8 +232,8 @@ def test_lossy_values_same_everywhere():
             # communicators, which never leaves the rank
             sent, rounded = reduction.sent.to_dense(), x.astype(np.float16).astype(np.float32)
             assert np.all((sent == rounded) | (sent == x))
-            assert np.array_equal(sent, rounded) == (name in ("allgather",
-                                                              "recursive_doubling"))
+            assert np.array_equal(sent, rounded) == (reduction.algorithm in (
+                "allgather", "recursive_doubling"))
 
 
 # -- the dense switch and the traffic ------------------------------------------------
@@ -228,7 +243,7 @@ def gathered(reduction):
     return sum(received for stage, _, received in reduction.traffic.stages if stage == "gather")
 
 
-@pytest.mark.parametrize("name", ["sparse_allreduce", "block"])
+@pytest.mark.parametrize("name", ["split", "block"])
 def test_reduced_ranges_switch_to_dense(name):
     size, n = 4, 8000
     dense_inputs = [make_input("dense_after", size, r, n=n) for r in range(size)]
@@ -253,7 +268,7 @@ def test_measured_traffic_matches_the_cost_model():
     rate = cost.codec_index_bytes(LOSSLESS.index_codec, n // size)
     union = cost.union_size(n, k, size)
     models = {"allgather": cost.allgather(size, n, k, rate, 4),
-              "sparse_allreduce": cost.sparse_allreduce(size, n, k, union, rate, 4),
+              "split": cost.sparse_allreduce(size, n, k, union, rate, 4),
               "recursive_doubling": cost.recursive_doubling(size, n, k, rate, 4)}
     for name, model in models.items():
         reductions = reduce_everywhere(name, inputs)
@@ -290,8 +305,135 @@ def test_cost_model_properties():
     assert cost.Cost(1, 100, 2, 6).time(beta=0.01, alpha=1, alpha_op=10) == 27
 
 
-@pytest.mark.parametrize("module", ["cost", "transport", "allgather", "sparse_allreduce",
-                                    "block"])
+def agreed_table(inputs, pipeline=LOSSLESS):
+    """The (nnz, index bytes, value bytes) every rank announces under algorithm="auto"."""
+    table = []
+    for x in inputs:
+        payload, _ = pipeline.encode_sparse(dr.SparseTensor.from_dense(x))
+        header = container.read_header(payload)
+        table.append((int(np.count_nonzero(x)), header.index_length, header.value_length))
+    return table
+
+
+@pytest.mark.parametrize("case,count,network,expected", [
+    ("disjoint", 2000, BY_BYTES, lambda a: a != "split"),
+    # the union is estimated as for independent supports: identical ones win the split
+    # only where the model already prefers it (dense enough that ranges go dense)
+    ("identical", 16000, BY_BYTES, lambda a: a == "split"),
+    ("identical", 2000, {}, lambda a: a == "allgather"),  # small: one operation beats two
+])
+def test_auto_choice_is_the_cost_models_argmin(case, count, network, expected):
+    size, n = 4, 40_000
+    rng = np.random.default_rng(8)
+    common = rng.choice(n, count, replace=False)
+    inputs = []
+    for r in range(size):
+        x = np.zeros(n, np.float32)
+        x[np.arange(r, n, size)[:count] if case == "disjoint" else common] = r + 1
+        inputs.append(x)
+    reductions = run_ranks(size, lambda m: dc.SparseAllreduce(
+        LOSSLESS, transport=m, **network).reduce(inputs[m.rank]))
+    comm = dc.SparseAllreduce(LOSSLESS, **network)
+    argmin = comm.choose(size, n, agreed_table(inputs))
+    assert {r.algorithm for r in reductions} == {argmin} and expected(argmin)
+    for reduction in reductions:
+        np.testing.assert_array_equal(reduction.output, np.sum(inputs, axis=0))
+    # the model's own argmin, recomputed from the announced sizes
+    table = agreed_table(inputs)
+    total = sum(t[0] for t in table)
+    floor = cost.entropy_index_bytes(total / size / n)
+    rate = lambda d: sum(t[1] for t in table) / total * cost.entropy_index_bytes(d) / floor  # noqa: E731
+    times = {name: c.time(comm.beta, comm.alpha, comm.alpha_op) for name, c in
+             cost.choose_algorithm(size, n, [t[0] for t in table], rate,
+                                   sum(t[2] for t in table) / total, comm.alpha_op,
+                                   comm.alpha, comm.beta)[1].items()}
+    assert times[argmin] == min(times.values())
+
+
+def test_auto_picks_every_algorithm_and_agrees_everywhere():
+    size, chosen = 4, set()
+    for scenario in SCENARIOS:
+        inputs = [make_input(scenario, size, r) for r in range(size)]
+        reductions = reduce_everywhere("auto", inputs)
+        assert len({r.algorithm for r in reductions}) == 1
+        chosen.add(reductions[0].algorithm)
+        np.testing.assert_array_equal(reductions[0].output, np.sum(inputs, axis=0))
+        stages = [stage for stage, _, _ in reductions[0].traffic.stages]
+        assert stages[0] == "agree"
+    # by bytes, allgather never beats recursive doubling; the default network picks it
+    # for small tensors (test_auto_choice_is_the_cost_models_argmin)
+    assert chosen == {"split", "recursive_doubling"}
+    # P not a power of two: recursive doubling is never a candidate
+    inputs = [make_input("disjoint", 3, r) for r in range(3)]
+    assert reduce_everywhere("auto", inputs)[0].algorithm != "recursive_doubling"
+    # the default network: the default algorithm is auto
+    assert dc.SparseAllreduce(LOSSLESS).algorithm == "auto"
+    with pytest.raises(ValueError, match="alpha_op"):
+        dc.SparseAllreduce(LOSSLESS, alpha_op=-1)
+    errors = run_ranks_catching(2, lambda m: dc.SparseAllreduce(
+        LOSSLESS, transport=m, beta=1e-9 * (m.rank + 1)).reduce(np.ones(4, np.float32)))
+    assert all(isinstance(e, ValueError) and "network" in str(e) for e in errors)
+    errors = run_ranks_catching(2, lambda m: dc.SparseAllreduce(
+        LOSSLESS, transport=m, algorithm="auto" if m.rank else "split").reduce(
+            np.ones(4, np.float32)))
+    assert all(isinstance(e, ValueError) and "algorithm" in str(e) for e in errors)
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 300), parts=st.integers(1, 6), granule=st.integers(1, 40),
+       unit=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_ownership_is_a_bijection(n, parts, granule, unit, seed):
+    owners = Ownership.of(n, parts, granule, unit)
+    assert owners.granule % unit == 0
+    assert sum(owners.length(r) for r in range(parts)) == n
+    x = np.random.default_rng(seed).random(n)
+    rebuilt = np.full(n, -1.0)
+    indices = np.flatnonzero(x < 0.5)
+    order, cuts, local = owners.split(indices)
+    for r in range(parts):
+        mine = owners.take(x, r)
+        assert mine.size == owners.length(r)
+        owners.place(rebuilt, r, mine)
+        chosen = order[cuts[r]:cuts[r + 1]]
+        assert np.all(np.diff(local[chosen]) > 0) and np.all(local[chosen] < mine.size)
+        np.testing.assert_array_equal(owners.to_global(r, local[chosen]), indices[chosen])
+        np.testing.assert_array_equal(mine[local[chosen]], x[indices[chosen]])
+    np.testing.assert_array_equal(rebuilt, x)
+
+
+def test_interleaved_ownership_balances_clustered_inputs():
+    # hot rows at low ids: contiguous ranges load owner 0, granules spread the load
+    size, n, rows = 4, 1 << 16, 64
+    rng = np.random.default_rng(9)
+    inputs = []
+    for r in range(size):
+        x = np.zeros(n, np.float32)
+        hot = np.unique(rng.zipf(1.3, 300) - 1)
+        hot = hot[hot < n // rows]
+        x[(hot[:, None] * rows + np.arange(rows)).reshape(-1)] = r + 1
+        inputs.append(x)
+    for name in ("split", "block"):
+        loads = {}
+        for granule in (n, 1024):
+            reductions = reduce_everywhere(name, inputs, block_size=rows, granule=granule)
+            np.testing.assert_array_equal(reductions[0].output, np.sum(inputs, axis=0))
+            loads[granule] = max(r.traffic.stages[0][2] for r in reductions)
+        assert loads[1024] < 0.6 * loads[n], loads
+
+
+def test_counts_frames():
+    frame = frames.counts_frame(5, 300, 20)
+    assert frames.read_counts(frame, 10) == (5, 300, 20)
+    for cut in range(len(frame)):
+        with pytest.raises(DecodeError):
+            frames.read_counts(frame[:cut], 10)
+    for bad in (frame + b"\0", frames.counts_frame(11, 0, 0), b"\x01\x00\x00\x00"):
+        with pytest.raises(DecodeError):
+            frames.read_counts(bad, 10)
+
+
+@pytest.mark.parametrize("module", ["cost", "transport", "base", "allgather",
+                                    "sparse_allreduce", "block"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(f"deepreduce.collectives.{module}"),
                              optionflags=doctest.NORMALIZE_WHITESPACE)
