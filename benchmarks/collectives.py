@@ -2,7 +2,9 @@
 
 Runs ``P`` Horovod ranks (Gloo, this machine) on n = 25M float32 with 1% non-zeros
 per rank and compares, per scenario, the communicators ``allgather``,
-``sparse_allreduce`` and ``block`` and Horovod's dense allreduce:
+``sparse_allreduce`` (``algorithm="auto"``, the default, with the algorithm it
+chose; ``auto-bytes``: auto weighing bytes alone; and the explicit ``split`` and
+``recursive_doubling``) and ``block`` and Horovod's dense allreduce:
 
 * measured bytes: the sum of the sizes of the tensors a rank receives from the
   collectives (``Reduction.traffic``; mean over ranks);
@@ -10,6 +12,9 @@ per rank and compares, per scenario, the communicators ``allgather``,
   bytes per index measured on a random set of the right density, and the
   expected union of random supports (or, for the block-clustered inputs, the
   union computed from the generated supports);
+* the largest number of bytes one rank receives (load balance of the owners),
+  with the owners' interleaved granules and, for the clustered scenarios, with
+  contiguous ranges (``-contiguous``: one granule per rank, as before);
 * wall time of the reduction (max over ranks; two cores shared by P ranks, so
   only indicative).
 
@@ -40,8 +45,11 @@ import numpy as np
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 256
 
+#: Tokens per rank's batch in the **embedding** scenario (16 sequences of 128 tokens)
+BATCH_TOKENS = 2048
 # (name, description, support kind, shared fraction, value codec, communicators)
-SPARSE = ("allgather", "sparse_allreduce", "recursive_doubling")
+SPARSE = ("allgather", "auto", "auto-bytes", "split", "recursive_doubling")
+CLUSTERED = ("allgather", "auto", "split", "split-contiguous", "block", "block-contiguous")
 SCENARIOS = [
     ("random", "random supports, fp32 values", "random", 0.0, "raw",
      SPARSE + ("block", "dense")),
@@ -49,11 +57,20 @@ SCENARIOS = [
     ("shared-50", "half of each support common to all ranks", "random", 0.5, "raw", SPARSE),
     ("identical", "identical supports", "random", 1.0, "raw", SPARSE),
     ("clustered", f"block-clustered like an embedding gradient: whole rows of {BLOCK}, the "
-                  "distinct tokens of a batch drawn from a Zipf(1) vocabulary", "zipf-rows", 0.0,
-     "raw", ("allgather", "sparse_allreduce", "block")),
+                  "distinct tokens of a batch drawn from a Zipf(1) vocabulary, until each rank "
+                  "has k / 256 distinct rows (independently per rank)", "zipf-rows", 0.0,
+     "raw", CLUSTERED),
+    ("embedding", f"embedding gradient of a {BATCH_TOKENS}-token batch per rank: tokens drawn "
+                  f"from one Zipf(1) vocabulary of n / {BLOCK} rows (the same for all ranks, so "
+                  f"hot rows are shared), one row of {BLOCK} per distinct token; k varies per "
+                  "rank", "zipf-batch", 0.0, "raw", CLUSTERED),
     ("clustered-uniform", f"whole rows of {BLOCK}, rows drawn uniformly (little overlap)",
-     "uniform-rows", 0.0, "raw", ("allgather", "sparse_allreduce", "block")),
+     "uniform-rows", 0.0, "raw", ("allgather", "auto", "split", "block")),
 ]
+LABELS = {"split": "sparse_allreduce split", "recursive_doubling":
+          "sparse_allreduce recursive_doubling", "auto": "sparse_allreduce auto",
+          "auto-bytes": "sparse_allreduce auto-bytes",
+          "split-contiguous": "sparse_allreduce split, contiguous"}
 
 
 def default_index():
@@ -65,6 +82,11 @@ def default_index():
 def support(kind, shared, n, k, rank, seed=0):
     """Sorted indices of one rank's non-zeros (a function of the seed: every rank can build all)."""
     rng = np.random.default_rng([seed, rank])
+    if kind == "zipf-batch":
+        rows = n // BLOCK
+        popularity = 1.0 / np.arange(1, rows + 1)
+        chosen = np.unique(rng.choice(rows, size=BATCH_TOKENS, p=popularity / popularity.sum()))
+        return (chosen[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)
     if kind.endswith("rows"):
         rows, wanted = n // BLOCK, k // BLOCK
         if kind == "uniform-rows":
@@ -89,7 +111,7 @@ def support(kind, shared, n, k, rank, seed=0):
 def agree(comm_name, out, reference):
     """Lossless results agree: the owner-based communicators sum in float64 and round
     once (identical bits); recursive doubling and Horovod's ring round partial sums."""
-    if comm_name in ("dense", "recursive_doubling"):
+    if comm_name in ("dense", "recursive_doubling") or comm_name.startswith("auto"):
         return np.allclose(out, reference, rtol=1e-5, atol=1e-5)
     return np.array_equal(out, reference)
 
@@ -118,12 +140,18 @@ def worker(args):
                 out = hvd.allreduce(tf.constant(x.to_dense()), op=hvd.Sum).numpy()
                 reduction = traffic = None
             else:
-                if comm_name == "recursive_doubling":
-                    comm = dc.SparseAllreduce(pipeline, algorithm="recursive_doubling")
-                elif comm_name == "block":
+                if comm_name in ("split", "recursive_doubling", "split-contiguous"):
+                    comm = dc.SparseAllreduce(pipeline, algorithm=comm_name.split("-")[0])
+                elif comm_name == "auto":
+                    comm = dc.SparseAllreduce(pipeline)
+                elif comm_name == "auto-bytes":
+                    comm = dc.SparseAllreduce(pipeline, alpha_op=0, alpha=0)
+                elif comm_name.startswith("block"):
                     comm = dc.BlockReduce(pipeline, block_size=BLOCK)
                 else:
                     comm = dc.get_communicator(comm_name, pipeline=pipeline)
+                if comm_name.endswith("-contiguous"):
+                    comm.granule = n  # one granule per rank: contiguous ranges
                 reduction = comm.reduce(x)
                 out, traffic = reduction.output, reduction.traffic
             seconds = time.perf_counter() - start
@@ -131,9 +159,10 @@ def worker(args):
                 reference = out
             elif value == "raw" and not agree(comm_name, out, reference):
                 raise SystemExit(f"{name}: {comm_name} disagrees with {communicators[0]}")
-            del out, reduction
+            del out
             records.append({
                 "scenario": name, "communicator": comm_name, "seconds": seconds,
+                "algorithm": reduction.algorithm if traffic else None,
                 "sent": traffic.sent if traffic else None,
                 "received": traffic.received if traffic else None,
                 "stages": traffic.stages if traffic else None})
@@ -154,24 +183,33 @@ def predictions(args, size):
     for name, _, kind, shared, value, communicators in SCENARIOS:
         vbytes = 2 if value == "fp16" else 4
         supports = [support(kind, shared, n, k, r) for r in range(size)]
-        if kind.endswith("rows"):
+        mean_k = k
+        if kind.endswith("rows") or kind == "zipf-batch":
             # the overlap of the generated supports is the model's input here
             union, rate = np.unique(np.concatenate(supports)).size, in_rows
+            mean_k = float(np.mean([s.size for s in supports]))
         else:
             union, rate = cost.union_size(n, k, size, shared), scattered
         blocks = [np.unique(s // BLOCK) for s in supports]
         union_blocks = np.unique(np.concatenate(blocks)).size
         mean_blocks = float(np.mean([b.size for b in blocks]))
         models = {
-            "allgather": cost.allgather(size, n, k, rate, vbytes),
-            "sparse_allreduce": cost.sparse_allreduce(size, n, k, union, rate, vbytes),
-            "recursive_doubling": cost.recursive_doubling(size, n, k, rate, vbytes, shared),
+            "allgather": cost.allgather(size, n, mean_k, rate, vbytes),
+            "split": cost.sparse_allreduce(size, n, mean_k, union, rate, vbytes),
+            "recursive_doubling": cost.recursive_doubling(size, n, mean_k, rate, vbytes, shared),
             "block": cost.block(size, n, BLOCK, mean_blocks, union_blocks, block_rate, vbytes),
             "dense": cost.dense_allreduce(size, n, 4),
         }
+        models["split-contiguous"] = models["split"]
+        models["block-contiguous"] = models["block"]
         for comm_name in communicators:
-            predicted[name, comm_name] = models[comm_name].received
+            if not comm_name.startswith("auto"):
+                predicted[name, comm_name] = models[comm_name].received
+        # auto: its agreement (a signed counts frame to every peer), then what it chose
+        predicted[name, "agree"] = (size - 1) * (cost.SIGNATURE + 60)
+        predicted[name, "models"] = {key: c.received for key, c in models.items()}
         predicted[name, "union"] = union
+        predicted[name, "k"] = mean_k
     return predicted
 
 
@@ -235,9 +273,9 @@ def report(args, runs, predicted, models=True):
              "indicative only). Dense allreduce: Gloo ring model, Horovod does not report its "
              "bytes.",
              "",
-             "| scenario | communicator | measured MB | predicted MB | measured / predicted "
-             "| vs allgather | time s |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| scenario | communicator | measured MB | max MB (a rank) | predicted MB "
+             "| measured / predicted | vs allgather | time s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     by_key = {}
     for run in runs:
         for rec in run["records"]:
@@ -247,24 +285,35 @@ def report(args, runs, predicted, models=True):
         base = np.mean([r["received"] for r in by_key[name, "allgather"]])
         for comm_name in communicators:
             recs = by_key[name, comm_name]
-            predicted_bytes = predicted[name, comm_name]
+            label = LABELS.get(comm_name, comm_name)
+            if comm_name.startswith("auto"):
+                chosen = {r["algorithm"] for r in recs}
+                if len(chosen) != 1:
+                    raise SystemExit(f"{name}: ranks chose differently: {sorted(chosen)}")
+                chosen = chosen.pop()
+                label += f" → {chosen}"
+                predicted_bytes = predicted[name, "models"][chosen] + predicted[name, "agree"]
+            else:
+                predicted_bytes = predicted[name, comm_name]
             seconds = max(r["seconds"] for r in recs)
             if comm_name == "dense":
                 measured, ratio, versus = predicted_bytes, "", predicted_bytes / base
-                measured_text = "(model)"
+                measured_text, most_text = "(model)", ""
             else:
                 measured = float(np.mean([r["received"] for r in recs]))
+                most = max(r["received"] for r in recs)
                 ratio, versus = f"{measured / predicted_bytes:.3f}", measured / base
-                measured_text = f"{measured / 1e6:.3f}"
+                measured_text, most_text = f"{measured / 1e6:.3f}", f"{most / 1e6:.3f}"
             summary[name, comm_name] = (measured, predicted_bytes)
-            lines.append(f"| {name} | {comm_name} | {measured_text} | "
+            lines.append(f"| {name} | {label} | {measured_text} | {most_text} | "
                          f"{predicted_bytes / 1e6:.3f} | {ratio} | {versus:.2f}x | "
                          f"{seconds:.2f} |")
     lines += ["", "Scenarios:", ""]
     for name, description, kind, *_ in SCENARIOS:
         union = predicted[name, "union"]
-        lines.append(f"- **{name}**: {description}; non-zeros of the sum: {union:,.0f} "
-                     f"({union / n:.2%} of n)")
+        lines.append(f"- **{name}**: {description}; non-zeros per rank (mean): "
+                     f"{predicted[name, 'k']:,.0f} ({predicted[name, 'k'] / n:.2%} of n); "
+                     f"non-zeros of the sum: {union:,.0f} ({union / n:.2%} of n)")
     lines += ["", "Per stage (rank 0): MB received in each collective (scatter = alltoall to "
               "the owners, gather = allgather, round i = recursive doubling's alltoall).", "",
               "| scenario | communicator | stages |", "|---|---|---|"]
@@ -276,19 +325,22 @@ def report(args, runs, predicted, models=True):
     if models:
         lines += model_tables(args)
     checks = []
-    sar, ag = summary["random", "sparse_allreduce"], summary["random", "allgather"]
-    dense = summary["random", "dense"]
-    checks.append(("random: sparse_allreduce below allgather", sar[0] < ag[0]))
-    checks.append(("random: sparse_allreduce below dense allreduce", sar[0] < dense[0]))
-    checks.append(("random: sparse_allreduce within 10% of the model",
-                   abs(sar[0] / sar[1] - 1) <= 0.10))
-    checks.append(("random: recursive_doubling below allgather",
-                   summary["random", "recursive_doubling"][0] < ag[0]))
-    checks.append(("clustered: block below allgather",
-                   summary["clustered", "block"][0] < summary["clustered", "allgather"][0]))
-    checks.append(("identical: sparse_allreduce below allgather",
-                   summary["identical", "sparse_allreduce"][0]
-                   < summary["identical", "allgather"][0]))
+    ag, dense = summary["random", "allgather"], summary["random", "dense"]
+    for comm_name in ("auto", "split"):
+        sar = summary["random", comm_name]
+        label = LABELS[comm_name]
+        checks += [(f"random: {label} below allgather", sar[0] < ag[0]),
+                   (f"random: {label} below dense allreduce", sar[0] < dense[0]),
+                   (f"random: {label} within 10% of the model",
+                    abs(sar[0] / sar[1] - 1) <= 0.10)]
+    for comm_name in ("auto-bytes", "recursive_doubling"):
+        checks.append((f"random: {LABELS[comm_name]} below allgather",
+                       summary["random", comm_name][0] < ag[0]))
+    for scenario in ("clustered", "embedding"):
+        checks.append((f"{scenario}: block below allgather",
+                       summary[scenario, "block"][0] < summary[scenario, "allgather"][0]))
+    checks.append(("identical: sparse_allreduce split below allgather",
+                   summary["identical", "split"][0] < summary["identical", "allgather"][0]))
     lines += ["", "Targets (issue 6 states them for P = 4):" if size != 4 else "Targets:", ""]
     lines += [f"- {'met' if ok else 'NOT met'}: {text}" for text, ok in checks]
     return "\n".join(lines) + "\n"
