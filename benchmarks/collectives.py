@@ -314,14 +314,20 @@ def report(args, runs, predicted, models=True):
         lines.append(f"- **{name}**: {description}; non-zeros per rank (mean): "
                      f"{predicted[name, 'k']:,.0f} ({predicted[name, 'k'] / n:.2%} of n); "
                      f"non-zeros of the sum: {union:,.0f} ({union / n:.2%} of n)")
-    lines += ["", "Per stage (rank 0): MB received in each collective (scatter = alltoall to "
-              "the owners, gather = allgather, round i = recursive doubling's alltoall).", "",
-              "| scenario | communicator | stages |", "|---|---|---|"]
-    for rec in runs[0]["records"]:
-        if rec["stages"] and rec["communicator"] != "allgather":
-            stages = ", ".join(f"{stage} {received / 1e6:.3f}"
-                               for stage, _, received in rec["stages"])
-            lines.append(f"| {rec['scenario']} | {rec['communicator']} | {stages} |")
+    lines += ["", "Per stage: MB received in each collective, mean over ranks / the most any "
+              "rank receives (scatter = alltoall to the owners: the owners' load; gather = "
+              "allgather; agree = auto's counts; round i = recursive doubling's alltoall).", "",
+              "| scenario | communicator | stages (mean / max) |", "|---|---|---|"]
+    for name, *_, communicators in SCENARIOS:
+        for comm_name in communicators:
+            recs = by_key[name, comm_name]
+            if not recs[0]["stages"] or comm_name == "allgather":
+                continue
+            stages = ", ".join(
+                f"{stage} {np.mean([r['stages'][i][2] for r in recs]) / 1e6:.3f} / "
+                f"{max(r['stages'][i][2] for r in recs) / 1e6:.3f}"
+                for i, (stage, _, _) in enumerate(recs[0]["stages"]))
+            lines.append(f"| {name} | {comm_name} | {stages} |")
     if models:
         lines += model_tables(args)
     checks = []
