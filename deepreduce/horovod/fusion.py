@@ -186,8 +186,8 @@ class GradientCompression:
         travel with the others when the codecs are lossless, otherwise in a
         second, lossless reduction.
     communicator_options : dict, optional
-        Settings of that communicator: ``algorithm`` (``"split"`` or
-        ``"recursive_doubling"``) for ``"sparse_allreduce"``; ``block_size``
+        Settings of that communicator: ``algorithm`` (``"auto"``, ``"split"``
+        or ``"recursive_doubling"``) for ``"sparse_allreduce"``; ``block_size``
         and ``threshold`` for ``"block"``. ``"allgather"`` takes none.
 
     Examples

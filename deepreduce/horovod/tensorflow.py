@@ -112,7 +112,7 @@ class Compression(GradientCompression):
         reduction (see :mod:`deepreduce.collectives`).
     communicator_options : dict, optional
         ``{"algorithm": "recursive_doubling"}`` for sparse allreduce (default
-        ``"split"``); ``{"block_size": 256, "threshold": 0.0}`` for block.
+        ``"auto"``); ``{"block_size": 256, "threshold": 0.0}`` for block.
 
     Notes
     -----
