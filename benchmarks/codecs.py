@@ -166,9 +166,13 @@ def synthetic_section(sizes, densities, repeat):
             lines += [f"| {r[0]} | {r[1]:.2f} | {r[2]:.2e} | {r[3]:,.0f} | {r[4]:,.0f} |"
                       for r in values]
             p = pipeline_row(x, density, "varint", "fp16", repeat)
+            # issue 2's targets are stated for Top-k 1%; other densities are reported as is
+            targets = ((" (target >= 500: " + ("met" if p["encode"] >= 500 else "NOT met") + ")",
+                        " (target >= 1000: " + ("met" if p["decode"] >= 1000 else "NOT met") + ")")
+                       if density == 0.01 else ("", ""))
             lines += ["", "Pipeline TopK + varint + fp16: "
-                      f"sparsify {p['sparsify']:,.0f} MB/s; sparsify + encode {p['encode']:,.0f} MB/s "
-                      f"(target >= 500); decode + scatter {p['decode']:,.0f} MB/s (target >= 1000); "
+                      f"sparsify {p['sparsify']:,.0f} MB/s; sparsify + encode {p['encode']:,.0f} MB/s"
+                      f"{targets[0]}; decode + scatter {p['decode']:,.0f} MB/s{targets[1]}; "
                       f"{p['bits']:.2f} bits/nnz in total.", ""]
             records.append(dict(
                 n=n, density=density, nnz=st.nnz, bound=bound,
