@@ -51,8 +51,21 @@ def inflate(data, limit: int, what: str) -> bytes:
     return out
 
 
+class _Deflate:
+    """The deflate half of both codecs: the level, and the byte (de)compressor."""
+
+    def __init__(self, level: int = 6):
+        self.level = _check_level(level)
+
+    def _compress(self, data):
+        return deflate(data, self.level)
+
+    def _decompress(self, data, limit, what):
+        return inflate(data, limit, what)
+
+
 @register_codec
-class DeflateIndices(CompressedGapIndices):
+class DeflateIndices(_Deflate, CompressedGapIndices):
     """Gap varints (as in the ``varint`` codec) compressed with raw DEFLATE.
 
     Parameters
@@ -81,17 +94,9 @@ class DeflateIndices(CompressedGapIndices):
 
     codec_id = "deflate"
 
-    def __init__(self, level: int = 6):
-        self.level = _check_level(level)
-
-    def _compress(self, data):
-        return deflate(data, self.level)
-
-    def _decompress(self, data, limit, what):
-        return inflate(data, limit, what)
 
 @register_codec
-class DeflateValues(CompressedShuffledValues):
+class DeflateValues(_Deflate, CompressedShuffledValues):
     """Byte-shuffled values compressed with raw DEFLATE; lossless for every dtype.
 
     Parameters
@@ -113,12 +118,3 @@ class DeflateValues(CompressedShuffledValues):
     """
 
     codec_id = "deflate"
-
-    def __init__(self, level: int = 6):
-        self.level = _check_level(level)
-
-    def _compress(self, data):
-        return deflate(data, self.level)
-
-    def _decompress(self, data, limit, what):
-        return inflate(data, limit, what)

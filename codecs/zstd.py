@@ -68,8 +68,21 @@ def zstd_decompress(data, limit: int, what: str) -> bytes:
     return out
 
 
+class _Zstd:
+    """The zstd half of both codecs: the level, and the byte (de)compressor."""
+
+    def __init__(self, level: int = 3):
+        self.level = _check_level(level)
+
+    def _compress(self, data):
+        return zstd_compress(data, self.level)
+
+    def _decompress(self, data, limit, what):
+        return zstd_decompress(data, limit, what)
+
+
 @register_codec
-class ZstdIndices(CompressedGapIndices):
+class ZstdIndices(_Zstd, CompressedGapIndices):
     """Gap varints (as in the ``varint`` codec) compressed with zstd.
 
     Parameters
@@ -100,17 +113,9 @@ class ZstdIndices(CompressedGapIndices):
 
     codec_id = "zstd"
 
-    def __init__(self, level: int = 3):
-        self.level = _check_level(level)
-
-    def _compress(self, data):
-        return zstd_compress(data, self.level)
-
-    def _decompress(self, data, limit, what):
-        return zstd_decompress(data, limit, what)
 
 @register_codec
-class ZstdValues(CompressedShuffledValues):
+class ZstdValues(_Zstd, CompressedShuffledValues):
     """Byte-shuffled values compressed with zstd; lossless for every dtype.
 
     Parameters
@@ -132,12 +137,3 @@ class ZstdValues(CompressedShuffledValues):
     """
 
     codec_id = "zstd"
-
-    def __init__(self, level: int = 3):
-        self.level = _check_level(level)
-
-    def _compress(self, data):
-        return zstd_compress(data, self.level)
-
-    def _decompress(self, data, limit, what):
-        return zstd_decompress(data, limit, what)
