@@ -290,6 +290,19 @@ def fail_collectively(first_collective, transport, signature, error, traffic=Non
     raise error
 
 
+def signed_alltoall(transport, signature: str, per_rank: list, traffic, stage: str) -> dict:
+    """Send ``per_rank[r]`` to rank ``r`` behind ``signature``; return the checked replies.
+
+    This rank's own entry stays home. Returns ``{rank: frame body}`` of the
+    other ranks, after :func:`check_peers`.
+    """
+    rank, size = transport.rank, transport.size
+    signed = [b"" if r == rank else frames.signed(signature, frame)
+              for r, frame in enumerate(per_rank)]
+    received = transport.alltoall(signed, traffic, stage)
+    return check_peers({r: received[r] for r in range(size) if r != rank}, signature, rank)
+
+
 def check_peers(received: dict, signature: str, rank: int) -> dict:
     """Read the signed first frames of the other ranks; raise on errors or disagreement.
 

@@ -22,7 +22,7 @@ import numbers
 import numpy as np
 
 from deepreduce.collectives import frames
-from deepreduce.collectives.base import GRANULE, Communicator, Ownership, check_peers
+from deepreduce.collectives.base import GRANULE, Communicator, Ownership, signed_alltoall
 from deepreduce.collectives.frames import Blocks
 from deepreduce.errors import DecodeError
 from deepreduce.sparse import SparseTensor
@@ -140,11 +140,7 @@ class BlockReduce(Communicator):
         block = self.block_size
         owners = self._ownership(n, size)
         length = owners.length(rank)
-        signed = [b"" if r == rank else frames.signed(signature, f)
-                  for r, f in enumerate(per_rank)]
-        received = transport.alltoall(signed, traffic, "scatter")
-        bodies = check_peers({r: received[r] for r in range(size) if r != rank},
-                             signature, rank)
+        bodies = signed_alltoall(transport, signature, per_rank, traffic, "scatter")
         parts = []  # in rank order, as every sum here
         for r in range(size):
             decoded = own if r == rank else frames.read_frame(bodies[r], length, dtype, block)

@@ -42,7 +42,7 @@ import numpy as np
 
 from deepreduce import container
 from deepreduce.collectives import cost, frames
-from deepreduce.collectives.base import (GRANULE, Communicator, Ownership, check_peers,
+from deepreduce.collectives.base import (GRANULE, Communicator, Ownership, signed_alltoall,
                                          sum_sparse)
 from deepreduce.sparse import SparseTensor
 
@@ -169,11 +169,8 @@ class SparseAllreduce(Communicator):
     def _communicate_auto(self, transport, inp, signature, plan, traffic):
         frame, mine, sizes = plan
         rank, size, n = transport.rank, transport.size, inp.selected.size
-        counts = frames.signed(signature, frames.counts_frame(*sizes))
-        received = transport.alltoall([b"" if r == rank else counts for r in range(size)],
-                                      traffic, "agree")
-        bodies = check_peers({r: received[r] for r in range(size) if r != rank},
-                             signature, rank)
+        bodies = signed_alltoall(transport, signature, [frames.counts_frame(*sizes)] * size,
+                                 traffic, "agree")
         table = [sizes if r == rank else frames.read_counts(bodies[r], n) for r in range(size)]
         algorithm = self.choose(size, n, table)
         if algorithm == "split":
@@ -225,11 +222,7 @@ class SparseAllreduce(Communicator):
         rank, size, dtype, n = transport.rank, transport.size, inp.dtype, inp.selected.size
         owners = self._ownership(n, size)
         length = owners.length(rank)
-        signed = [b"" if r == rank else frames.signed(signature, f)
-                  for r, f in enumerate(per_rank)]
-        received = transport.alltoall(signed, traffic, "scatter")
-        bodies = check_peers({r: received[r] for r in range(size) if r != rank},
-                             signature, rank)
+        bodies = signed_alltoall(transport, signature, per_rank, traffic, "scatter")
         # in rank order, like every other sum here: float64 sums are then bit-identical
         # whichever communicator computes them
         parts = [own if r == rank else _sparse(frames.read_frame(bodies[r], length, dtype))
@@ -276,11 +269,8 @@ class SparseAllreduce(Communicator):
                 received = transport.alltoall(per_rank, traffic, f"round{round_}")
                 body = received[partner]
             else:
-                signed = [b"" if r == rank else frames.signed(signature, f)
-                          for r, f in enumerate(per_rank)]
-                received = transport.alltoall(signed, traffic, "round0")
-                body = check_peers({r: received[r] for r in range(size) if r != rank},
-                                   signature, rank)[partner]
+                body = signed_alltoall(transport, signature, per_rank, traffic,
+                                       "round0")[partner]
             theirs = _sparse(frames.read_frame(body, n, dtype))
             # Both partners add what the other decodes, lower rank first: identical sums
             pair = [_sparse(mine), theirs] if rank < partner else [theirs, _sparse(mine)]
