@@ -51,22 +51,61 @@ class ResidualMemory:
 
     def compensate(self, name: str, gradient) -> np.ndarray:
         """Return ``gradient + beta * residual[name]`` (the gradient itself the first time)."""
-        gradient = gradient.to_dense() if isinstance(gradient, SparseTensor) else np.asarray(gradient)
+        return self._compensate(name, gradient)[0]
+
+    def _compensate(self, name, gradient) -> tuple[np.ndarray, bool]:
+        """The corrected gradient, and whether it is a new array that no caller holds."""
+        if isinstance(gradient, SparseTensor):
+            gradient, new = gradient.to_dense(), True
+        else:
+            gradient, new = np.asarray(gradient), False
         residual = self._residuals.get(name)
         if residual is None or self.beta == 0.0:
-            return gradient
+            return gradient, new
         if residual.shape != gradient.shape:
             raise ValueError(f"tensor {name!r} changed shape from {residual.shape} to "
                              f"{gradient.shape}; call reset({name!r}) first")
         return gradient + (residual if self.beta == 1.0 else self.beta * residual).astype(
-            gradient.dtype, copy=False)
+            gradient.dtype, copy=False), True
 
     def update(self, name: str, sent_input, received: SparseTensor) -> None:
         """Store ``sent_input - received`` as the residual of ``name``."""
         if isinstance(sent_input, SparseTensor):
             residual = sent_input.to_dense()
         else:
-            residual = np.array(sent_input, copy=True)
+            residual = np.array(sent_input, copy=True, order="C")
+        self._store(name, residual, received)
+
+    def feedback(self, name: str, gradient, encode):
+        """Error feedback around one encoding: compensate, ``encode``, update.
+
+        ``encode(corrected)`` must return ``(payload, received)``; so does this.
+        The residual is the same, bit for bit, as with :meth:`compensate` and
+        :meth:`update`, but the corrected array made here (when there is a
+        residual) becomes the new residual in place instead of being copied.
+
+        Examples
+        --------
+        >>> import numpy as np, deepreduce as dr
+        >>> memory, pipe = dr.ResidualMemory(), dr.Pipeline(dr.TopK(1))
+        >>> g = np.array([0.5, -2.0, 1.0], np.float32)
+        >>> payload, received = memory.feedback("w", g, pipe.encode)
+        >>> payload, received = memory.feedback("w", g, pipe.encode)
+        >>> received.values, memory.residual("w")
+        (array([-2.], dtype=float32), array([1., 0., 2.], dtype=float32))
+        """
+        corrected, new = self._compensate(name, gradient)
+        payload, received = encode(corrected)
+        # what encode returns must not view the array that becomes the residual
+        if new and corrected.flags.c_contiguous \
+                and not np.may_share_memory(received.values, corrected):
+            self._store(name, corrected, received)
+        else:
+            self.update(name, corrected, received)
+        return payload, received
+
+    def _store(self, name, residual: np.ndarray, received: SparseTensor) -> None:
+        """Subtract ``received`` from ``residual`` (C-contiguous, ours) in place and keep it."""
         if residual.size != received.size:
             raise ValueError(f"received tensor has {received.size} elements, input {residual.size}")
         flat = residual.reshape(-1)

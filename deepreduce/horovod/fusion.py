@@ -273,6 +273,8 @@ class GradientCompression:
             return self.small_pipeline.encode(x)
         if self.memory is None or name is None:
             return self.pipeline.encode(x)
+        if not isinstance(x, SparseTensor):
+            return self.memory.feedback(name, x, self.pipeline.encode)
         x = self._corrected(name, x)
         payload, received = self.pipeline.encode(x)
         self.memory.update(name, x, received)
