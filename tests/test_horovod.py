@@ -518,3 +518,34 @@ def test_custom_loop_reduces_the_loss(ranks):
         assert f["last"] < 0.5 * f["first"]
         assert f["steps"] == 3 * 28
     assert found[0]["checksum"] == found[1]["checksum"]
+
+
+GRAPH_WITH_ONE_INTER_OP_THREAD = """
+import tensorflow as tf, horovod.tensorflow as hvd, deepreduce as dr
+import deepreduce.horovod.tensorflow as drh
+tf.config.threading.set_inter_op_parallelism_threads(1)
+hvd.init()
+v = tf.Variable(tf.ones([4096]))
+compression = drh.Compression(dr.TopK(0.01), index="varint", communicator="sparse_allreduce")
+
+@tf.function
+def step():
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * v)
+    return drh.DistributedGradientTape(tape, compression=compression).gradient(loss, [v])
+
+try:
+    step()
+except ValueError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_reducing_communicator_in_a_graph_with_one_inter_op_thread_is_refused():
+    # Such a graph would wait forever for the thread its own host call holds.
+    pytest.importorskip("horovod.tensorflow")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run([sys.executable, "-c", GRAPH_WITH_ONE_INTER_OP_THREAD], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert "refused:" in proc.stdout and "set_inter_op_parallelism_threads" in proc.stdout, \
+        proc.stdout[-2000:] + proc.stderr[-3000:]

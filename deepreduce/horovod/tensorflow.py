@@ -291,6 +291,16 @@ class _Reducer:
             outputs = _host_call(decode_all, [gathered], tout)
         else:
             op, process_set = "average" if average else "sum", self.process_set
+            if not tf.executing_eagerly() and \
+                    tf.config.threading.get_inter_op_parallelism_threads() == 1:
+                # The communicator runs Horovod ops from inside the host call; in a graph
+                # that call holds TensorFlow's only inter-op thread, and they would wait
+                # for it forever.
+                raise ValueError(f"communicator={compression.communicator!r} inside a "
+                                 "tf.function needs TensorFlow's inter-op thread pool to have "
+                                 "at least 2 threads (tf.config.threading."
+                                 "set_inter_op_parallelism_threads; 0, the default, is fine), "
+                                 "or run the step eagerly, or use communicator='allgather'")
 
             def reduce_all(*arrays):
                 return pack(compression.reduce_tensors(names, unpack(arrays), op, process_set,
