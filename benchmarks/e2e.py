@@ -178,8 +178,10 @@ def worker(args):
     import deepreduce.horovod.tensorflow as drh
     from deepreduce.registry import registered_codecs
 
+    # One thread per op: the two ranks share two cores. Two inter-op threads, because a
+    # reducing communicator runs Horovod ops from inside its host call in the graph.
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     digits = load_digits()
@@ -281,6 +283,8 @@ def worker(args):
         opt = tf.keras.optimizers.SGD(args.lr)
         hvd.broadcast_variables(model.variables, root_rank=0)
         step, info = builder(model, opt)
+        if not args.eager:  # as Keras fit and most custom loops run: one graph per step
+            step = tf.function(step)
         runs.append(dict(label=label, kind=kind, model=model, step=step, info=info,
                          batches=np.random.default_rng(args.seed + rank), times=[],
                          losses=[], wire=0, has_wire=True))
@@ -374,7 +378,7 @@ def run_rate(rate, args, net):
                         "--rounds", str(args.rounds),
                         "--hidden", str(args.hidden), "--layers", str(args.layers),
                         "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-                        "--seed", str(args.seed)]
+                        "--seed", str(args.seed)] + (["--eager"] if args.eager else [])
         if args.schemes:
             cmd += ["--schemes", *args.schemes]
         subprocess.run(cmd, env=env, check=True)
@@ -468,10 +472,11 @@ def report(runs, args):
     params = first[0]["params"]
     lines = ["# End to end: Horovod training steps over a shaped network", "",
              f"Two ranks (`horovodrun -np 2 --gloo`) on one machine ({platform.machine()}, "
-             f"{os.cpu_count()} cores shared with other jobs), one TensorFlow thread per rank. "
+             f"{os.cpu_count()} cores shared with other jobs), one intra-op TensorFlow thread per rank. "
              f"Model: MLP 64-{'-'.join([str(args.hidden)] * args.layers)}-10 on scikit-learn's "
              f"digits, {params:,} parameters ({4 * params / 1e6:.1f} MB of float32 gradients), "
-             f"batch {args.batch_size} per rank, plain SGD. Every scheme trains its own copy of "
+             f"batch {args.batch_size} per rank, plain SGD, each step "
+             f"{'run eagerly' if args.eager else 'a tf.function (as in Keras fit)'}. Every scheme trains its own copy of "
              f"the model on the same batches: {args.warmup} warm-up steps, then {args.steps} "
              f"timed steps taken in {args.rounds} turns, the schemes alternating, so that load "
              "from other jobs spreads over all of them. Step time is the median on rank 0 "
@@ -561,6 +566,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eager", action="store_true",
+                        help="run each training step eagerly instead of as a tf.function")
     parser.add_argument("--schemes", nargs="*", default=None,
                         help="only schemes whose label contains one of these strings")
     parser.add_argument("--out", default=str(RESULTS / "e2e.md"))
@@ -584,7 +591,8 @@ def main(argv=None):
         saved = json.loads(Path(args.from_json).read_text())
         runs = saved["runs"]
         args = argparse.Namespace(**{**vars(args), **{k: saved["args"][k] for k in (
-            "hidden", "layers", "batch_size", "steps", "rounds", "warmup")}})
+            "hidden", "layers", "batch_size", "steps", "rounds", "warmup")},
+            "eager": saved["args"].get("eager", True)})  # runs saved before the flag were eager
         return write_results(runs, args)
     runs = []
     if args.no_netns:
