@@ -7,7 +7,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import deepreduce as dr
 from deepreduce.codecs import _bits
 from deepreduce.codecs.deflate import DeflateIndices, deflate
 from deepreduce.codecs.zstd import ZstdIndices, zstd_compress
