@@ -233,7 +233,7 @@ def model_tables(args):
         lines.append(f"| {size} | {union / n:.1%} | {ag / 1e6:.2f} | {sar / 1e6:.2f} | "
                      f"{dense / 1e6:.1f} | {sar / ag:.2f} |")
     lines += ["", "Model only, block-clustered (embedding-like, as the **clustered** scenario: "
-              f"the union of the generated supports, run-aware index rates): MB received per "
+              "the union of the generated supports, run-aware index rates): MB received per "
               "rank as P grows.", "",
               "| P | non-zeros of the sum | allgather | block | block / allgather |",
               "|---:|---:|---:|---:|---:|"]
