@@ -9,6 +9,7 @@ import deepreduce as dr
 from deepreduce.codecs import _bits, _entropy, auto, golomb, huffman, runs
 from deepreduce.errors import DecodeError
 from deepreduce.registry import get_codec, registered_codecs
+from index_sets import assert_valid, random_set, round_trip
 
 #: Every configuration whose stream format differs.
 CODECS = {
@@ -29,42 +30,6 @@ def make(name):
     return get_codec({"id": name.split("-")[0], **CODECS[name]}, family="index")
 
 
-def assert_valid(indices, n, nnz):
-    """What a decoder may return for any input: nnz strictly increasing int64 in [0, n)."""
-    assert indices.dtype == np.int64 and indices.shape == (nnz,)
-    if nnz:
-        assert 0 <= indices[0] and indices[-1] < n
-        assert np.all(np.diff(indices) > 0)
-
-
-def round_trip(name, indices, n):
-    indices = np.asarray(indices, dtype=np.int64)
-    codec = make(name)
-    data = codec.encode(indices, n)
-    assert isinstance(data, bytes)
-    decoded = codec.decode(data, n, indices.size)
-    assert decoded.dtype == np.int64
-    np.testing.assert_array_equal(decoded, indices)
-    return data
-
-
-def random_set(rng, n, kind):
-    """Index sets of the shapes the codecs meet: uniform, sparse, runs, aligned blocks."""
-    if kind == "uniform":
-        return np.sort(rng.choice(n, size=int(rng.integers(0, n + 1)), replace=False))
-    if kind == "sparse":
-        return np.sort(rng.choice(n, size=min(n, int(rng.integers(0, 20))), replace=False))
-    if kind == "blocks":
-        width = int(rng.choice([2, 8, 64]))
-        blocks = -(-n // width)
-        chosen = rng.choice(blocks, size=int(rng.integers(0, blocks + 1)), replace=False)
-        indices = (np.sort(chosen)[:, None] * width + np.arange(width)).ravel()
-        return indices[indices < n]
-    bits = np.zeros(n, dtype=bool)
-    for start in rng.integers(0, n, size=int(rng.integers(0, 12))):
-        bits[start:start + int(rng.integers(1, 60))] = True
-    return np.flatnonzero(bits)
-
 
 # ------------------------------------------------------------------ round trips
 
@@ -73,7 +38,7 @@ def random_set(rng, n, kind):
 @given(n=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1),
        kind=st.sampled_from(["uniform", "sparse", "runs", "blocks"]))
 def test_round_trip_random_sets(name, n, seed, kind):
-    round_trip(name, random_set(np.random.default_rng(seed), n, kind), n)
+    round_trip(make(name), random_set(np.random.default_rng(seed), n, kind), n)
 
 
 @pytest.mark.parametrize("name", CODECS)
@@ -81,7 +46,7 @@ def test_round_trip_random_sets(name, n, seed, kind):
 @given(data=st.data())
 def test_round_trip_drawn_sets(name, data):
     n = data.draw(st.integers(1, 200))
-    round_trip(name, sorted(data.draw(st.sets(st.integers(0, n - 1)))), n)
+    round_trip(make(name), sorted(data.draw(st.sets(st.integers(0, n - 1)))), n)
 
 
 @pytest.mark.parametrize("name", CODECS)
@@ -91,7 +56,7 @@ def test_round_trip_huge_universes(name, data):
     n = data.draw(st.sampled_from([2**32 - 1, 2**32, 2**32 + 1, 2**40, 2**62]))
     edges = [0, 1, n // 2, 2**32 - 2, 2**32 - 1, 2**32, n - 2, n - 1]
     chosen = data.draw(st.sets(st.sampled_from(edges) | st.integers(0, n - 1), max_size=30))
-    round_trip(name, sorted(i for i in chosen if i < n), n)
+    round_trip(make(name), sorted(i for i in chosen if i < n), n)
 
 
 EDGE_CASES = {
@@ -118,7 +83,7 @@ EDGE_CASES = {
 @pytest.mark.parametrize("case", EDGE_CASES)
 def test_edge_cases(name, case):
     indices, n = EDGE_CASES[case]
-    data = round_trip(name, list(indices), n)
+    data = round_trip(make(name), list(indices), n)
     if not len(indices):
         assert data == b""
 

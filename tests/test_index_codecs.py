@@ -12,6 +12,7 @@ from deepreduce.codecs.deflate import DeflateIndices, deflate
 from deepreduce.codecs.zstd import ZstdIndices, zstd_compress
 from deepreduce.errors import DecodeError
 from deepreduce.registry import get_codec
+from index_sets import assert_valid, random_set, round_trip
 
 EXACT_CODECS = ["raw", "bitpack", "varint", "deflate", "zstd", "bitmap", "rle", "eliasfano"]
 #: Codecs whose stream does not grow with n (bitmap and rle decoding touch n bits).
@@ -24,37 +25,6 @@ def codec(codec_id, **params):
     return get_codec({"id": codec_id, **params}, family="index")
 
 
-def assert_valid(indices, n, nnz):
-    """What a decoder may return for any input: nnz strictly increasing int64 in [0, n)."""
-    assert indices.dtype == np.int64
-    assert indices.shape == (nnz,)
-    if nnz:
-        assert indices[0] >= 0 and indices[-1] < n
-        assert np.all(np.diff(indices) > 0)
-
-
-def round_trip(codec_id, indices, n):
-    indices = np.asarray(indices, dtype=np.int64)
-    c = codec(codec_id)
-    data = c.encode(indices, n)
-    assert isinstance(data, bytes)
-    decoded = c.decode(data, n, indices.size)
-    assert decoded.dtype == np.int64
-    np.testing.assert_array_equal(decoded, indices)
-    return data
-
-
-def random_set(rng, n, kind):
-    if kind == "uniform":
-        return np.sort(rng.choice(n, size=int(rng.integers(0, n + 1)), replace=False))
-    if kind == "sparse":
-        return np.sort(rng.choice(n, size=min(n, int(rng.integers(0, 20))), replace=False))
-    # runs of adjacent indices, as block sparsifiers produce
-    bits = np.zeros(n, dtype=bool)
-    for start in rng.integers(0, n, size=int(rng.integers(0, 8))):
-        bits[start:start + int(rng.integers(1, 50))] = True
-    return np.flatnonzero(bits)
-
 
 # ------------------------------------------------------------------ round trips
 
@@ -63,7 +33,7 @@ def random_set(rng, n, kind):
 @given(n=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1),
        kind=st.sampled_from(["uniform", "sparse", "runs"]))
 def test_round_trip_random_sets(codec_id, n, seed, kind):
-    round_trip(codec_id, random_set(np.random.default_rng(seed), n, kind), n)
+    round_trip(codec(codec_id), random_set(np.random.default_rng(seed), n, kind), n)
 
 
 @pytest.mark.parametrize("codec_id", EXACT_CODECS)
@@ -72,7 +42,7 @@ def test_round_trip_random_sets(codec_id, n, seed, kind):
 def test_round_trip_drawn_sets(codec_id, data):
     n = data.draw(st.integers(1, 300))
     indices = sorted(data.draw(st.sets(st.integers(0, n - 1))))
-    round_trip(codec_id, indices, n)
+    round_trip(codec(codec_id), indices, n)
 
 
 EDGE_CASES = {
@@ -98,7 +68,7 @@ EDGE_CASES = {
 @pytest.mark.parametrize("case", sorted(EDGE_CASES))
 def test_round_trip_edge_cases(codec_id, case):
     indices, n = EDGE_CASES[case]
-    round_trip(codec_id, indices, n)
+    round_trip(codec(codec_id), indices, n)
 
 
 LARGE_CASES = {
@@ -117,14 +87,14 @@ LARGE_CASES = {
 @pytest.mark.parametrize("case", sorted(LARGE_CASES))
 def test_round_trip_huge_universe(codec_id, case):
     indices, n = LARGE_CASES[case]
-    data = round_trip(codec_id, indices, n)
+    data = round_trip(codec(codec_id), indices, n)
     assert len(data) <= 8 * len(indices) + 64
 
 
 @pytest.mark.parametrize("codec_id", ["bitmap", "rle"])
 def test_round_trip_moderate_universe(codec_id):
     n = 200_003
-    round_trip(codec_id, [0, 7, 8, 9, 65_536, n - 2, n - 1], n)
+    round_trip(codec(codec_id), [0, 7, 8, 9, 65_536, n - 2, n - 1], n)
 
 
 # ------------------------------------------------------------------ wire formats
