@@ -43,10 +43,11 @@ help:
 venv: $(STAMP)
 
 # The stamp lives inside .venv, so deleting .venv starts over. Every step below is
-# idempotent; re-running after an edit of setup.cfg only installs what changed.
+# idempotent; re-running after an edit of setup.cfg only installs what changed, and
+# an edit of the C scan (deepreduce/_bloomscan.c) recompiles it.
 # Horovod is compiled only when `import horovod.tensorflow` fails; pip's wheel cache
 # (kept on purpose) makes a rebuild in a new venv take seconds instead of minutes.
-$(STAMP): setup.cfg pyproject.toml Makefile
+$(STAMP): setup.cfg setup.py pyproject.toml Makefile deepreduce/_bloomscan.c
 	@for tool in gcc g++ cmake; do command -v $$tool >/dev/null || { \
 		echo "make: $$tool not found; Horovod is compiled from source and needs gcc, g++ and cmake" \
 		     "(Debian: apt-get install build-essential cmake python3-venv)" >&2; exit 1; }; done
@@ -90,4 +91,4 @@ $(GRADIENTS): benchmarks/gradients.py | $(STAMP)
 	mv $(GRADIENTS:.npz=.partial.npz) $@
 
 clean:
-	rm -rf $(VENV) benchmarks/cache build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) benchmarks/cache build *.egg-info .pytest_cache .hypothesis deepreduce/*.so

@@ -89,9 +89,17 @@ from deepreduce.codecs.base import IndexCodec
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
+try:
+    from deepreduce import _bloomscan
+except ImportError:  # not compiled (the extension is optional): the numpy scan serves
+    _bloomscan = None
+
 VERSION = 1
 POLICIES = ("p0", "leftmost", "random", "conflict_sets", "naive")
 
+#: Which universe scan :meth:`BloomFilter.positives` runs: ``"compiled"`` (the C
+#: extension ``deepreduce._bloomscan``, built by ``pip install``) or ``"numpy"``.
+SCAN_IMPLEMENTATION = "numpy" if _bloomscan is None else "compiled"
 #: Most hash bits confined to one 64-bit word (see :func:`blocked_hashes`).
 BLOCK_HASHES = 4
 #: Patterns of the blocked word: ``h1 & (PATTERNS - 1)`` picks one.
@@ -111,6 +119,9 @@ _SELECTION_SEED = 0x7F4A7C15
 _PATTERN_SEED = 0x5BD1E995
 _CONFLICT_ROUNDS = 8
 _SCAN_CHUNK = 1 << 16
+#: Positions per call of the compiled scan: its output buffer has this size,
+#: and ``limit`` is checked between calls.
+_COMPILED_CHUNK = 1 << 20
 #: Survivors of the word test are collected over this many positions before
 #: their single-bit probes run, so those probes cost few numpy calls.
 _SCAN_BATCH = 1 << 18
@@ -301,17 +312,44 @@ class BloomFilter:
 
     # ------------------------------------------------------------ the scan
 
-    def positives(self, limit: int | None = None) -> np.ndarray:
-        """All positions of ``[0, n)`` the filter reports, increasing (int64).
+    def positives(self, limit: int | None = None, start: int = 0,
+                  stop: int | None = None) -> np.ndarray:
+        """All positions of ``[start, stop)`` (default ``[0, n)``) the filter reports.
 
-        With ``limit``, stops once more than ``limit`` are found and returns
-        the first ``limit + 1``: enough for callers that need ``limit`` of
-        them or must reject a filter with too many.
+        Increasing, int64. With ``limit``, stops once more than ``limit``
+        are found and returns the first ``limit + 1``: enough for callers
+        that need ``limit`` of them or must reject a filter with too many.
+        The compiled scan runs when it is built (:data:`SCAN_IMPLEMENTATION`),
+        else the numpy one; both return the same positions.
         """
-        n = self.n
-        if n == 0 or not self.words.any():
+        stop = self.n if stop is None else stop
+        if not 0 <= start <= stop <= self.n:
+            raise ValueError(f"positions [{start}, {stop}) are not a range of [0, {self.n})")
+        if start == stop or not self.words.any():
             return np.zeros(0, dtype=np.int64)
-        chunk = min(_SCAN_CHUNK, n)
+        if _bloomscan is not None:
+            return self._compiled_scan(start, stop, limit)
+        return self._numpy_scan(start, stop, limit)
+
+    def _compiled_scan(self, start: int, stop: int, limit: int | None) -> np.ndarray:
+        """``positives`` by the C extension, chunk by chunk (the check for ``limit``)."""
+        chunk = min(_COMPILED_CHUNK, stop - start)
+        out = np.empty(chunk, dtype=np.int64)
+        found, found_count = [], 0
+        for first in range(start, stop, chunk):
+            count = _bloomscan.scan(self.words, self.masks, first, min(chunk, stop - first),
+                                    self.seed, self.key_bytes, self.m, self.k, self.block_k,
+                                    out)
+            found.append(out[:count].copy())
+            found_count += count
+            if limit is not None and found_count > limit:
+                break
+        result = np.concatenate(found)
+        return result if limit is None else result[:limit + 1]
+
+    def _numpy_scan(self, start: int, stop: int, limit: int | None) -> np.ndarray:
+        """``positives`` in whole-array numpy: the fallback without the C extension."""
+        chunk = min(_SCAN_CHUNK, stop - start)
         hasher = RangeHasher(chunk)
         # Three 8-byte buffers reused for every chunk (with the hasher's two
         # 4-byte ones about 33 bytes per position, so a chunk stays in L2):
@@ -326,9 +364,11 @@ class BloomFilter:
         words, masks = self.words, self.masks
         found, found_count = [], 0
         batch_positions, batch_h1, batch_size = [], [], 0
-        for start in range(0, n, chunk):
-            count = min(chunk, n - start)
-            h1 = hasher.hash_range(start, count, self.seed, self.key_bytes)
+        first = start
+        while first < stop:
+            # 8-byte keys share their high word within a run of the hasher.
+            count = min(chunk, stop - first, (((first >> 32) + 1) << 32) - first)
+            h1 = hasher.hash_range(first, count, self.seed, self.key_bytes)
             if count < chunk:
                 wide, pattern_index = wide[:count], pattern_index[:count]
                 word, passed = word[:count], passed[:count]
@@ -344,10 +384,11 @@ class BloomFilter:
             np.equal(word, wide, out=passed)
             survivors = np.flatnonzero(passed)
             batch_h1.append(h1[survivors])
-            survivors += start
+            survivors += first
             batch_positions.append(survivors)
             batch_size += count
-            if batch_size >= _SCAN_BATCH or start + count == n:
+            first += count
+            if batch_size >= _SCAN_BATCH or first == stop:
                 kept = self._probe_singles(np.concatenate(batch_positions),
                                            np.concatenate(batch_h1))
                 found.append(kept)
