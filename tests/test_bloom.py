@@ -10,11 +10,14 @@ from hypothesis import strategies as st
 
 import deepreduce as dr
 from deepreduce.codecs._murmur import RangeHasher, key_bytes_for, murmur3_32
+from deepreduce.codecs import bloom
 from deepreduce.codecs.bloom import (POLICIES, BloomFilter, BloomIndices, filter_geometry,
                                      pattern_table, predicted_fpr)
 from deepreduce.errors import DecodeError
 
 SELECTING = ["leftmost", "random", "conflict_sets"]
+#: Every (k, block_k) that filter_geometry gives for fpr from 0.5 down to 1e-12.
+HASH_COUNTS = sorted({filter_geometry(100, fpr)[1:] for fpr in np.geomspace(0.5, 1e-12, 400)})
 
 
 def reference_hash(key: int, seed: int, key_bytes: int) -> int:
@@ -25,11 +28,35 @@ def random_indices(rng, n, r):
     return np.sort(rng.choice(n, size=r, replace=False)).astype(np.int64)
 
 
-def brute_force_positives(filt: BloomFilter) -> np.ndarray:
+def brute_force_positives(filt: BloomFilter, start: int = 0, stop: int | None = None):
     """Every position whose k bits are all set, straight from the filter definition."""
-    bits = filt.bit_positions(np.arange(filt.n, dtype=np.int64))
+    positions = np.arange(start, filt.n if stop is None else stop, dtype=np.int64)
+    bits = filt.bit_positions(positions)
     set_bits = (filt.words[bits >> 6] >> (bits & 63).astype(np.uint64)) & np.uint64(1)
-    return np.flatnonzero(set_bits.all(axis=1))
+    return positions[set_bits.all(axis=1)]
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def scan(request, monkeypatch):
+    """Runs a test with the C scan, then with the numpy fallback."""
+    if request.param == "numpy":
+        monkeypatch.setattr(bloom, "_bloomscan", None)
+    elif bloom._bloomscan is None:
+        pytest.skip("deepreduce._bloomscan is not built")
+    return request.param
+
+
+def filter_of(indices, n: int, k: int, block_k: int, seed: int, nbytes: int,
+              key_bytes: int | None = None) -> BloomFilter:
+    """A filter of ``indices`` with the given geometry, hash count and key width."""
+    filt = BloomFilter(np.zeros(-(-nbytes // 8), dtype=np.uint64), nbytes, k, block_k, seed, n)
+    filt.key_bytes = key_bytes or filt.key_bytes
+    flags = np.zeros(filt.m, dtype=bool)
+    flags[filt.bit_positions(indices).ravel()] = True
+    packed = np.zeros(filt.words.size * 8, dtype=np.uint8)
+    packed[:nbytes] = np.packbits(flags, bitorder="little")
+    filt.words = packed.view("<u8").astype(np.uint64)
+    return filt
 
 
 # ----------------------------------------------------------------- MurmurHash3
@@ -103,21 +130,128 @@ def test_pattern_table_has_distinct_bits():
 
 @pytest.mark.parametrize("fpr", [0.3, 0.05, 1e-3])
 @pytest.mark.parametrize("key_bytes", [4, 8])
-def test_scan_finds_exactly_the_positions_whose_bits_are_set(fpr, key_bytes):
+def test_scan_finds_exactly_the_positions_whose_bits_are_set(fpr, key_bytes, scan):
     n, rng = 30_000, np.random.default_rng(int(fpr * 1000) + key_bytes)
     indices = random_indices(rng, n, 400)
     nbytes, k, block_k = filter_geometry(indices.size, fpr)
-    filt = BloomFilter(np.zeros(-(-nbytes // 8), dtype=np.uint64), nbytes, k, block_k, 12345, n)
-    filt.key_bytes = key_bytes  # exercise the 8-byte key path on a small universe
-    flags = np.zeros(filt.m, dtype=bool)
-    flags[filt.bit_positions(indices).ravel()] = True
-    packed = np.zeros(filt.words.size * 8, dtype=np.uint8)
-    packed[:nbytes] = np.packbits(flags, bitorder="little")
-    filt.words = packed.view("<u8").astype(np.uint64)
+    # key_bytes=8 exercises the 8-byte key path on a small universe
+    filt = filter_of(indices, n, k, block_k, 12345, nbytes, key_bytes)
     positives = filt.positives()
     assert np.array_equal(positives, brute_force_positives(filt))
     assert np.isin(indices, positives).all()
     assert np.array_equal(filt.positives(limit=100), positives[:101])
+    assert np.array_equal(filt.positives(start=777, stop=20_001),
+                          positives[(positives >= 777) & (positives < 20_001)])
+
+
+@pytest.mark.parametrize("k,block_k", HASH_COUNTS)
+def test_both_scans_agree_for_every_hash_count(k, block_k, monkeypatch):
+    assert [k for k, _ in HASH_COUNTS] == list(range(1, 41))  # fpr 0.5 .. 1e-12
+    n, rng = 5000, np.random.default_rng(k)
+    indices = random_indices(rng, n, 150)
+    nbytes = filter_geometry(indices.size, 2.0 ** -k)[0]
+    filt = filter_of(indices, n, k, block_k, int(rng.integers(2**32)), nbytes)
+    expected = brute_force_positives(filt)
+    assert np.isin(indices, expected).all()
+    results = {}
+    for implementation in ("compiled", "numpy"):
+        if implementation == "numpy":
+            monkeypatch.setattr(bloom, "_bloomscan", None)
+        elif bloom._bloomscan is None:
+            continue
+        results[implementation] = [filt.positives(), filt.positives(limit=3),
+                                   filt.positives(limit=expected.size),
+                                   filt.positives(start=1, stop=n - 1)]
+    inner = expected[(expected >= 1) & (expected < n - 1)]
+    for got in results.values():
+        assert np.array_equal(got[0], expected) and got[0].dtype == np.int64
+        assert np.array_equal(got[1], expected[:4])
+        assert np.array_equal(got[2], expected)
+        assert np.array_equal(got[3], inner)
+
+
+@pytest.mark.parametrize("start,stop", [(2**32 - 1500, 2**32 + 1500), (2**33 - 700, 2**33 + 9),
+                                        (2**34 + 8, 2**34 + 8), (2**34 + 1, 2**34 + 10)])
+def test_scan_of_a_universe_above_2_32_uses_8_byte_keys(start, stop, scan):
+    n = 2**34 + 10
+    indices = np.array([0, 2**32 - 2, 2**32 - 1, 2**32, 2**32 + 999, 2**33 - 1, 2**33, n - 1])
+    nbytes, k, block_k = filter_geometry(3000, 0.01)  # room for ~3000: many false positives
+    filt = filter_of(indices, n, k, block_k, 4242, nbytes)
+    assert filt.key_bytes == 8
+    positives = filt.positives(start=start, stop=stop)
+    assert np.array_equal(positives, brute_force_positives(filt, start, stop))
+    assert np.isin(indices[(indices >= start) & (indices < stop)], positives).all()
+    assert np.array_equal(filt.positives(limit=0, start=start, stop=stop), positives[:1])
+
+
+def test_scan_range_outside_the_universe_is_refused(scan):
+    filt = BloomIndices().build_filter(np.array([3]), 10)
+    for start, stop in [(-1, 5), (5, 4), (0, 11)]:
+        with pytest.raises(ValueError, match="range"):
+            filt.positives(start=start, stop=stop)
+
+
+def test_empty_and_one_position_filters(scan):
+    assert BloomIndices().build_filter(np.array([], np.int64), 1).positives().size == 0
+    assert BloomIndices().build_filter(np.array([0]), 1).positives().tolist() == [0]
+    assert BloomIndices().build_filter(np.array([], np.int64), 10**6).positives().size == 0
+    empty = BloomFilter(np.zeros(1, np.uint64), 8, 3, 1, 0, 0)
+    assert empty.positives().size == 0 and empty.positives().dtype == np.int64
+
+
+def test_implementation_is_reported():
+    assert bloom.SCAN_IMPLEMENTATION == ("numpy" if bloom._bloomscan is None else "compiled")
+
+
+# ----------------------------------------------------------------- the C entry point
+
+compiled = pytest.mark.skipif(bloom._bloomscan is None, reason="deepreduce._bloomscan not built")
+
+
+def scan_arguments(**changes):
+    """Valid arguments of _bloomscan.scan (a 1e-2 filter of 40 indices), with ``changes``."""
+    filt = BloomIndices(fpr=0.01).build_filter(np.arange(0, 4000, 100), 4000)
+    arguments = {"words": filt.words, "masks": filt.masks, "start": 0, "count": 4000,
+                 "seed": filt.seed, "key_bytes": 4, "m": filt.m, "k": filt.k,
+                 "block_k": filt.block_k, "out": np.empty(4000, np.int64)}
+    return {**arguments, **changes}
+
+
+@compiled
+def test_c_scan_writes_the_positives_and_returns_their_count():
+    arguments = scan_arguments()
+    count = bloom._bloomscan.scan(*arguments.values())
+    assert 40 <= count <= 4000
+    assert np.isin(np.arange(0, 4000, 100), arguments["out"][:count]).all()
+    assert bloom._bloomscan.scan(*scan_arguments(words=np.zeros(63, np.uint64)).values()) == 0
+    assert bloom._bloomscan.scan(*scan_arguments(count=0, out=np.empty(0, np.int64)).values()) \
+        == 0
+
+
+@compiled
+@pytest.mark.parametrize("changes", [
+    {"words": np.zeros(63, np.int64)}, {"words": np.zeros(63, np.uint32)},
+    {"words": np.zeros((63, 2), np.uint64)[:, 0]}, {"words": np.zeros((9, 7), np.uint64)},
+    {"words": [0] * 63}, {"masks": np.zeros(4096, np.float64)},
+    {"out": np.empty(4000, np.uint64)}, {"out": np.empty(4000, np.int64)[::-1]},
+    {"out": np.empty(4000, np.int32)}, {"out": bytes(32000)},
+    {"seed": 1.5}, {"start": "0"}])
+def test_c_scan_refuses_wrong_buffers_with_type_error(changes):
+    with pytest.raises(TypeError):
+        bloom._bloomscan.scan(*scan_arguments(**changes).values())
+
+
+@compiled
+@pytest.mark.parametrize("changes", [
+    {"words": np.zeros(2, np.uint64)}, {"masks": np.zeros(4095, np.uint64)},
+    {"out": np.empty(3999, np.int64)}, {"key_bytes": 2}, {"seed": -1}, {"seed": 2**32},
+    {"k": 0}, {"k": 65}, {"block_k": 5}, {"block_k": 0}, {"k": 1, "block_k": 2},
+    {"m": 63}, {"m": 2**32 + 8}, {"start": -1}, {"count": -1},
+    {"start": 2**32 - 10, "count": 11, "out": np.empty(11, np.int64)},
+    {"start": 2**63 - 10, "count": 11, "key_bytes": 8, "out": np.empty(11, np.int64)}])
+def test_c_scan_refuses_wrong_values_with_value_error(changes):
+    with pytest.raises(ValueError):
+        bloom._bloomscan.scan(*scan_arguments(**changes).values())
 
 
 @pytest.mark.parametrize("fpr", [0.05, 0.01, 1e-3])
@@ -188,7 +322,7 @@ def test_without_dense_false_positives_receive_zero(policy):
     assert np.array_equal(sent[true], values[np.searchsorted(indices, received[true])])
 
 
-def test_leftmost_takes_the_first_positives_and_naive_misassigns_values():
+def test_leftmost_takes_the_first_positives_and_naive_misassigns_values(scan):
     n, indices = 5000, random_indices(np.random.default_rng(2), 5000, 300)
     encoder = BloomIndices(fpr=0.1, policy="leftmost", seed=1)
     filt_positives = None
@@ -212,7 +346,7 @@ def test_conflict_sets_choose_more_true_positives_than_random():
     assert abs(hits["random"] - hits["leftmost"]) < 0.1
 
 
-def test_p0_decoder_checks_the_count():
+def test_p0_decoder_checks_the_count(scan):
     n, indices = 5000, random_indices(np.random.default_rng(4), 5000, 100)
     data, received, _, _ = encode_decode("p0", n, indices)
     decoder = BloomIndices(fpr=0.01, policy="p0")
@@ -242,7 +376,7 @@ def test_calls_use_fresh_seeds_but_runs_reproduce():
 @pytest.mark.parametrize("n,indices", [(1, [0]), (1, []), (10, [0, 9]), (64, list(range(64))),
                                        (100_000, []), (100_000, [99_999])])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_edge_cases(n, indices, policy):
+def test_edge_cases(n, indices, policy, scan):
     indices = np.array(indices, dtype=np.int64)
     dense = np.arange(n, dtype=np.float64) + 1
     data, received, sent, _ = encode_decode(policy, n, indices, dense)
@@ -320,7 +454,7 @@ def test_bit_flips_raise_only_decode_error(policy, data):
     assert np.all(np.diff(out) > 0) and (out.size == 0 or 0 <= out[0] <= out[-1] < n)
 
 
-def test_a_saturated_filter_is_rejected_early_by_p0():
+def test_a_saturated_filter_is_rejected_early_by_p0(scan):
     header = bytes([1, 10]) + (0).to_bytes(4, "little") + bytes([32])
     full = header + b"\xff" * 32
     with pytest.raises(DecodeError, match="more than"):

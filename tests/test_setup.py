@@ -37,6 +37,16 @@ def test_codecs_subpackage_maps_to_codecs_folder_and_stdlib_codecs_stays():
     assert stdlib_codecs == "True"
 
 
+def test_install_compiled_the_bloom_scan():
+    # The extension is optional so that installs without a compiler work; this
+    # machine has one, so a fallback to the numpy scan here means a broken build.
+    code = ("from deepreduce.codecs import bloom; print(bloom.SCAN_IMPLEMENTATION); "
+            "print(bloom._bloomscan.__file__)")
+    implementation, module_file = run_python("-c", code).stdout.split()
+    assert implementation == "compiled"
+    assert pathlib.Path(module_file).resolve().parent == REPO / "deepreduce"
+
+
 def test_console_script_is_installed():
     script = pathlib.Path(sys.executable).with_name("deepreduce")
     assert script.exists(), f"{script} missing: is deepreduce installed in this interpreter?"
