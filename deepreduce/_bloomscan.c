@@ -13,7 +13,11 @@
  * writes the positives among start .. start+count-1, increasing, to out (int64,
  * at least count long) and returns how many it wrote. The caller chunks the
  * universe, which bounds the output buffer and lets it stop early (limit=).
- * The scan runs without the GIL, so other Python threads (Horovod's) keep going.
+ *
+ *   build(words, masks, indices, seed, key_bytes, m, k, block_k) -> None
+ *
+ * sets the bits of the indices in words, the encoder's side of the same layout.
+ * Both run without the GIL, so other Python threads (Horovod's) keep going.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -166,6 +170,37 @@ static Py_ssize_t scan_range(const filter_t *f, uint64_t start, uint64_t count, 
                              : scan_keys(f, start, count, out, 8);
 }
 
+/* ------------------------------------------------------------ the build */
+
+/* Sets the k bits of each index, a block of indices at a time: their hashes
+ * first, with a prefetch of each blocked word, so that the read-modify-writes
+ * of a filter larger than cache overlap their misses. */
+static inline void build_keys(const filter_t *f, uint64_t *words, const int64_t *indices,
+                              Py_ssize_t count, const int key_bytes)
+{
+    uint32_t h1[BLOCK];
+    for (Py_ssize_t base = 0; base < count; base += BLOCK) {
+        size_t length = count - base < BLOCK ? (size_t)(count - base) : BLOCK;
+        const int64_t *block = indices + base;
+        for (size_t i = 0; i < length; i++) {
+            uint64_t pos = (uint64_t)block[i];
+            h1[i] = murmur_key(scramble((uint32_t)pos), scramble((uint32_t)(pos >> 32)),
+                               key_bytes, f->seed);
+            PREFETCH(&words[block_word(f, h1[i])]);
+        }
+        for (size_t i = 0; i < length; i++) {
+            uint64_t pos = (uint64_t)block[i];
+            words[block_word(f, h1[i])] |= f->masks[h1[i] & (PATTERNS - 1)];
+            uint32_t g = murmur_key(scramble((uint32_t)pos), scramble((uint32_t)(pos >> 32)),
+                                    key_bytes, f->seed ^ SECOND_HASH_SEED);
+            for (int j = f->block_k; j < f->k; j++, g += h1[i]) {
+                uint64_t bit = single_bit(f, g);
+                words[bit >> 6] |= 1ull << (bit & 63);
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------ argument checks */
 
 /* numpy exports uint64 as 'L' (or 'Q' where long is 4 bytes), int64 as 'l'/'q';
@@ -202,56 +237,87 @@ static int get_array(PyObject *object, Py_buffer *view, const char *name, int is
     return 0;
 }
 
-static PyObject *scan(PyObject *module, PyObject *args)
+/* The hashing parameters both entry points take, checked; -1 with ValueError set. */
+static int check_parameters(long long seed, long long key_bytes, long long m, long long k,
+                            long long block_k)
 {
-    PyObject *words_object, *masks_object, *out_object;
-    long long start, count, seed, key_bytes, m, k, block_k;
-    if (!PyArg_ParseTuple(args, "OOLLLLLLLO:scan", &words_object, &masks_object, &start,
-                          &count, &seed, &key_bytes, &m, &k, &block_k, &out_object))
-        return NULL;
     if (key_bytes != 4 && key_bytes != 8)
-        return PyErr_Format(PyExc_ValueError, "key_bytes must be 4 or 8, got %lld", key_bytes);
-    if (seed < 0 || seed > 0xFFFFFFFFll)
-        return PyErr_Format(PyExc_ValueError, "seed must be in [0, 2**32), got %lld", seed);
-    if (k < 1 || k > MAX_HASHES)
-        return PyErr_Format(PyExc_ValueError, "k must be in [1, %d], got %lld", MAX_HASHES, k);
-    if (block_k < 1 || block_k > MAX_BLOCK_HASHES || block_k > k)
-        return PyErr_Format(PyExc_ValueError, "block_k must be in [1, min(k, %d)], got %lld",
-                            MAX_BLOCK_HASHES, block_k);
-    if (m < 64 || (unsigned long long)m > MAX_FILTER_BITS)
-        return PyErr_Format(PyExc_ValueError, "m must be in [64, 2**32] bits, got %lld", m);
-    if (start < 0 || count < 0)
-        return PyErr_Format(PyExc_ValueError, "start and count must be non-negative, got "
-                            "%lld and %lld", start, count);
-    /* Keys past the width would be hashed truncated: positions that are not theirs. */
-    unsigned long long key_limit = key_bytes == 4 ? 1ull << 32 : (unsigned long long)LLONG_MAX;
-    if ((unsigned long long)start > key_limit || (unsigned long long)count > key_limit - start)
-        return PyErr_Format(PyExc_ValueError, "positions %lld .. %lld + %lld do not fit "
-                            "%lld-byte keys", start, start, count, key_bytes);
+        PyErr_Format(PyExc_ValueError, "key_bytes must be 4 or 8, got %lld", key_bytes);
+    else if (seed < 0 || seed > 0xFFFFFFFFll)
+        PyErr_Format(PyExc_ValueError, "seed must be in [0, 2**32), got %lld", seed);
+    else if (k < 1 || k > MAX_HASHES)
+        PyErr_Format(PyExc_ValueError, "k must be in [1, %d], got %lld", MAX_HASHES, k);
+    else if (block_k < 1 || block_k > MAX_BLOCK_HASHES || block_k > k)
+        PyErr_Format(PyExc_ValueError, "block_k must be in [1, min(k, %d)], got %lld",
+                     MAX_BLOCK_HASHES, block_k);
+    else if (m < 64 || (unsigned long long)m > MAX_FILTER_BITS)
+        PyErr_Format(PyExc_ValueError, "m must be in [64, 2**32] bits, got %lld", m);
+    else
+        return 0;
+    return -1;
+}
 
-    Py_buffer words, masks, out;
-    if (get_array(words_object, &words, "words", 0, 0) < 0)
-        return NULL;
-    if (get_array(masks_object, &masks, "masks", 0, 0) < 0) {
-        PyBuffer_Release(&words);
-        return NULL;
+/* Keys past the width would be hashed truncated: positions that are not theirs. */
+static unsigned long long key_limit(long long key_bytes)
+{
+    return key_bytes == 4 ? 1ull << 32 : (unsigned long long)LLONG_MAX;
+}
+
+/* words (filter words for m bits) and masks (PATTERNS patterns), checked; on
+ * success both views are held and the caller releases them. */
+static int get_filter(PyObject *words_object, PyObject *masks_object, long long m,
+                      int writable, Py_buffer *words, Py_buffer *masks)
+{
+    if (get_array(words_object, words, "words", 0, writable) < 0)
+        return -1;
+    if (get_array(masks_object, masks, "masks", 0, 0) < 0) {
+        PyBuffer_Release(words);
+        return -1;
     }
-    if (get_array(out_object, &out, "out", 1, 1) < 0) {
-        PyBuffer_Release(&words);
-        PyBuffer_Release(&masks);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    Py_ssize_t nwords = words.len / 8, nmasks = masks.len / 8, nout = out.len / 8;
+    Py_ssize_t nwords = words->len / 8, nmasks = masks->len / 8;
     if ((unsigned long long)nwords < (unsigned long long)m / 64 + (m % 64 != 0))
         PyErr_Format(PyExc_ValueError, "words holds %zd words, fewer than the %lld bits of "
                      "the filter need", nwords, m);
     else if (nmasks != (Py_ssize_t)PATTERNS)
         PyErr_Format(PyExc_ValueError, "masks must hold %u patterns, got %zd", PATTERNS,
                      nmasks);
-    else if ((unsigned long long)nout < (unsigned long long)count)
+    else
+        return 0;
+    PyBuffer_Release(words);
+    PyBuffer_Release(masks);
+    return -1;
+}
+
+static PyObject *scan(PyObject *module, PyObject *args)
+{
+    PyObject *words_object, *masks_object, *out_object;
+    long long start, count, seed, key_bytes, m, k, block_k;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OOLLLLLLLO:scan", &words_object, &masks_object, &start,
+                          &count, &seed, &key_bytes, &m, &k, &block_k, &out_object))
+        return NULL;
+    if (check_parameters(seed, key_bytes, m, k, block_k) < 0)
+        return NULL;
+    if (start < 0 || count < 0)
+        return PyErr_Format(PyExc_ValueError, "start and count must be non-negative, got "
+                            "%lld and %lld", start, count);
+    if ((unsigned long long)start > key_limit(key_bytes)
+            || (unsigned long long)count > key_limit(key_bytes) - start)
+        return PyErr_Format(PyExc_ValueError, "positions %lld .. %lld + %lld do not fit "
+                            "%lld-byte keys", start, start, count, key_bytes);
+
+    Py_buffer words, masks, out;
+    if (get_filter(words_object, masks_object, m, 0, &words, &masks) < 0)
+        return NULL;
+    if (get_array(out_object, &out, "out", 1, 1) < 0) {
+        PyBuffer_Release(&words);
+        PyBuffer_Release(&masks);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if ((unsigned long long)(out.len / 8) < (unsigned long long)count)
         PyErr_Format(PyExc_ValueError, "out holds %zd positions, fewer than count=%lld",
-                     nout, count);
+                     out.len / 8, count);
     else {
         filter_t filter = {words.buf, masks.buf, (uint64_t)m, (uint64_t)m / 64,
                            (uint32_t)seed, (int)key_bytes, (int)k, (int)block_k};
@@ -267,6 +333,51 @@ static PyObject *scan(PyObject *module, PyObject *args)
     return result;
 }
 
+static PyObject *build(PyObject *module, PyObject *args)
+{
+    PyObject *words_object, *masks_object, *indices_object;
+    long long seed, key_bytes, m, k, block_k;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OOOLLLLL:build", &words_object, &masks_object,
+                          &indices_object, &seed, &key_bytes, &m, &k, &block_k))
+        return NULL;
+    if (check_parameters(seed, key_bytes, m, k, block_k) < 0)
+        return NULL;
+    Py_buffer words, masks, indices;
+    if (get_filter(words_object, masks_object, m, 1, &words, &masks) < 0)
+        return NULL;
+    if (get_array(indices_object, &indices, "indices", 1, 0) < 0) {
+        PyBuffer_Release(&words);
+        PyBuffer_Release(&masks);
+        return NULL;
+    }
+    const int64_t *index = indices.buf;
+    Py_ssize_t count = indices.len / 8, bad = -1;
+    /* Checked before any bit is set, so a refused call leaves words as it was. */
+    for (Py_ssize_t i = 0; i < count && bad < 0; i++)
+        if (index[i] < 0 || (unsigned long long)index[i] >= key_limit(key_bytes))
+            bad = i;
+    if (bad >= 0)
+        PyErr_Format(PyExc_ValueError, "indices[%zd] = %lld does not fit %lld-byte keys",
+                     bad, (long long)index[bad], key_bytes);
+    else {
+        filter_t filter = {words.buf, masks.buf, (uint64_t)m, (uint64_t)m / 64,
+                           (uint32_t)seed, (int)key_bytes, (int)k, (int)block_k};
+        Py_BEGIN_ALLOW_THREADS
+        if (key_bytes == 4)
+            build_keys(&filter, words.buf, index, count, 4);
+        else
+            build_keys(&filter, words.buf, index, count, 8);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&words);
+    PyBuffer_Release(&masks);
+    PyBuffer_Release(&indices);
+    if (bad >= 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS,
      "scan(words, masks, start, count, seed, key_bytes, m, k, block_k, out) -> int\n\n"
@@ -274,6 +385,10 @@ static PyMethodDef methods[] = {
      "(int64, at least count long), increasing; return how many. words: the filter as\n"
      "uint64 words; masks: the 4096 uint64 blocked-word patterns of block_k bits;\n"
      "m: filter bits; k: hash count. Layout: deepreduce.codecs.bloom."},
+    {"build", build, METH_VARARGS,
+     "build(words, masks, indices, seed, key_bytes, m, k, block_k) -> None\n\n"
+     "Set the k filter bits of every index (int64, each within the key width) in\n"
+     "words (writable uint64), the other arguments as for scan."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -161,13 +161,15 @@ def test_both_scans_agree_for_every_hash_count(k, block_k, monkeypatch):
             continue
         results[implementation] = [filt.positives(), filt.positives(limit=3),
                                    filt.positives(limit=expected.size),
-                                   filt.positives(start=1, stop=n - 1)]
+                                   filt.positives(start=1, stop=n - 1),
+                                   BloomFilter.build(indices, n, 2.0 ** -k, filt.seed).words]
     inner = expected[(expected >= 1) & (expected < n - 1)]
     for got in results.values():
         assert np.array_equal(got[0], expected) and got[0].dtype == np.int64
         assert np.array_equal(got[1], expected[:4])
         assert np.array_equal(got[2], expected)
         assert np.array_equal(got[3], inner)
+        assert np.array_equal(got[4], filt.words)  # the encoder's filter is the same
 
 
 @pytest.mark.parametrize("start,stop", [(2**32 - 1500, 2**32 + 1500), (2**33 - 700, 2**33 + 9),
@@ -182,6 +184,14 @@ def test_scan_of_a_universe_above_2_32_uses_8_byte_keys(start, stop, scan):
     assert np.array_equal(positives, brute_force_positives(filt, start, stop))
     assert np.isin(indices[(indices >= start) & (indices < stop)], positives).all()
     assert np.array_equal(filt.positives(limit=0, start=start, stop=stop), positives[:1])
+
+
+@pytest.mark.parametrize("n", [1, 10, 2**32, 2**32 + 1, 2**40])
+def test_build_sets_the_bits_of_the_definition(n, scan):
+    indices = np.unique(np.r_[0, n - 1, np.random.default_rng(n % 1000).integers(0, n, 300)])
+    built = BloomFilter.build(indices, n, 1e-3, 99)
+    assert np.array_equal(built.words, filter_of(indices, n, built.k, built.block_k, 99,
+                                                 built.nbytes).words)
 
 
 def test_scan_range_outside_the_universe_is_refused(scan):
@@ -226,6 +236,24 @@ def test_c_scan_writes_the_positives_and_returns_their_count():
     assert bloom._bloomscan.scan(*scan_arguments(words=np.zeros(63, np.uint64)).values()) == 0
     assert bloom._bloomscan.scan(*scan_arguments(count=0, out=np.empty(0, np.int64)).values()) \
         == 0
+
+
+@compiled
+def test_c_build_refuses_indices_outside_the_key_width_and_wrong_buffers():
+    arguments = scan_arguments()
+    build_arguments = [np.zeros(63, np.uint64), arguments["masks"], np.array([5, 2**32]),
+                       arguments["seed"], 4, arguments["m"], arguments["k"], arguments["block_k"]]
+    with pytest.raises(ValueError, match="indices\\[1\\]"):
+        bloom._bloomscan.build(*build_arguments)
+    assert not build_arguments[0].any()  # refused before any bit was set
+    for index, wrong in [(2, np.array([-1])), (4, 2), (5, 32)]:
+        with pytest.raises(ValueError):
+            bloom._bloomscan.build(*build_arguments[:index], wrong, *build_arguments[index + 1:])
+    read_only = np.zeros(63, np.uint64)
+    read_only.setflags(write=False)
+    for index, wrong in [(0, read_only), (2, np.array([1, 2], np.int32)), (0, bytearray(504))]:
+        with pytest.raises(TypeError):
+            bloom._bloomscan.build(*build_arguments[:index], wrong, *build_arguments[index + 1:])
 
 
 @compiled
