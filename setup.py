@@ -2,7 +2,7 @@
 
 The Bloom-filter scan extension is optional: where it cannot be compiled (no C
 compiler) the install goes on and deepreduce.codecs.bloom uses its numpy scan,
-which gives the same positives, about half as fast.
+which gives the same positives at a quarter of the speed or less.
 """
 
 import sys

@@ -37,9 +37,10 @@ whole bytes.
 
 Two implementations of the scan (and of the filter's build) give the same
 bits and positions: the C extension ``deepreduce._bloomscan`` (compiled by
-``pip install``, about 2.6 ns per position at Top-1%, fpr 1e-3) and, where
-it is not built, whole-array numpy (about 20 operations per position for
-the hash alone, 9.5 ns per position). :data:`SCAN_IMPLEMENTATION` says
+``pip install``; 2.6-2.8 ns per position at Top-1%, fpr 1e-3, in
+``benchmarks/results/lossy_codecs.md``) and, where it is not built,
+whole-array numpy (about 20 operations per position for the hash alone;
+9.5 ns per position there). :data:`SCAN_IMPLEMENTATION` says
 which one runs.
 
 Stream: ``version u8 | k u8 | seed u32`` (little endian), ``nbytes`` as
