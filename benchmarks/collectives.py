@@ -108,6 +108,15 @@ def support(kind, shared, n, k, rank, seed=0):
     return np.sort(np.concatenate([common, own]))
 
 
+def union_sizes(supports):
+    """Size of the union of all supports, and the mean size of the union of all but one."""
+    everything = np.concatenate(supports)
+    ids, counts = np.unique(everything, return_counts=True)
+    # an element leaves the union of the others only if rank r alone holds it
+    alone = [np.count_nonzero(counts[np.searchsorted(ids, s)] == 1) for s in supports]
+    return ids.size, float(ids.size - np.mean(alone))
+
+
 def agree(comm_name, out, reference):
     """Lossless results agree: the owner-based communicators sum in float64 and round
     once (identical bits); recursive doubling and Horovod's ring round partial sums."""
@@ -186,18 +195,21 @@ def predictions(args, size):
         mean_k = k
         if kind.endswith("rows") or kind == "zipf-batch":
             # the overlap of the generated supports is the model's input here
-            union, rate = np.unique(np.concatenate(supports)).size, in_rows
-            mean_k = float(np.mean([s.size for s in supports]))
+            union, others = union_sizes(supports)
+            rate, mean_k = in_rows, float(np.mean([s.size for s in supports]))
         else:
             union, rate = cost.union_size(n, k, size, shared), scattered
+            # what each rank gets back: the union of the other ranks' supports
+            others = cost.union_size(n, k, size - 1, shared) if size > 1 else 0.0
         blocks = [np.unique(s // BLOCK) for s in supports]
-        union_blocks = np.unique(np.concatenate(blocks)).size
+        union_blocks, others_blocks = union_sizes(blocks)
         mean_blocks = float(np.mean([b.size for b in blocks]))
         models = {
             "allgather": cost.allgather(size, n, mean_k, rate, vbytes),
-            "split": cost.sparse_allreduce(size, n, mean_k, union, rate, vbytes),
+            "split": cost.sparse_allreduce(size, n, mean_k, union, rate, vbytes, others=others),
             "recursive_doubling": cost.recursive_doubling(size, n, mean_k, rate, vbytes, shared),
-            "block": cost.block(size, n, BLOCK, mean_blocks, union_blocks, block_rate, vbytes),
+            "block": cost.block(size, n, BLOCK, mean_blocks, union_blocks, block_rate, vbytes,
+                                others_blocks=others_blocks),
             "dense": cost.dense_allreduce(size, n, 4),
         }
         models["split-contiguous"] = models["split"]
@@ -228,7 +240,8 @@ def model_tables(args):
         rate = cost.codec_index_bytes(index_codec, n // size)
         union = cost.union_size(n, k, size)
         ag = cost.allgather(size, n, k, rate, 4).received
-        sar = cost.sparse_allreduce(size, n, k, union, rate, 4).received
+        sar = cost.sparse_allreduce(size, n, k, union, rate, 4,
+                                    others=cost.union_size(n, k, size - 1)).received
         dense = cost.dense_allreduce(size, n, 4).received
         lines.append(f"| {size} | {union / n:.1%} | {ag / 1e6:.2f} | {sar / 1e6:.2f} | "
                      f"{dense / 1e6:.1f} | {sar / ag:.2f} |")
@@ -239,25 +252,23 @@ def model_tables(args):
               "|---:|---:|---:|---:|---:|"]
     for size in (4, 8, 16, 32, 64):
         blocks = [np.unique(support("zipf-rows", 0.0, n, k, r) // BLOCK) for r in range(size)]
-        union_blocks = np.unique(np.concatenate(blocks)).size
+        union_blocks, others_blocks = union_sizes(blocks)
         in_rows = cost.codec_index_bytes(index_codec, n // size, run=BLOCK)
         block_rate = cost.codec_index_bytes(index_codec, -(-n // BLOCK) // size)
         ag = cost.allgather(size, n, k, in_rows, 4).received
-        blk = cost.block(size, n, BLOCK, k / BLOCK, union_blocks, block_rate, 4).received
+        blk = cost.block(size, n, BLOCK, k / BLOCK, union_blocks, block_rate, 4,
+                         others_blocks=others_blocks).received
         lines.append(f"| {size} | {union_blocks * BLOCK / n:.1%} | {ag / 1e6:.2f} | "
                      f"{blk / 1e6:.2f} | {blk / ag:.2f} |")
     rate = cost.codec_index_bytes(index_codec, n // 4)
-    low, high = 0.0, 1.0
-    for _ in range(40):  # bisection on the shared fraction where both cost the same at P = 4
-        mid = (low + high) / 2
-        union = cost.union_size(n, k, 4, mid)
-        if cost.sparse_allreduce(4, n, k, union, rate, 4).received < \
-                cost.allgather(4, n, k, rate, 4).received:
-            high = mid
-        else:
-            low = mid
-    lines += ["", f"At P = 4 the split-allgather receives less than the allgather once more "
-              f"than {high:.0%} of each rank's support is common to all ranks."]
+    union, others = cost.union_size(n, k, 4), cost.union_size(n, k, 3)
+    ag = cost.allgather(4, n, k, rate, 4).received
+    original = cost.sparse_allreduce(4, n, k, union, rate, 4).received
+    lacking = cost.sparse_allreduce(4, n, k, union, rate, 4, others=others).received
+    lines += ["", f"At P = 4 on random supports, SparCML's split-allgather (every rank gets "
+              f"every reduced range) would receive {original / ag:.2f}x the allgather's "
+              f"bytes; returning to each rank only the entries it lacks, as the communicator "
+              f"does with exact or elementwise codecs, {lacking / ag:.2f}x."]
     return lines
 
 
@@ -315,8 +326,9 @@ def report(args, runs, predicted, models=True):
                      f"{predicted[name, 'k']:,.0f} ({predicted[name, 'k'] / n:.2%} of n); "
                      f"non-zeros of the sum: {union:,.0f} ({union / n:.2%} of n)")
     lines += ["", "Per stage: MB received in each collective, mean over ranks / the most any "
-              "rank receives (scatter = alltoall to the owners: the owners' load; gather = "
-              "allgather; agree = auto's counts; round i = recursive doubling's alltoall).", "",
+              "rank receives (scatter = alltoall to the owners: the owners' load; return = "
+              "alltoall of what each rank lacks; gather = allgather; agree = auto's counts; "
+              "round i = recursive doubling's alltoall).", "",
               "| scenario | communicator | stages (mean / max) |", "|---|---|---|"]
     for name, *_, communicators in SCENARIOS:
         for comm_name in communicators:
@@ -332,11 +344,13 @@ def report(args, runs, predicted, models=True):
         lines += model_tables(args)
     checks = []
     ag, dense = summary["random", "allgather"], summary["random", "dense"]
-    for comm_name in ("auto", "split"):
+    for comm_name in ("split", "auto"):
         sar = summary["random", comm_name]
         label = LABELS[comm_name]
-        checks += [(f"random: {label} below allgather", sar[0] < ag[0]),
-                   (f"random: {label} below dense allreduce", sar[0] < dense[0]),
+        # auto minimises modelled time, not bytes: it may rightly run the allgather
+        checks += [(f"random: {label} below allgather", sar[0] < ag[0])] \
+            if comm_name != "auto" else []
+        checks += [(f"random: {label} below dense allreduce", sar[0] < dense[0]),
                    (f"random: {label} within 10% of the model",
                     abs(sar[0] / sar[1] - 1) <= 0.10)]
     for comm_name in ("auto-bytes", "recursive_doubling"):
@@ -349,6 +363,9 @@ def report(args, runs, predicted, models=True):
                    summary["identical", "split"][0] < summary["identical", "allgather"][0]))
     lines += ["", "Targets (issue 6 states them for P = 4):" if size != 4 else "Targets:", ""]
     lines += [f"- {'met' if ok else 'NOT met'}: {text}" for text, ok in checks]
+    lines += ["", "`auto` with its default network (1 ms per Horovod operation, 1 GB/s) "
+              "minimises the modelled time, not the bytes: where another algorithm saves less "
+              "than about 1 MB per rank it runs the allgather, one operation instead of two."]
     return "\n".join(lines) + "\n"
 
 

@@ -124,6 +124,12 @@ class ValueCodec(Codec):
     #: ``encode`` receives ``values[order(values)]`` and ``decode`` returns that
     #: order, and the pipeline makes the indices travel in the same order.
     sorts_values: bool = False
+    #: True for codecs that round each value on its own, so that a rounded
+    #: value codes back to itself (casts to a narrower float): any subset of
+    #: decoded values then travels again unchanged, as with a lossless codec.
+    #: The owner-based communicators rely on it to leave out of their return
+    #: stage the entries a rank contributed alone.
+    elementwise: bool = False
 
     def encode(self, values: np.ndarray) -> bytes:
         raise NotImplementedError

@@ -218,6 +218,7 @@ class _NarrowingValues(ValueCodec):
     """
 
     lossless = False
+    elementwise = True
     wire_dtype: np.dtype
 
     def _narrow(self, values: np.ndarray) -> np.ndarray:

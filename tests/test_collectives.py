@@ -240,7 +240,47 @@ def test_lossy_values_same_everywhere():
 
 
 def gathered(reduction):
-    return sum(received for stage, _, received in reduction.traffic.stages if stage == "gather")
+    """Bytes of the last stage: the reduced ranges coming back (allgather or alltoall)."""
+    return sum(received for stage, _, received in reduction.traffic.stages
+               if stage in ("gather", "return"))
+
+
+def test_return_masks_leave_out_what_a_rank_contributed_alone():
+    from deepreduce.collectives.base import return_masks
+
+    supports = [np.array([1, 4, 7]), np.array([4, 9]), np.array([], dtype=np.int64)]
+    union = np.array([1, 4, 7, 9])
+    masks = return_masks(union, supports)
+    assert [union[m].tolist() for m in masks] == [[4, 9], [1, 4, 7], [1, 4, 7, 9]]
+
+
+@pytest.mark.parametrize("value", ["fp16", "bf16", "qsgd", "sign"])
+def test_lossy_values_on_sparse_supports_same_everywhere(value):
+    # little overlap: with elementwise codecs the owners return only what each rank lacks,
+    # and every rank must still end with the same tensor
+    size, n = 4, 4096
+    rng = np.random.default_rng(9)
+    inputs = [np.zeros(n, np.float32) for _ in range(size)]
+    for x in inputs:
+        x[rng.choice(n, 200, replace=False)] = rng.standard_normal(200)
+    pipeline = dr.Pipeline(index="varint", value=value)
+    for name in ("split", "block"):
+        reductions = reduce_everywhere(name, inputs, pipeline, block_size=16)
+        outputs = [r.output for r in reductions]
+        assert all(np.array_equal(outputs[0], o) for o in outputs), (name, value)
+        last_stage = reductions[0].traffic.stages[-1][0]
+        assert last_stage == ("return" if value in ("fp16", "bf16") else "gather")
+
+
+def test_split_receives_less_than_allgather_on_random_supports():
+    size, n, k = 4, 400_000, 4000
+    rng = np.random.default_rng(5)
+    inputs = [dr.SparseTensor(rng.standard_normal(k).astype(np.float32),
+                              np.sort(rng.choice(n, k, replace=False)), (n,))
+              for _ in range(size)]
+    received = {name: np.mean([r.traffic.received for r in reduce_everywhere(name, inputs)])
+                for name in ("allgather", "split")}
+    assert received["split"] < received["allgather"]
 
 
 @pytest.mark.parametrize("name", ["split", "block"])
@@ -266,12 +306,19 @@ def test_measured_traffic_matches_the_cost_model():
                               np.sort(rng.choice(n, k, replace=False)), (n,))
               for _ in range(size)]
     rate = cost.codec_index_bytes(LOSSLESS.index_codec, n // size)
-    union = cost.union_size(n, k, size)
+    union, others = cost.union_size(n, k, size), cost.union_size(n, k, size - 1)
+    qsgd = dr.get_codec("qsgd:bits=8", family="value")
     models = {"allgather": cost.allgather(size, n, k, rate, 4),
-              "split": cost.sparse_allreduce(size, n, k, union, rate, 4),
+              "split": cost.sparse_allreduce(size, n, k, union, rate, 4, others=others),
+              "split-qsgd": cost.sparse_allreduce(size, n, k, union, rate,
+                                                  len(qsgd.encode(inputs[0].values)) / k),
               "recursive_doubling": cost.recursive_doubling(size, n, k, rate, 4)}
     for name, model in models.items():
-        reductions = reduce_everywhere(name, inputs)
+        if name == "split-qsgd":  # QSGD is not elementwise: every rank gets the same range
+            pipeline = dr.Pipeline(index=LOSSLESS.index_codec, value=qsgd)
+            reductions = reduce_everywhere("split", inputs, pipeline)
+        else:
+            reductions = reduce_everywhere(name, inputs)
         received = np.mean([r.traffic.received for r in reductions])
         sent = np.mean([r.traffic.sent for r in reductions])
         # ThreadTransport carries no 8-byte length prefixes: allow for them
@@ -316,7 +363,9 @@ def agreed_table(inputs, pipeline=LOSSLESS):
 
 
 @pytest.mark.parametrize("case,count,network,expected", [
-    ("disjoint", 2000, BY_BYTES, lambda a: a != "split"),
+    # disjoint: no entry goes back to the rank it came from, and the others' entries
+    # arrive from each owner as one denser set (fewer bits per index) than in an allgather
+    ("disjoint", 2000, BY_BYTES, lambda a: a == "split"),
     # the union is estimated as for independent supports: identical ones win the split
     # only where the model already prefers it (dense enough that ranges go dense)
     ("identical", 16000, BY_BYTES, lambda a: a == "split"),

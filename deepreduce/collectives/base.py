@@ -451,3 +451,37 @@ def sum_sparse(parts: list, length: int, dtype) -> SparseTensor:
     support, inverse = np.unique(indices, return_inverse=True)
     totals = np.bincount(inverse, weights=weights, minlength=support.size)
     return SparseTensor._trusted(totals.astype(dtype), support, (length,))
+
+
+def returns_only_what_ranks_lack(pipeline: Pipeline) -> bool:
+    """Whether owners may return to each rank only the entries it lacks.
+
+    A rank already holds, exactly as its owner decoded them, the entries it
+    contributed alone; leaving them out keeps every rank's result identical
+    only if the index codec is exact and the value codec codes any subset of
+    the rounded sums back to the same values (lossless or
+    :attr:`~deepreduce.codecs.base.ValueCodec.elementwise`). Otherwise every
+    rank gets the same frame of each range.
+    """
+    index_codec, value_codec = pipeline.index_codec, pipeline.value_codec
+    return (index_codec is not None and index_codec.lossless
+            and (value_codec.lossless or value_codec.elementwise))
+
+
+def return_masks(union: np.ndarray, supports: list) -> list:
+    """Per rank, which entries of a reduced range's ``union`` it must get back.
+
+    ``supports[r]`` is the sorted set rank ``r`` contributed to the range (a
+    subset of ``union``). Rank ``r`` needs every entry some other rank
+    contributed to; an entry only ``r`` contributed is its own value already.
+    """
+    positions = [np.searchsorted(union, support) for support in supports]
+    contributors = np.zeros(union.size, dtype=np.int32)
+    for where in positions:  # one pass per rank; a support holds each entry once
+        contributors[where] += 1
+    masks = []
+    for where in positions:
+        needed = np.ones(union.size, dtype=bool)
+        needed[where[contributors[where] == 1]] = False
+        masks.append(needed)
+    return masks

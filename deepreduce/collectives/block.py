@@ -5,9 +5,13 @@ when every ``|x| <= threshold``. Only the non-zero blocks travel: their block
 numbers through the pipeline's (exact) index codec, their values, whole,
 through its value codec. The blocks are dealt to the P owners in granules of
 whole blocks, round-robin (:class:`~deepreduce.collectives.base.Ownership`:
-hot low-numbered rows spread over all owners); each owner adds the blocks it receives (the union of the non-zero
-blocks stays block-sparse) and one allgather returns every reduced range,
-block-sparse or dense, whichever encodes smaller.
+hot low-numbered rows spread over all owners); each owner adds the blocks it
+receives (the union of the non-zero blocks stays block-sparse) and returns
+the reduced range, block-sparse or dense, whichever encodes smaller. With a
+lossless or elementwise value codec (fp16, bf16) the return is one alltoall
+in which every rank gets only the blocks it lacks (a block it contributed
+alone is its own already); otherwise one allgather gives every rank the
+same range.
 
 Compared with :class:`~deepreduce.collectives.SparseAllreduce`, a block costs
 one index for ``block_size`` values, so clustered supports (embedding rows,
@@ -22,7 +26,8 @@ import numbers
 import numpy as np
 
 from deepreduce.collectives import frames
-from deepreduce.collectives.base import GRANULE, Communicator, Ownership, signed_alltoall
+from deepreduce.collectives.base import (GRANULE, Communicator, Ownership, return_masks,
+                                         returns_only_what_ranks_lack, signed_alltoall)
 from deepreduce.collectives.frames import Blocks
 from deepreduce.errors import DecodeError
 from deepreduce.sparse import SparseTensor
@@ -148,11 +153,18 @@ class BlockReduce(Communicator):
                 raise DecodeError(f"rank {r} sent a frame that holds no blocks")
             parts.append(decoded)
         reduced = _sum_blocks(parts, block, dtype)
-        frame, mine = self._encode_reduced(reduced, -(-length // block), length, dtype)
-        gathered = transport.allgather(frame, traffic, "gather")
         output = np.zeros(n, dtype=dtype)
+        if returns_only_what_ranks_lack(self.pipeline):
+            per_rank, mine = self._encode_returns(reduced, [p.ids for p in parts], rank,
+                                                  length, dtype)
+            returned = transport.alltoall(per_rank, traffic, "return")
+            # the blocks this rank contributed alone come back from nobody: its own values
+            output[sent.indices] = sent.values
+        else:
+            frame, mine = self._encode_reduced(reduced, length, dtype)
+            returned = transport.allgather(frame, traffic, "gather")
         for r in range(size):
-            decoded = mine if r == rank else frames.read_frame(gathered[r], owners.length(r),
+            decoded = mine if r == rank else frames.read_frame(returned[r], owners.length(r),
                                                                dtype, block)
             if isinstance(decoded, Blocks):
                 # granules hold whole blocks: a block's elements follow its first one
@@ -165,9 +177,33 @@ class BlockReduce(Communicator):
                 raise DecodeError(f"rank {r} gathered a frame that holds no blocks")
         return output, sent, "block"
 
-    def _encode_reduced(self, reduced: Blocks, blocks_in_range, length, dtype):
-        """Blocks frame, or the dense range when that is smaller; and what receivers get."""
+    def _encode_returns(self, reduced: Blocks, supports: list, rank, length, dtype):
+        """Per rank, the frame of the reduced blocks it lacks; and the range as all hold it.
+
+        A lossy (elementwise) value codec rounds the sums once here, so the
+        owner keeps what the others decode.
+        """
+        value_codec = self.pipeline.value_codec
+        if not value_codec.lossless:
+            _, rounded = value_codec.encode_and_receive(reduced.rows.reshape(-1))
+            reduced = Blocks(reduced.ids,
+                             np.asarray(rounded, dtype=dtype).reshape(reduced.rows.shape))
+        per_rank = []
+        for r, needed in enumerate(return_masks(reduced.ids, supports)):
+            lacking = Blocks(reduced.ids[needed], reduced.rows[needed])
+            per_rank.append(b"" if r == rank else
+                            self._encode_reduced(lacking, length, dtype, whole=reduced)[0])
+        return per_rank, reduced
+
+    def _encode_reduced(self, reduced: Blocks, length, dtype, whole: Blocks | None = None):
+        """Blocks frame of ``reduced``, or the dense range when that is smaller; and what
+        receivers decode from it.
+
+        With ``whole``, ``reduced`` is part of it and a dense frame carries all
+        of ``whole`` (a receiver lacking only ``reduced`` may replace the range).
+        """
         index_codec, value_codec = self.pipeline.index_codec, self.pipeline.value_codec
+        blocks_in_range = -(-length // self.block_size)
         value_stream, received = value_codec.encode_and_receive(reduced.rows.reshape(-1))
         frame = frames.blocks_frame(index_codec.encode(reduced.ids, blocks_in_range),
                                     value_stream, dtype, blocks_in_range, self.block_size,
@@ -177,7 +213,8 @@ class BlockReduce(Communicator):
             else dtype.itemsize
         if length == 0 or 2 * len(frame) < length * bytes_per_value:
             return frame, mine
-        values = _expand(reduced, self.block_size, 0, length, (length,)).to_dense()
+        values = _expand(reduced if whole is None else whole, self.block_size, 0, length,
+                         (length,)).to_dense()
         stream, dense_received = value_codec.encode_and_receive(values)
         dense = frames.dense_frame(stream, dtype, length, value_codec.spec())
         if len(dense) < len(frame):

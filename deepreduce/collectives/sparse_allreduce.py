@@ -10,12 +10,18 @@ and the choice between them and a plain allgather from the alpha-beta cost model
    to the owner) and sends it there, in one ``alltoall``.
 2. **Reduce.** The owner decodes the P - 1 payloads, adds its own part and
    keeps the sum sparse: its support is the union of the supports.
-3. **Allgather.** The owner encodes its reduced part again and one
-   ``allgather`` gives every rank every part. A part whose sparse payload
-   is not clearly smaller than its dense encoding is encoded densely as well
-   and the smaller one travels (SparCML's ``nnz (isize + vsize) >= n vsize``,
-   with the sizes the codecs actually produce): dense-ish results become
-   DSAR_Split_allgather part by part.
+3. **Return.** The owner encodes its reduced part again and sends it back.
+   With an exact index codec and a lossless or elementwise value codec
+   (fp16, bf16), every rank gets, in one ``alltoall``, only the entries it
+   lacks: an entry it contributed alone is its own value already (as the
+   owner decoded it), so with little overlap it does not travel twice and
+   the split receives less than an allgather of the inputs. Otherwise (QSGD
+   rounds per bucket, Bloom filters add positions) one ``allgather`` gives
+   every rank the same part, SparCML's original. A frame whose sparse
+   payload is not clearly smaller than the dense part is encoded densely as
+   well and the smaller one travels (SparCML's ``nnz (isize + vsize) >= n
+   vsize``, with the sizes the codecs actually produce): dense-ish results
+   become DSAR_Split_allgather part by part.
 
 The value codec of the pipeline applies in both stages (fp16, QSGD...), so a
 lossy one rounds twice: the residual in :attr:`Reduction.sent` covers the
@@ -42,7 +48,8 @@ import numpy as np
 
 from deepreduce import container
 from deepreduce.collectives import cost, frames
-from deepreduce.collectives.base import (GRANULE, Communicator, Ownership, signed_alltoall,
+from deepreduce.collectives.base import (GRANULE, Communicator, Ownership, return_masks,
+                                         returns_only_what_ranks_lack, signed_alltoall,
                                          sum_sparse)
 from deepreduce.sparse import SparseTensor
 
@@ -163,7 +170,8 @@ class SparseAllreduce(Communicator):
             index_bytes = (own_rate if floor == 0.0 else
                            lambda d: own_rate * cost.entropy_index_bytes(d) / floor)
         name, _ = cost.choose_algorithm(size, n, counts, index_bytes, value_bytes,
-                                        self.alpha_op, self.alpha, self.beta)
+                                        self.alpha_op, self.alpha, self.beta,
+                                        returns_only_what_ranks_lack(self.pipeline))
         return name
 
     def _communicate_auto(self, transport, inp, signature, plan, traffic):
@@ -227,11 +235,18 @@ class SparseAllreduce(Communicator):
         # whichever communicator computes them
         parts = [own if r == rank else _sparse(frames.read_frame(bodies[r], length, dtype))
                  for r in range(size)]
-        frame, mine = self._encode_reduced(sum_sparse(parts, length, dtype))
-        gathered = transport.allgather(frame, traffic, "gather")
+        reduced = sum_sparse(parts, length, dtype)
         output = np.zeros(n, dtype=dtype)
+        if returns_only_what_ranks_lack(self.pipeline):
+            per_rank, mine = self._encode_returns(reduced, [p.indices for p in parts], rank)
+            returned = transport.alltoall(per_rank, traffic, "return")
+            # what this rank contributed alone comes back from nobody: its own values
+            output[sent.indices] = sent.values
+        else:
+            frame, mine = encode_range(self.pipeline, reduced)
+            returned = transport.allgather(frame, traffic, "gather")
         for r in range(size):
-            decoded = mine if r == rank else frames.read_frame(gathered[r], owners.length(r),
+            decoded = mine if r == rank else frames.read_frame(returned[r], owners.length(r),
                                                                dtype)
             if isinstance(decoded, SparseTensor):
                 output[owners.to_global(r, decoded.indices)] = decoded.values
@@ -239,9 +254,27 @@ class SparseAllreduce(Communicator):
                 owners.place(output, r, decoded)
         return output, sent, "split"
 
-    def _encode_reduced(self, reduced: SparseTensor):
-        """The frame of a reduced part (sparse or dense, whichever is smaller) and its content."""
-        return encode_range(self.pipeline, reduced)
+    def _encode_returns(self, reduced: SparseTensor, supports: list, rank: int):
+        """Per rank, the frame of the reduced entries it lacks; and the part as all hold it.
+
+        A rank's frame is sparse, or the whole part dense when that is
+        smaller. A lossy (elementwise) value codec rounds the sums once here,
+        so the owner keeps what the others decode.
+        """
+        value_codec = self.pipeline.value_codec
+        if not value_codec.lossless:
+            _, rounded = value_codec.encode_and_receive(reduced.values)
+            reduced = SparseTensor._trusted(np.asarray(rounded, dtype=reduced.dtype),
+                                            reduced.indices, reduced.shape)
+        per_rank = []
+        for r, needed in enumerate(return_masks(reduced.indices, supports)):
+            if r == rank:
+                per_rank.append(b"")
+                continue
+            lacking = SparseTensor._trusted(reduced.values[needed], reduced.indices[needed],
+                                            reduced.shape)
+            per_rank.append(encode_range(self.pipeline, lacking, whole=reduced)[0])
+        return per_rank, reduced
 
     # -- SSAR_Recursive_double ------------------------------------------------------
     def _encode_doubling(self, inp, rank, size):
@@ -278,7 +311,7 @@ class SparseAllreduce(Communicator):
         return partial.to_dense(), sent, "recursive_doubling"
 
 
-def encode_range(pipeline, reduced: SparseTensor, source=None):
+def encode_range(pipeline, reduced: SparseTensor, source=None, whole=None):
     """Encode a range sparse, or dense when that is smaller; return (frame, received).
 
     ``source`` is the flat dense tensor ``reduced`` was selected from, when
@@ -286,7 +319,9 @@ def encode_range(pipeline, reduced: SparseTensor, source=None):
     there. The dense encoding is only tried when the sparse payload is at
     least half the estimated dense size (the value codec's bytes per value on
     this range times the range length): far from the crossover the estimate
-    decides.
+    decides. With ``whole``, ``reduced`` is part of it and the dense frame
+    carries all of ``whole``: a receiver that lacks only ``reduced`` may
+    replace the whole range.
     """
     length, dtype = reduced.size, reduced.dtype
     index_codec = pipeline.index_codec
@@ -301,7 +336,8 @@ def encode_range(pipeline, reduced: SparseTensor, source=None):
                        if reduced.nnz else dtype.itemsize)
     if 2 * len(sparse) < length * bytes_per_value:
         return sparse, received
-    stream, dense_received = value_codec.encode_and_receive(reduced.to_dense())
+    stream, dense_received = value_codec.encode_and_receive(
+        (reduced if whole is None else whole).to_dense())
     dense = frames.dense_frame(stream, dtype, length, value_codec.spec())
     if len(dense) < len(sparse):
         return dense, np.asarray(dense_received, dtype=dtype)
