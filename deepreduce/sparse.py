@@ -34,6 +34,20 @@ def check_dtype(dtype) -> np.dtype:
     return dtype.newbyteorder("=")
 
 
+def zeros(size: int, dtype) -> np.ndarray:
+    """``np.zeros(size, dtype)``, for arrays about to be scattered into.
+
+    numpy takes zeroed memory from ``calloc``, which maps fresh 4 KB zero
+    pages on first touch; a scatter touches them in random order and pays a
+    page fault per page (20 ms for 8.5M float32 here, against 2 ms for the
+    scatter itself). Memory from ``np.empty`` is advised to use huge pages,
+    and one sequential fill faults it in cheaply.
+    """
+    out = np.empty(size, dtype=dtype)
+    out.fill(0)
+    return out
+
+
 def check_shape(shape) -> tuple:
     """Return ``shape`` as a tuple of non-negative ints whose product fits in int64."""
     try:
@@ -164,7 +178,7 @@ class SparseTensor:
     def to_dense(self, out=None) -> np.ndarray:
         """The dense tensor, zeros where no index is. ``out`` may be a buffer to fill."""
         if out is None:
-            out = np.zeros(self.size, dtype=self.dtype)
+            out = zeros(self.size, self.dtype)
         else:
             if out.size != self.size or out.dtype != self.dtype:
                 raise ValueError(f"out must have {self.size} elements of {self.dtype}, got "

@@ -56,6 +56,32 @@ def _largest(mag: np.ndarray, k: int) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
+#: Elements per slice of :func:`_at_least`: its temporaries stay in the L2 cache.
+_SCAN_SLICE = 1 << 16
+
+
+def _at_least(values: np.ndarray, low) -> np.ndarray:
+    """Sorted positions of ``|values| >= low`` (NaN never), slice by slice.
+
+    One pass with two small scratch buffers: whole-array temporaries of a
+    large gradient would be fresh memory every call, and their page faults
+    cost more than the comparison.
+    """
+    if values.size <= _SCAN_SLICE:
+        return np.flatnonzero(np.abs(values) >= low)
+    magnitudes = np.empty(_SCAN_SLICE, dtype=values.dtype)
+    hits = np.empty(_SCAN_SLICE, dtype=bool)
+    found = [np.zeros(0, dtype=np.int64)]
+    for start in range(0, values.size, _SCAN_SLICE):
+        part = values[start:start + _SCAN_SLICE]
+        np.abs(part, out=magnitudes[:part.size])
+        np.greater_equal(magnitudes[:part.size], low, out=hits[:part.size])
+        where = np.flatnonzero(hits[:part.size])
+        if where.size:
+            found.append(where + start)
+    return np.concatenate(found)
+
+
 def _count(ratio, k, n: int, what: str) -> int:
     """Number of entries to keep out of ``n`` from a ratio or a count."""
     if k is not None:
@@ -163,7 +189,7 @@ class TopK(Sparsifier):
         low = np.partition(sample, self.SAMPLE - j)[self.SAMPLE - j]
         if values.dtype.itemsize < 4:
             values = values.astype(np.float32)
-        candidates = np.flatnonzero((values >= low) | (values <= -low))
+        candidates = _at_least(values, low)
         if candidates.size < k or not np.isfinite(low):
             return _largest(_magnitudes(values), k)
         return candidates[_largest(_magnitudes(values[candidates]), k)]

@@ -154,6 +154,23 @@ def test_sparse_input_with_error_feedback_stays_sparse_selection():
     assert np.count_nonzero(c.memory.residual("e")) == 0
 
 
+@pytest.mark.parametrize("value", ["fp16", "qsgd"])
+def test_own_bundle_is_not_decoded_again_and_gives_the_same_sums(value):
+    names, shapes = ["w", "b"], ((200, 30), (500,))
+    ranks = [GradientCompression(dr.TopK(0.1), index="auto", value=value, seed=r)
+             for r in range(2)]
+    for step in range(3):
+        bundles = [c.encode_bundle(names, gradients(10 * step + r, shapes))
+                   for r, c in enumerate(ranks)]
+        data = b"".join(bundles)
+        # rank 0 last encoded bundles[0]: it reuses what its encoder returned; a fresh
+        # object has nothing to reuse and decodes every bundle
+        fresh = GradientCompression(dr.TopK(0.1), index="auto", value=value)
+        for got, expected in zip(ranks[0].decode_bundles(data, ranks=2, rank=0),
+                                 fresh.decode_bundles(data, ranks=2, rank=0)):
+            np.testing.assert_array_equal(got, expected)
+
+
 def test_mismatched_ranks_raise_decode_error():
     c = GradientCompression(None, index="varint")
     one = c.encode_bundle(["a"], [np.ones(3, np.float32)])

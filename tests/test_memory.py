@@ -39,3 +39,25 @@ def test_shape_change_is_an_error():
     memory.update("w", np.ones(3, np.float32), dr.SparseTensor([], [], (3,)))
     with pytest.raises(ValueError, match="changed shape"):
         memory.compensate("w", np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+def test_feedback_equals_compensate_and_update_and_reuses_two_buffers(beta):
+    rng = np.random.default_rng(1)
+    pipe = dr.Pipeline(dr.TopK(0.05), "varint", "fp16")
+    fast, reference = dr.ResidualMemory(beta), dr.ResidualMemory(beta)
+    buffers = set()
+    for step in range(6):
+        g = rng.standard_normal((40, 50)).astype(np.float32)
+        _, received = fast.feedback("w", g, pipe.encode)
+        corrected = reference.compensate("w", g)
+        _, expected = pipe.encode(corrected)
+        reference.update("w", corrected, expected)
+        assert received == expected
+        np.testing.assert_array_equal(fast.residual("w"), reference.residual("w"))
+        if step >= 1:
+            buffers.add(id(fast.residual("w")))
+    # from the second step on the residual alternates between two arrays
+    assert len(buffers) == 2
+    fast.reset()
+    assert fast.residual("w") is None and not fast._spares

@@ -122,3 +122,17 @@ def test_specs():
         get_sparsifier("bottomk:0.1")
     with pytest.raises(ValueError, match="bad parameters"):
         get_sparsifier("topk:0.1,colour=3")
+
+
+@pytest.mark.parametrize("n", [65_535, 65_536, 65_537, 200_000])
+def test_candidate_scan_matches_whole_array_comparison(n):
+    from deepreduce.sparsifiers import _at_least
+
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(np.float32)
+    x[rng.integers(0, n, 50)] = np.nan
+    x[rng.integers(0, n, 50)] = -np.inf
+    x[-1], x[0] = 2.5, -0.0
+    for low in (np.float32(0.0), np.float32(2.5), np.float32(np.inf)):
+        expected = np.flatnonzero((x >= low) | (x <= -low))
+        np.testing.assert_array_equal(_at_least(x, low), expected)

@@ -30,7 +30,7 @@ from deepreduce.collectives.base import (GRANULE, Communicator, Ownership, retur
                                          returns_only_what_ranks_lack, signed_alltoall)
 from deepreduce.collectives.frames import Blocks
 from deepreduce.errors import DecodeError
-from deepreduce.sparse import SparseTensor
+from deepreduce.sparse import SparseTensor, zeros
 
 
 class BlockReduce(Communicator):
@@ -153,7 +153,7 @@ class BlockReduce(Communicator):
                 raise DecodeError(f"rank {r} sent a frame that holds no blocks")
             parts.append(decoded)
         reduced = _sum_blocks(parts, block, dtype)
-        output = np.zeros(n, dtype=dtype)
+        output = zeros(n, dtype)
         if returns_only_what_ranks_lack(self.pipeline):
             per_rank, mine = self._encode_returns(reduced, [p.ids for p in parts], rank,
                                                   length, dtype)

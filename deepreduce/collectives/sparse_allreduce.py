@@ -51,7 +51,7 @@ from deepreduce.collectives import cost, frames
 from deepreduce.collectives.base import (GRANULE, Communicator, Ownership, return_masks,
                                          returns_only_what_ranks_lack, signed_alltoall,
                                          sum_sparse)
-from deepreduce.sparse import SparseTensor
+from deepreduce.sparse import SparseTensor, zeros
 
 
 class SparseAllreduce(Communicator):
@@ -236,7 +236,7 @@ class SparseAllreduce(Communicator):
         parts = [own if r == rank else _sparse(frames.read_frame(bodies[r], length, dtype))
                  for r in range(size)]
         reduced = sum_sparse(parts, length, dtype)
-        output = np.zeros(n, dtype=dtype)
+        output = zeros(n, dtype)
         if returns_only_what_ranks_lack(self.pipeline):
             per_rank, mine = self._encode_returns(reduced, [p.indices for p in parts], rank)
             returned = transport.alltoall(per_rank, traffic, "return")
