@@ -48,8 +48,6 @@ class ResidualMemory:
             raise ValueError(f"beta must be in [0, 1], got {beta!r}")
         self.beta = beta
         self._residuals: dict[str, np.ndarray] = {}
-        # the previous residual of each tensor, reused as the next corrected input
-        self._spares: dict[str, np.ndarray] = {}
 
     def compensate(self, name: str, gradient) -> np.ndarray:
         """Return ``gradient + beta * residual[name]`` (the gradient itself the first time)."""
@@ -83,10 +81,12 @@ class ResidualMemory:
 
         ``encode(corrected)`` must return ``(payload, received)``; so does this.
         The residual is the same, bit for bit, as with :meth:`compensate` and
-        :meth:`update`, but the corrected array made here (when there is a
-        residual) becomes the new residual in place instead of being copied,
-        and from the third call on the corrected input is written into the
-        previous residual's memory: a step allocates no tensor-sized array.
+        :meth:`update`, but no tensor-sized array is made: the gradient is
+        added into the residual's own memory, which then holds everything
+        owed, and the delivered entries are subtracted from it in place (a
+        fresh array of a large gradient costs more in page faults than the
+        addition). If ``encode`` raises, nothing was delivered and the
+        residual holds the whole corrected gradient, as error feedback wants.
 
         Examples
         --------
@@ -98,42 +98,32 @@ class ResidualMemory:
         >>> received.values, memory.residual("w")
         (array([-2.], dtype=float32), array([1., 0., 2.], dtype=float32))
         """
-        corrected, new = self._corrected_in_spare(name, gradient)
+        corrected, owned = self._corrected_in_place(name, gradient)
         if corrected is None:
-            corrected, new = self._compensate(name, gradient)
+            corrected, owned = self._compensate(name, gradient)
         payload, received = encode(corrected)
         # what encode returns must not view the array that becomes the residual
-        if new and corrected.flags.c_contiguous \
+        if owned and corrected.flags.c_contiguous \
                 and not np.may_share_memory(received.values, corrected):
-            old = self._residuals.get(name)
             self._store(name, corrected, received)
-            if old is not None and old is not corrected:
-                self._spares[name] = old
         else:
             self.update(name, corrected, received)
         return payload, received
 
-    def _corrected_in_spare(self, name, gradient):
-        """``gradient + beta * residual`` written into the buffer the residual before
-        last lived in (None when there is none to reuse).
-
-        Two buffers per tensor take turns as residual and corrected input, so a
-        step allocates nothing: a fresh array of a large gradient costs more in
-        page faults than the addition itself. The sum is the same, bit for bit,
-        as :meth:`compensate` makes.
-        """
-        residual, spare = self._residuals.get(name), self._spares.pop(name, None)
-        if isinstance(gradient, SparseTensor) or residual is None or spare is None \
-                or self.beta == 0.0:
+    def _corrected_in_place(self, name, gradient):
+        """``gradient + beta * residual`` computed in the residual's memory (None when
+        the residual cannot take it: none yet, another shape or dtype, a sparse
+        gradient). The same bits as :meth:`compensate`: the sum commutes."""
+        residual = self._residuals.get(name)
+        if isinstance(gradient, SparseTensor) or residual is None or self.beta == 0.0:
             return None, False
         gradient = np.asarray(gradient)
-        if spare.shape != gradient.shape or spare.dtype != gradient.dtype \
-                or residual.shape != gradient.shape or residual.dtype != gradient.dtype:
+        if residual.shape != gradient.shape or residual.dtype != gradient.dtype:
             return None, False
-        scaled = residual if self.beta == 1.0 else \
-            (self.beta * residual).astype(gradient.dtype, copy=False)
-        np.add(gradient, scaled, out=spare)
-        return spare, True
+        if self.beta != 1.0:
+            np.multiply(residual, self.beta, out=residual)
+        np.add(residual, gradient, out=residual)
+        return residual, True
 
     def _store(self, name, residual: np.ndarray, received: SparseTensor) -> None:
         """Subtract ``received`` from ``residual`` (C-contiguous, ours) in place and keep it."""
@@ -146,8 +136,8 @@ class ResidualMemory:
     def residual(self, name: str) -> np.ndarray | None:
         """The stored residual of ``name`` (None before its first update).
 
-        The array itself, not a copy: :meth:`feedback` reuses its memory two
-        steps later, so copy it to keep it.
+        The array itself, not a copy: :meth:`feedback` updates it in place, so
+        copy it to keep it.
         """
         return self._residuals.get(name)
 
@@ -155,10 +145,8 @@ class ResidualMemory:
         """Forget one residual, or all of them."""
         if name is None:
             self._residuals.clear()
-            self._spares.clear()
         else:
             self._residuals.pop(name, None)
-            self._spares.pop(name, None)
 
     def __contains__(self, name) -> bool:
         return name in self._residuals

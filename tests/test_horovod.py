@@ -113,7 +113,7 @@ def test_error_feedback_is_exact_and_small_tensors_are_lossless():
             # what was delivered plus what is kept is exactly what was to be sent
             assert np.array_equal(received + residual, compensated)
             assert np.count_nonzero(received) == int(np.ceil(0.05 * g.size))
-            previous[name] = residual
+            previous[name] = residual.copy()  # feedback updates the residual in place
     assert c.stats.total.steps == 0 and c.stats.last.bytes_sent == 0  # no decode yet
     c.decode_bundles(bundle, ranks=1, rank=0)
     assert c.stats.total.steps == 1 and c.stats.last.bytes_sent == len(bundle)
