@@ -27,9 +27,9 @@ x86_32 (:mod:`deepreduce.codecs._murmur`; 4-byte little-endian keys when
 Why the blocked word: the decoder must test every position of the
 universe. One word gather and one mask test after ``h1`` reject about 93%
 of the positions (4 bits of a half-full word), so ``h2`` and the
-single-bit probes are computed for the survivors only. Confining some bits to one word raises the
-false-positive rate at a given size (the number of indices per word
-varies): about +10% at fpr 1e-3 with 4 blocked bits, against +50% for a
+single-bit probes are computed for the survivors only. Confining some
+bits to one word raises the false-positive rate at a given size (the
+number of indices per word varies): about +10% at fpr 1e-3 with 4 blocked bits, against +50% for a
 filter with all bits in one 512-bit block. The size compensates: ``m`` is
 the smallest whose modelled rate (:func:`predicted_fpr`) is ``fpr``,
 0.5-3% more than the paper's ``-r ln(fpr) / ln(2)**2``, rounded up to
