@@ -1,8 +1,11 @@
 """Only the compiled part of the build; the metadata is in setup.cfg.
 
-The Bloom-filter scan extension is optional: where it cannot be compiled (no C
-compiler) the install goes on and deepreduce.codecs.bloom uses its numpy scan,
-which gives the same positives at a quarter of the speed or less.
+Both extensions are optional: where they cannot be compiled (no C compiler) the
+install goes on and deepreduce falls back to numpy, which gives the same results
+more slowly. deepreduce._bloomscan is the Bloom-filter scan and build
+(deepreduce.codecs.bloom, a quarter of the speed or less without it);
+deepreduce._entropyc the bit packing and prefix-code decoding of the Huffman index
+codec (deepreduce.codecs.huffman through deepreduce.codecs._entropy).
 """
 
 import sys
@@ -11,5 +14,9 @@ from setuptools import Extension, setup
 
 OPTIMISE = [] if sys.platform == "win32" else ["-O3"]
 
-setup(ext_modules=[Extension("deepreduce._bloomscan", ["deepreduce/_bloomscan.c"],
-                             extra_compile_args=OPTIMISE, optional=True)])
+setup(ext_modules=[
+    Extension("deepreduce._bloomscan", ["deepreduce/_bloomscan.c"],
+              extra_compile_args=OPTIMISE, optional=True),
+    Extension("deepreduce._entropyc", ["deepreduce/_entropyc.c"],
+              extra_compile_args=OPTIMISE, optional=True),
+])

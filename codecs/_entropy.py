@@ -60,8 +60,19 @@ import numpy as np
 from deepreduce.codecs._bits import pack_fixed, packed_bytes, unpack_fixed
 from deepreduce.errors import DecodeError
 
+try:
+    from deepreduce import _entropyc
+except ImportError:  # not compiled (the extension is optional): numpy serves
+    _entropyc = None
+
 _U64 = np.uint64
 _BE64 = np.dtype(">u8")
+
+#: Which implementation buckets values (:func:`bucket_symbols`) and runs the
+#: Huffman codec's loops (:mod:`.huffman`): ``"compiled"`` (the C extension
+#: ``deepreduce._entropyc``, built by ``pip install``) or ``"numpy"``. Both give
+#: the same bits.
+IMPLEMENTATION = "numpy" if _entropyc is None else "compiled"
 
 #: Longest Huffman code built here. Decode tables have ``2**MAX_CODE_LENGTH``
 #: entries, and three codes plus a 7-bit misalignment fit in one 64-bit window.
@@ -325,6 +336,12 @@ def bucket_symbols(values: np.ndarray, precision: int) -> tuple[np.ndarray, np.n
     ``e - precision`` bits raw; its symbol names ``e`` and the ``precision``
     bits below the leading one.
     """
+    if _entropyc is not None and 0 <= precision <= 2:
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        symbols = np.empty(values.size, dtype=np.uint8)
+        offset_bits = np.empty(values.size, dtype=np.uint8)
+        _entropyc.bucket_symbols(values, precision, symbols, offset_bits)
+        return symbols, offset_bits
     # floor(log2 v) is the biased exponent field of float64(v), minus 1023.
     exponent = values.astype(np.float64).view(np.int64) >> 52
     exponent -= 1023 + precision

@@ -47,6 +47,16 @@ def test_install_compiled_the_bloom_scan():
     assert pathlib.Path(module_file).resolve().parent == REPO / "deepreduce"
 
 
+def test_install_compiled_the_huffman_loops():
+    # Optional like the Bloom scan, and for the same reason a numpy fallback here
+    # means a broken build.
+    code = ("from deepreduce.codecs import _entropy; print(_entropy.IMPLEMENTATION); "
+            "print(_entropy._entropyc.__file__)")
+    implementation, module_file = run_python("-c", code).stdout.split()
+    assert implementation == "compiled"
+    assert pathlib.Path(module_file).resolve().parent == REPO / "deepreduce"
+
+
 def test_console_script_is_installed():
     script = pathlib.Path(sys.executable).with_name("deepreduce")
     assert script.exists(), f"{script} missing: is deepreduce installed in this interpreter?"

@@ -1,0 +1,339 @@
+"""The Huffman codec's C loops (deepreduce._entropyc) give the numpy fallback's bits exactly.
+
+Every test that takes the ``implementation`` fixture runs once with the
+compiled loops and once with them switched off (the numpy code in
+codecs/huffman.py and codecs/_entropy.py); the comparisons run both in one test.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deepreduce.codecs import _entropy, huffman
+from deepreduce.codecs.huffman import HuffmanIndices
+from deepreduce.errors import DecodeError
+from index_sets import random_set, round_trip
+
+SETTINGS = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow,
+                                           HealthCheck.function_scoped_fixture])
+PRECISIONS = [0, 1, 2]
+BLOCKS = [8, 9, 128, 4096]
+compiled_only = pytest.mark.skipif(_entropy._entropyc is None,
+                                   reason="deepreduce._entropyc is not built")
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def implementation(request, monkeypatch):
+    """Run the test with the C loops, then without them."""
+    if request.param == "numpy":
+        monkeypatch.setattr(_entropy, "_entropyc", None)
+    elif _entropy._entropyc is None:
+        pytest.skip("deepreduce._entropyc is not built")
+    return request.param
+
+
+def both(function, *args):
+    """``function(*args)`` with the C loops and with numpy: each result or its DecodeError."""
+    outcomes = []
+    for module in (_entropy._entropyc, None):
+        saved = _entropy._entropyc
+        _entropy._entropyc = module
+        try:
+            outcomes.append(function(*args))
+        except DecodeError as error:
+            outcomes.append(f"DecodeError: {error}")
+        finally:
+            _entropy._entropyc = saved
+    return outcomes
+
+
+def same(outcomes):
+    compiled, numpy = outcomes
+    if isinstance(compiled, np.ndarray):
+        assert isinstance(numpy, np.ndarray)
+        np.testing.assert_array_equal(compiled, numpy)
+        assert compiled.dtype == numpy.dtype
+    else:
+        assert compiled == numpy
+    return compiled
+
+
+def test_implementation_flag_matches_the_build():
+    assert _entropy.IMPLEMENTATION == ("numpy" if _entropy._entropyc is None else "compiled")
+
+
+# ------------------------------------------------------------------ whole codec
+
+EDGE_CASES = [([], 1), ([0], 1), ([0], 1000), ([999], 1000), ([0, 999], 1000),
+              (range(777), 777), ([2**32 - 1], 2**32), ([0, 2**32 - 1], 2**32 + 1),
+              ([5, 2**32 + 7, 2**33], 2**34), ([0, 2**61, 2**62 - 1], 2**62),
+              ([0] + list(range(10**9, 10**9 + 50)), 2**31)]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("case", range(len(EDGE_CASES)))
+def test_edge_cases_round_trip(implementation, precision, block, case):
+    indices, n = EDGE_CASES[case]
+    round_trip(HuffmanIndices(precision, block), list(indices), n)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("block", BLOCKS)
+@SETTINGS
+@given(n=st.integers(1, 20_000), seed=st.integers(0, 2**32 - 1),
+       kind=st.sampled_from(["uniform", "sparse", "runs", "blocks"]))
+def test_streams_and_decodes_are_identical(precision, block, n, seed, kind):
+    if _entropy._entropyc is None:
+        pytest.skip("deepreduce._entropyc is not built")
+    codec = HuffmanIndices(precision, block)
+    indices = random_set(np.random.default_rng(seed), n, kind)
+    data = same(both(codec.encode, indices, n))
+    np.testing.assert_array_equal(same(both(codec.decode, data, n, indices.size)), indices)
+
+
+@compiled_only
+@pytest.mark.parametrize("precision", PRECISIONS)
+@SETTINGS
+@given(data=st.data())
+def test_identical_on_huge_universes(precision, data):
+    n = data.draw(st.sampled_from([2**32 - 1, 2**32, 2**32 + 1, 2**40, 2**62]))
+    chosen = data.draw(st.sets(st.sampled_from([0, 1, 2**32 - 2, 2**32 - 1, 2**32, n - 1])
+                               | st.integers(0, n - 1), max_size=40))
+    indices = np.array(sorted(i for i in chosen if i < n), dtype=np.int64)
+    codec = HuffmanIndices(precision, data.draw(st.sampled_from(BLOCKS)))
+    encoded = same(both(codec.encode, indices, n))
+    np.testing.assert_array_equal(same(both(codec.decode, encoded, n, indices.size)), indices)
+
+
+@compiled_only
+@pytest.mark.parametrize("precision,block", [(2, 128), (0, 8), (1, 9), (2, 4096)])
+def test_every_truncation_and_extension_fails_alike(precision, block):
+    rng = np.random.default_rng(7)
+    codec = HuffmanIndices(precision, block)
+    for n, indices in [(5000, np.sort(rng.choice(5000, 300, replace=False))),
+                       (2**40, np.array([1, 2**35, 2**40 - 1]))]:
+        data = codec.encode(indices, n)
+        for cut in range(len(data)):
+            outcome = same(both(codec.decode, data[:cut], n, indices.size))
+            assert isinstance(outcome, str) and outcome.startswith("DecodeError")
+        assert isinstance(same(both(codec.decode, data + b"\0", n, indices.size)), str)
+
+
+@compiled_only
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("block", BLOCKS[:-1])  # 4096: one lane, the truncation test's
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["uniform", "runs", "blocks"]))
+def test_bit_flips_and_wrong_counts_fail_alike(precision, block, seed, kind):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 6000))
+    indices = random_set(rng, n, kind)
+    codec = HuffmanIndices(precision, block)
+    data = codec.encode(indices, n)
+    for nnz in {max(indices.size - 1, 0), indices.size + 1, 2 * indices.size + 3}:
+        if nnz <= n:
+            same(both(codec.decode, data, n, nnz))
+    if not data:
+        return
+    for _ in range(8):
+        flipped = bytearray(data)
+        for position in rng.integers(0, 8 * len(data), size=int(rng.integers(1, 4))):
+            flipped[position // 8] ^= 1 << (position % 8)
+        same(both(codec.decode, bytes(flipped), n, indices.size))
+
+
+@compiled_only
+@SETTINGS
+@given(data=st.binary(max_size=60), n=st.integers(1, 2**40), nnz=st.integers(1, 300),
+       block=st.sampled_from(BLOCKS))
+def test_random_bytes_fail_alike(data, n, nnz, block):
+    if nnz <= n:
+        same(both(HuffmanIndices(block=block).decode, data, n, nnz))
+
+
+def test_encoded_bits_estimate_uses_the_same_buckets(implementation):
+    indices = np.sort(np.random.default_rng(8).choice(2_000_000, 20_000, replace=False))
+    codec = HuffmanIndices()
+    actual = 8 * len(codec.encode(indices, 2_000_000))
+    assert abs(codec.encoded_bits(indices) - actual) < 0.01 * actual
+
+
+# ------------------------------------------------------------------ building blocks
+
+@compiled_only
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_bucket_symbols_are_identical(precision):
+    rng = np.random.default_rng(9)
+    values = np.concatenate([np.arange(1, 5000), 2 ** np.arange(1, 63) - 1, 2 ** np.arange(63),
+                             2 ** np.arange(1, 62) + 1,
+                             rng.integers(1, 2**63 - 1, 2000, dtype=np.int64)]).astype(np.int64)
+    compiled, numpy = both(_entropy.bucket_symbols, values, precision)
+    for ours, theirs in zip(compiled, numpy):
+        np.testing.assert_array_equal(ours, theirs)
+        assert ours.dtype == theirs.dtype == np.uint8
+
+
+def code_table(rng, alphabet=248):
+    """Code lengths of a random complete prefix code (sometimes a single 1-bit code)."""
+    used = int(rng.integers(1, 60))
+    counts = np.zeros(alphabet, dtype=np.int64)
+    counts[rng.choice(alphabet, used, replace=False)] = rng.geometric(0.01, used)
+    return _entropy.huffman_lengths(counts)
+
+
+@compiled_only
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), size=st.integers(0, 400),
+       steps=st.sampled_from([1, 2, 3, 8, 9, 128]))
+def test_lanes_decode_identically_from_any_bits(seed, size, steps):
+    """Arbitrary streams and lane starts, lanes running past the end, invalid codes."""
+    rng = np.random.default_rng(seed)
+    lengths = code_table(rng)
+    stream = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+    starts = np.sort(rng.integers(0, 8 * size + 1, int(rng.integers(0, 12))))
+    peek, symbol_of, length_of = _entropy.decode_table(lengths)
+    pad = -(-steps * _entropy.MAX_CODE_LENGTH // 8) + 8
+    windows = _entropy.byte_windows(stream, extra=pad).astype(np.uint64)
+    expected = huffman.decode_lanes(windows, starts, steps, peek, symbol_of, length_of)
+    result = huffman.decode_lanes_compiled(stream, starts, steps, lengths)
+    for ours, theirs in zip(result, expected):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+# ------------------------------------------------------------------ the C entry points
+
+def lane_arguments(**changes):
+    """Valid arguments of _entropyc.decode_lanes (3 lanes of 4 steps), with ``changes``."""
+    arguments = dict(data=b"\x12\x34\x56\x78", starts=np.array([0, 5, 32]), steps=4,
+                     code_lengths=np.array([0, 1, 2, 2], np.uint8),
+                     symbols=np.empty(12, np.uint8), ends=np.empty(3, np.int64),
+                     bad=np.empty(3, np.uint8))
+    arguments.update(changes)
+    return arguments
+
+
+def bucket_arguments(**changes):
+    """Valid arguments of _entropyc.bucket_values (offsets of 3 values), with ``changes``."""
+    base, offset_bits = _entropy.bucket_base(2)
+    arguments = dict(data=b"\xff\x00", bit_offset=3, symbols=np.array([9, 1, 12], np.uint8),
+                     base=base, offset_bits=offset_bits.astype(np.uint8),
+                     out=np.empty(3, np.int64))
+    arguments.update(changes)
+    return arguments
+
+
+def pack_arguments(**changes):
+    """Valid arguments of _entropyc.pack_buckets (gaps 1, 9, 100), with ``changes``."""
+    values = np.array([1, 9, 100], np.int64)
+    symbols, _ = _entropy.bucket_symbols(values, 2)
+    base, offset_bits = _entropy.bucket_base(2)
+    counts = np.bincount(symbols, minlength=base.size)
+    lengths = _entropy.huffman_lengths(counts)
+    arguments = dict(values=values, symbols=symbols, codes=_entropy.canonical_codes(lengths),
+                     code_lengths=lengths.astype(np.uint8), base=base,
+                     offset_bits=offset_bits.astype(np.uint8), block=2,
+                     block_bits=np.empty(2, np.int64))
+    arguments.update(changes)
+    return arguments
+
+
+@compiled_only
+def test_entry_points_accept_their_valid_arguments():
+    module = _entropy._entropyc
+    arguments = lane_arguments()
+    assert module.decode_lanes(*arguments.values()) is None
+    assert arguments["bad"].tolist() == [0, 0, 0]
+
+    arguments = bucket_arguments()
+    module.bucket_values(*arguments.values())
+    widths = arguments["offset_bits"][arguments["symbols"]]
+    offsets = _entropy.unpack_varlen(arguments["data"], widths, "t", bit_offset=3)
+    assert arguments["out"].tolist() == (arguments["base"][arguments["symbols"]]
+                                         + offsets.astype(np.int64)).tolist()
+
+    arguments = pack_arguments()
+    codes, offsets = module.pack_buckets(*arguments.values())
+    symbols, code_lengths = arguments["symbols"], arguments["code_lengths"]
+    assert codes == _entropy.pack_varlen(arguments["codes"][symbols], code_lengths[symbols])[0]
+    assert offsets == _entropy.pack_varlen(
+        (arguments["values"] - arguments["base"][symbols]).astype(np.uint64),
+        arguments["offset_bits"][symbols])[0]
+    assert arguments["block_bits"].tolist() == np.add.reduceat(
+        code_lengths[symbols], [0, 2], dtype=np.int64).tolist()
+
+    symbols, offset_bits = np.empty(2, np.uint8), np.empty(2, np.uint8)
+    module.bucket_symbols(np.array([1, 2**62]), 2, symbols, offset_bits)
+    assert symbols.tolist() == [1, 4 + (60 << 2)] and offset_bits.tolist() == [0, 60]
+
+
+@compiled_only
+@pytest.mark.parametrize("name,changes", [
+    ("decode_lanes", {"starts": np.array([0, 5, 32], np.int32)}),
+    ("decode_lanes", {"starts": np.array([[0, 5, 32]])}),
+    ("decode_lanes", {"code_lengths": np.array([0, 1, 2, 2], np.int64)}),
+    ("decode_lanes", {"symbols": np.empty(12, np.int8)}),
+    ("decode_lanes", {"ends": np.empty(3, np.int64)[::-1]}),
+    ("decode_lanes", {"bad": b"\0\0\0"}),
+    ("decode_lanes", {"data": np.zeros(4, np.uint16)}),
+    ("decode_lanes", {"data": 7}),
+    ("bucket_values", {"out": np.empty(3, np.uint64)}),
+    ("bucket_values", {"base": np.zeros(248, np.float64)}),
+    ("pack_buckets", {"codes": np.zeros(248, np.int64)}),
+    ("pack_buckets", {"block_bits": np.empty(2, np.int64)[::-1]}),
+    ("bucket_symbols", {"symbols": np.empty(3, np.int64)}),
+])
+def test_bad_buffers_raise_type_error(name, changes):
+    with pytest.raises(TypeError):
+        call(name, changes)
+
+
+@compiled_only
+@pytest.mark.parametrize("name,changes", [
+    ("decode_lanes", {"starts": np.array([0, 5, 33])}),
+    ("decode_lanes", {"starts": np.array([-1, 5, 32])}),
+    ("decode_lanes", {"steps": -1}),
+    ("decode_lanes", {"symbols": np.empty(11, np.uint8)}),
+    ("decode_lanes", {"ends": np.empty(2, np.int64)}),
+    ("decode_lanes", {"bad": np.empty(4, np.uint8)}),
+    ("decode_lanes", {"code_lengths": np.array([0, 1, 1, 1], np.uint8)}),
+    ("decode_lanes", {"code_lengths": np.array([16, 1], np.uint8)}),
+    ("decode_lanes", {"code_lengths": np.zeros(4, np.uint8)}),
+    ("decode_lanes", {"code_lengths": np.ones(257, np.uint8)}),
+    ("bucket_values", {"bit_offset": 14}),
+    ("bucket_values", {"bit_offset": -1}),
+    ("bucket_values", {"bit_offset": 2**40}),
+    ("bucket_values", {"symbols": np.array([9, 1, 248], np.uint8)}),
+    ("bucket_values", {"offset_bits": np.zeros(247, np.uint8)}),
+    ("bucket_values", {"offset_bits": np.full(248, 65, np.uint8)}),
+    ("bucket_values", {"out": np.empty(4, np.int64)}),
+    ("pack_buckets", {"block": 0}),
+    ("pack_buckets", {"block_bits": np.empty(3, np.int64)}),
+    ("pack_buckets", {"values": np.array([1, 9], np.int64)}),
+    ("pack_buckets", {"symbols": np.array([1, 250, 3], np.uint8)}),
+    ("pack_buckets", {"code_lengths": np.full(248, 65, np.uint8)}),
+    ("pack_buckets", {"base": np.zeros(200, np.int64)}),
+    ("bucket_symbols", {"values": np.array([1, 0, 3])}),
+    ("bucket_symbols", {"values": np.array([1, -5, 3])}),
+    ("bucket_symbols", {"precision": 3}),
+    ("bucket_symbols", {"offset_bits": np.empty(2, np.uint8)}),
+])
+def test_bad_arguments_raise_value_error(name, changes):
+    with pytest.raises(ValueError):
+        call(name, changes)
+
+
+def call(name, changes):
+    module = _entropy._entropyc
+    if name == "decode_lanes":
+        return module.decode_lanes(*lane_arguments(**changes).values())
+    if name == "bucket_values":
+        return module.bucket_values(*bucket_arguments(**changes).values())
+    if name == "pack_buckets":
+        return module.pack_buckets(*pack_arguments(**changes).values())
+    arguments = dict(values=np.array([1, 2, 3]), precision=2, symbols=np.empty(3, np.uint8),
+                     offset_bits=np.empty(3, np.uint8))
+    arguments.update(changes)
+    return module.bucket_symbols(*arguments.values())
