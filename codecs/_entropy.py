@@ -36,7 +36,8 @@ Geometric model
 Bucketing of positive integers
     :func:`bucket_symbols` / :func:`bucket_values`: an Elias-gamma-like
     split of ``v >= 1`` into a small symbol (bit length and the ``precision``
-    bits below the leading one) and raw offset bits.
+    bits below the leading one) and raw offset bits; :func:`bucket_histogram`
+    counts the symbols too.
 
 Examples
 --------
@@ -340,7 +341,7 @@ def bucket_symbols(values: np.ndarray, precision: int) -> tuple[np.ndarray, np.n
         values = np.ascontiguousarray(values, dtype=np.int64)
         symbols = np.empty(values.size, dtype=np.uint8)
         offset_bits = np.empty(values.size, dtype=np.uint8)
-        _entropyc.bucket_symbols(values, precision, symbols, offset_bits)
+        _entropyc.bucket_symbols(values, precision, symbols, offset_bits, None)
         return symbols, offset_bits
     # floor(log2 v) is the biased exponent field of float64(v), minus 1023.
     exponent = values.astype(np.float64).view(np.int64) >> 52
@@ -355,6 +356,18 @@ def bucket_symbols(values: np.ndarray, precision: int) -> tuple[np.ndarray, np.n
     symbols = values >> offset_bits
     symbols += offset_bits << precision
     return symbols.astype(np.uint8), offset_bits.astype(np.uint8)
+
+
+def bucket_histogram(values: np.ndarray, precision: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bucket symbols (uint8) of positive int64 values and their counts (int64, per symbol)."""
+    if _entropyc is not None and 0 <= precision <= 2:  # one pass instead of two
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        symbols = np.empty(values.size, dtype=np.uint8)
+        counts = np.empty(256, dtype=np.int64)
+        _entropyc.bucket_symbols(values, precision, symbols, None, counts)
+        return symbols, counts[:bucket_count(precision)]
+    symbols, _ = bucket_symbols(values, precision)
+    return symbols, np.bincount(symbols, minlength=bucket_count(precision))
 
 
 def bucket_base(precision: int) -> tuple[np.ndarray, np.ndarray]:
@@ -397,11 +410,21 @@ def huffman_lengths(counts: np.ndarray, max_length: int = MAX_CODE_LENGTH) -> np
         raise ValueError(f"{used.size} symbols cannot have codes of at most {max_length} bits")
     weights = counts[used].copy()
     while True:
-        depth = _huffman_depths(weights.tolist())
-        if max(depth) <= max_length:
+        depth = _tree_depths(weights)
+        if depth.max() <= max_length:
             lengths[used] = depth
             return lengths
         weights = np.maximum(weights >> 1, 1)
+
+
+def _tree_depths(weights: np.ndarray) -> np.ndarray:
+    """Leaf depths (int64) of the Huffman tree of int64 ``weights``: compiled when built."""
+    # The C heap adds weights in 64 bits; totals this large stay in Python.
+    if _entropyc is not None and float(weights.sum(dtype=np.float64)) < 2.0**62:
+        depths = np.empty(weights.size, dtype=np.int64)
+        _entropyc.huffman_depths(weights, depths)
+        return depths
+    return np.array(_huffman_depths(weights.tolist()), dtype=np.int64)
 
 
 def _huffman_depths(weights: list) -> list:

@@ -12,9 +12,19 @@ Decoding a prefix code is sequential by nature; to decode with whole-array
 operations the symbols are cut into blocks of ``block`` symbols whose bit
 lengths are stored, and all blocks are decoded in lockstep, one lane per
 block, three symbols per 64-bit window read.
+
+Two implementations write and read the same bytes and raise the same
+errors: whole-array numpy, and the optional C extension
+``deepreduce._entropyc`` (compiled by ``pip install``), which encodes in two
+passes over the gaps (symbols and their histogram, then both streams) and
+decodes lane after lane, then the offsets straight into indices: several
+times faster (figures in ``benchmarks/results/index_codecs.md``).
+:data:`deepreduce.codecs._entropy.IMPLEMENTATION` says which one runs.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import numpy as np
 
@@ -31,6 +41,15 @@ SYMBOLS_PER_WINDOW = 3
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+@lru_cache(maxsize=None)
+def bucket_tables(precision: int) -> tuple[np.ndarray, np.ndarray]:
+    """Read-only ``(base int64, offset_bits uint8)`` per bucket symbol, built once."""
+    base, offset_bits = _entropy.bucket_base(precision)
+    offset_bits = offset_bits.astype(np.uint8)
+    base.flags.writeable = offset_bits.flags.writeable = False
+    return base, offset_bits
 
 
 def gap_values(indices: np.ndarray) -> np.ndarray:
@@ -64,8 +83,7 @@ def estimate_bits(values: np.ndarray, precision: int, block: int) -> int:
     their standard deviation times sqrt(block)), which avoids a pass over
     the data per block.
     """
-    symbols, _ = _entropy.bucket_symbols(values, precision)
-    counts = np.bincount(symbols, minlength=_entropy.bucket_count(precision))
+    _, counts = _entropy.bucket_histogram(values, precision)
     lengths = _entropy.huffman_lengths(counts)
     _, symbol_offset_bits = _entropy.bucket_base(precision)
     payload = int(counts @ (lengths + symbol_offset_bits))
@@ -228,14 +246,13 @@ class HuffmanIndices(IndexCodec):
 
     def _encode_compiled(self, values: np.ndarray) -> bytes:
         """:meth:`encode`'s streams from the gaps by the C extension: two passes, no gathers."""
-        symbols, _ = _entropy.bucket_symbols(values, self.precision)
-        lengths = _entropy.huffman_lengths(
-            np.bincount(symbols, minlength=_entropy.bucket_count(self.precision)))
-        base, offset_bits = _entropy.bucket_base(self.precision)
+        symbols, counts = _entropy.bucket_histogram(values, self.precision)
+        lengths = _entropy.huffman_lengths(counts)
+        base, offset_bits = bucket_tables(self.precision)
         block_bits = np.empty(-(-symbols.size // self.block), dtype=np.int64)
         codes, offsets = _entropy._entropyc.pack_buckets(
-            values, symbols, _entropy.canonical_codes(lengths), lengths.astype(np.uint8),
-            base, offset_bits.astype(np.uint8), self.block, block_bits)
+            values, symbols, counts, _entropy.canonical_codes(lengths),
+            lengths.astype(np.uint8), base, offset_bits, self.block, block_bits)
         return (_entropy.pack_code_lengths(lengths) + _pack_block_lengths(block_bits)
                 + codes + offsets)
 
@@ -287,11 +304,11 @@ class HuffmanIndices(IndexCodec):
             raise DecodeError(f"{what}: stream ends inside the codes")
         if code_end % 8 and stream[code_bytes - 1] & ((1 << (8 - code_end % 8)) - 1):
             raise DecodeError(f"{what}: padding bits after the codes are not zero")
-        base, symbol_offset_bits = _entropy.bucket_base(self.precision)
+        base, symbol_offset_bits = bucket_tables(self.precision)
         if compiled:
-            total = int(np.bincount(symbols, minlength=alphabet) @ symbol_offset_bits)
+            total = _entropy._entropyc.field_bits(symbols, symbol_offset_bits)
         else:
-            offset_bits = np.take(symbol_offset_bits.astype(np.uint8), symbols)
+            offset_bits = np.take(symbol_offset_bits, symbols)
             total = int(offset_bits.sum())
         expected = code_bytes + _bits.packed_bytes(total)
         if len(stream) != expected:
@@ -300,13 +317,17 @@ class HuffmanIndices(IndexCodec):
         if total % 8 and stream[-1] & ((1 << (8 - total % 8)) - 1):
             raise DecodeError(f"{what}: padding bits after the offsets are not zero")
         if compiled:
-            values = np.empty(nnz, dtype=np.int64)
-            _entropy._entropyc.bucket_values(stream, 8 * code_bytes, symbols, base,
-                                             symbol_offset_bits.astype(np.uint8), values)
-        else:
-            offsets = _entropy.unpack_varlen(stream, offset_bits, what,
-                                             bit_offset=8 * code_bytes, windows=windows)
-            values = _entropy.bucket_values(symbols, offsets, self.precision)
+            indices = np.empty(nnz, dtype=np.int64)
+            gap_sum = _entropy._entropyc.read_indices(stream, 8 * code_bytes, symbols, base,
+                                                      symbol_offset_bits, indices)
+            if gap_sum > n:
+                # The gaps (each below 2**63) are recovered exactly, and the numpy
+                # checks raise the numpy path's error.
+                _cumulate(np.diff(indices, prepend=np.int64(-1)), n, what)
+            return indices
+        offsets = _entropy.unpack_varlen(stream, offset_bits, what, bit_offset=8 * code_bytes,
+                                         windows=windows)
+        values = _entropy.bucket_values(symbols, offsets, self.precision)
         return _cumulate(values, n, what)
 
 

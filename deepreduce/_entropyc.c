@@ -9,20 +9,27 @@
  * give the same bits, and the tests compare them. Streams are MSB-first (stream bit b
  * is bit 7 - b % 8 of byte b // 8); "tables" below are indexed by bucket symbol.
  *
- *   bucket_symbols(values, precision, symbols, offset_bits) -> None
- *       _entropy.bucket_symbols into two uint8 arrays.
- *   pack_buckets(values, symbols, codes, code_lengths, base, offset_bits, block,
+ *   bucket_symbols(values, precision, symbols, offset_bits, counts) -> None
+ *       _entropy.bucket_symbols into uint8 arrays, and the symbols' histogram.
+ *   huffman_depths(weights, depths) -> None
+ *       _entropy._huffman_depths: the Huffman tree, equal weights merged alike.
+ *   pack_buckets(values, symbols, counts, codes, code_lengths, base, offset_bits, block,
  *                block_bits) -> (code_bytes, offset_bytes)
  *       the encoder's codes and offsets streams and the bit length of every block.
  *   decode_lanes(data, starts, steps, code_lengths, symbols, ends, bad) -> None
  *       huffman.decode_lanes, from the canonical code's lengths.
- *   bucket_values(data, bit_offset, symbols, base, offset_bits, out) -> None
- *       _entropy.unpack_varlen of the offsets plus _entropy.bucket_values.
+ *   field_bits(symbols, widths) -> int
+ *       the offset bits the symbols need.
+ *   read_indices(data, bit_offset, symbols, base, offset_bits, out) -> int
+ *       _entropy.unpack_varlen of the offsets, _entropy.bucket_values and the running
+ *       sum of huffman._cumulate in one pass; returns the exact sum of the gaps.
  *
  * Decoders are handed untrusted streams: every read is bounded by the buffer's size
- * (bits past the end read as zeros, as numpy's zero padding does), and argument
- * errors raise TypeError or ValueError before any loop runs. The loops run without
- * the GIL, so other Python threads (Horovod's) keep going.
+ * (bits past the end read as zeros, as numpy's zero padding does), and every write by
+ * its output's. Bad arguments raise TypeError or ValueError; those found only by the
+ * pass itself (symbols outside the alphabet, offsets past the end, counts that are
+ * not the symbols') after it, leaving its outputs unspecified. The passes over the
+ * data run without the GIL, so other Python threads (Horovod's) keep going.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -91,19 +98,20 @@ static inline uint64_t window_at(const uint8_t *data, uint64_t size, uint64_t by
     return word;
 }
 
-/* The `width` (0..64) stream bits starting at bit `position`, as a number. */
+/* The `width` (0..64) stream bits starting at bit `position`, as a number. Empty
+ * fields, frequent and mixed with others, take no branch: the selection at the end
+ * compiles to a conditional move. */
 static inline uint64_t read_bits(const uint8_t *data, uint64_t size, uint64_t position,
                                  unsigned width)
 {
-    if (width == 0)
-        return 0;
     uint64_t byte = position >> 3;
     unsigned shift = (unsigned)(position & 7);
     uint64_t word = window_at(data, size, byte) << shift;
     /* A field of more than 64 - shift bits ends in the ninth byte. */
     if (width + shift > 64 && byte + 8 < size)
         word |= (uint64_t)data[byte + 8] >> (8 - shift);
-    return word >> (64 - width);
+    uint64_t value = word >> ((64 - width) & 63);
+    return width ? value : 0;
 }
 
 /* ------------------------------------------------------------ argument checks */
@@ -169,138 +177,38 @@ static Py_ssize_t first_above(const uint8_t *lengths, Py_ssize_t count, unsigned
     return -1;
 }
 
-/* ------------------------------------------------------------ bucket_symbols */
+/* ------------------------------------------------------------ argument helpers */
 
-/* Inlined once per precision, so that the shifts by it are constants. Returns the
- * index of the first value below 1, or -1 (what the symbols then hold is unspecified). */
-static inline Py_ssize_t bucket_loop(const int64_t *restrict value, Py_ssize_t count,
-                                     const int precision, uint8_t *restrict symbol,
-                                     uint8_t *restrict offset)
+/* Gets every buffer of an entry point (None passes for the optional ones, whose view
+ * then has buf NULL); on failure releases those it got. */
+static int get_arrays(PyObject *const *objects, Py_buffer **views, const char *const *names,
+                      const kind_t *kinds, const int *writable, const int *optional, int count)
 {
-    int nonpositive = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        nonpositive |= value[i] < 1;
-        uint64_t v = (uint64_t)value[i];
-        /* OR-ing 1 keeps the logarithm of 0 defined and no other changes. */
-        int exponent = LOG2_64(v | 1);
-        int bits = exponent > precision ? exponent - precision : 0;
-        /* v >> bits is the leading one and `precision` bits below it, in
-         * [2**precision, 2**(precision + 1)), unless v is small (bits == 0). */
-        symbol[i] = (uint8_t)((v >> bits) + ((uint64_t)bits << precision));
-        offset[i] = (uint8_t)bits;
-    }
-    if (nonpositive)
-        for (Py_ssize_t i = 0; i < count; i++)
-            if (value[i] < 1)
-                return i;
-    return -1;
-}
-
-static PyObject *bucket_symbols(PyObject *module, PyObject *args)
-{
-    PyObject *values_object, *symbols_object, *offset_bits_object;
-    int precision;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "OiOO:bucket_symbols", &values_object, &precision,
-                          &symbols_object, &offset_bits_object))
-        return NULL;
-    if (precision < 0 || precision > MAX_PRECISION)
-        return PyErr_Format(PyExc_ValueError, "precision must be in [0, %d], got %d",
-                            MAX_PRECISION, precision);
-    Py_buffer values, symbols, offset_bits;
-    if (get_array(values_object, &values, "values", INT64, 0) < 0)
-        return NULL;
-    if (get_array(symbols_object, &symbols, "symbols", UINT8, 1) < 0) {
-        PyBuffer_Release(&values);
-        return NULL;
-    }
-    if (get_array(offset_bits_object, &offset_bits, "offset_bits", UINT8, 1) < 0) {
-        PyBuffer_Release(&values);
-        PyBuffer_Release(&symbols);
-        return NULL;
-    }
-    Py_buffer *views[] = {&values, &symbols, &offset_bits};
-    Py_ssize_t count = values.len / 8, bad = -1;
-    PyObject *result = NULL;
-    if (symbols.len != count || offset_bits.len != count)
-        PyErr_Format(PyExc_ValueError, "symbols and offset_bits must hold %zd entries, got "
-                     "%zd and %zd", count, symbols.len, offset_bits.len);
-    else {
-        const int64_t *value = values.buf;
-        Py_BEGIN_ALLOW_THREADS
-        bad = precision == 0 ? bucket_loop(value, count, 0, symbols.buf, offset_bits.buf)
-            : precision == 1 ? bucket_loop(value, count, 1, symbols.buf, offset_bits.buf)
-                             : bucket_loop(value, count, 2, symbols.buf, offset_bits.buf);
-        Py_END_ALLOW_THREADS
-        if (bad >= 0)
-            PyErr_Format(PyExc_ValueError, "values[%zd] = %lld is not positive", bad,
-                         (long long)value[bad]);
-        else {
-            result = Py_None;
-            Py_INCREF(result);
+    for (int i = 0; i < count; i++) {
+        if (optional != NULL && optional[i] && objects[i] == Py_None) {
+            memset(views[i], 0, sizeof *views[i]);
+            continue;
         }
-    }
-    release_all(views, 3);
-    return result;
-}
-
-/* ------------------------------------------------------------ bit writer */
-
-/* Pending bits (`held` of them, in the low end of a 64-bit accumulator) and where
- * the next full word goes; words are stored big-endian. */
-typedef struct {
-    uint8_t *out;
-    uint64_t pending;
-    unsigned held;
-} writer_t;
-
-/* Appends the low `width` (1..64) bits of value, which has no bits above them. */
-static inline void put_bits(writer_t *w, uint64_t value, unsigned width)
-{
-    if (w->held + width < 64) {
-        w->pending = (w->pending << width) | value;
-        w->held += width;
-        return;
-    }
-    unsigned rest = w->held + width - 64;
-    /* held == 0 only with width == 64, whose value is the whole word. */
-    uint64_t word = w->held ? (w->pending << (64 - w->held)) | (value >> rest) : value;
-    store_be64(w->out, word);
-    w->out += 8;
-    w->pending = rest ? value & ((1ull << rest) - 1) : 0;
-    w->held = rest;
-}
-
-/* The last partial word, zero-padded to a byte. */
-static inline void flush_bits(writer_t *w)
-{
-    uint64_t pending = w->held ? w->pending << (64 - w->held) : 0;
-    for (unsigned i = 0; i < (w->held + 7) / 8; i++)
-        w->out[i] = (uint8_t)(pending >> (56 - 8 * i));
-}
-
-static inline uint64_t low_bits(uint64_t value, unsigned width)
-{
-    return width >= 64 ? value : value & ((1ull << width) - 1);
-}
-
-/* ------------------------------------------------------------ symbol tables */
-
-/* The per-symbol tables the entry points take: `count` (1..MAX_ALPHABET) entries each,
- * widths at most `limit`. -1 with ValueError set otherwise. */
-static int check_tables(Py_ssize_t count, const Py_buffer *const *tables,
-                        const char *const *names, int ntables)
-{
-    for (int i = 0; i < ntables; i++) {
-        Py_ssize_t entries = tables[i]->len / tables[i]->itemsize;
-        if (entries != count || count < 1 || count > MAX_ALPHABET) {
-            PyErr_Format(PyExc_ValueError, "%s must hold one entry per symbol of an alphabet "
-                         "of 1 to %d (that of %s: %zd), got %zd", names[i], MAX_ALPHABET,
-                         names[0], count, entries);
+        if (get_array(objects[i], views[i], names[i], kinds[i], writable[i]) < 0) {
+            release_all(views, i);
             return -1;
         }
     }
     return 0;
+}
+
+/* A per-symbol table of one entry per symbol of an alphabet of 1 to 256 (that of
+ * `alphabet_name`: `alphabet` symbols), else ValueError. */
+static int check_table(const Py_buffer *table, const char *name, Py_ssize_t alphabet,
+                       const char *alphabet_name)
+{
+    Py_ssize_t entries = table->len / table->itemsize;
+    if (entries == alphabet && alphabet >= 1 && alphabet <= MAX_ALPHABET)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "%s must hold one entry per symbol of an alphabet of 1 to "
+                 "%d (that of %s: %zd), got %zd", name, MAX_ALPHABET, alphabet_name, alphabet,
+                 entries);
+    return -1;
 }
 
 static int check_widths(const Py_buffer *table, const char *name, unsigned limit)
@@ -313,137 +221,287 @@ static int check_widths(const Py_buffer *table, const char *name, unsigned limit
     return -1;
 }
 
-/* Index of the first symbol outside an alphabet of `alphabet`, or -1. */
-static Py_ssize_t first_outside(const uint8_t *symbols, Py_ssize_t count, Py_ssize_t alphabet)
+/* A table copied into MAX_ALPHABET entries, zero past the alphabet, so that any byte
+ * indexes it; the loops flag symbols outside the alphabet instead of checking first. */
+static void pad_widths(const Py_buffer *table, uint8_t *padded)
 {
-    for (Py_ssize_t i = 0; i < count; i++)
-        if (symbols[i] >= alphabet)
-            return i;
+    memset(padded, 0, MAX_ALPHABET);
+    memcpy(padded, table->buf, (size_t)table->len);
+}
+
+static void pad_words(const Py_buffer *table, uint64_t *padded)
+{
+    memset(padded, 0, MAX_ALPHABET * sizeof *padded);
+    memcpy(padded, table->buf, (size_t)table->len);
+}
+
+static PyObject *symbol_outside(Py_ssize_t alphabet)
+{
+    return PyErr_Format(PyExc_ValueError, "symbols name symbols outside the alphabet of %zd",
+                        alphabet);
+}
+
+/* ------------------------------------------------------------ bucket_symbols */
+
+/* Inlined once per precision, so that the shifts by it are constants; offset and
+ * counts may be NULL. Returns the index of the first value below 1, or -1 (what the
+ * outputs then hold is unspecified). */
+static inline Py_ssize_t bucket_loop(const int64_t *restrict value, Py_ssize_t count,
+                                     const int precision, uint8_t *restrict symbol,
+                                     uint8_t *restrict offset, int64_t *restrict counts)
+{
+    int nonpositive = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        nonpositive |= value[i] < 1;
+        uint64_t v = (uint64_t)value[i];
+        /* OR-ing 1 keeps the logarithm of 0 defined and changes no other. */
+        int exponent = LOG2_64(v | 1);
+        int bits = exponent > precision ? exponent - precision : 0;
+        /* v >> bits is the leading one and `precision` bits below it, in
+         * [2**precision, 2**(precision + 1)), unless v is small (bits == 0). */
+        uint8_t s = (uint8_t)((v >> bits) + ((uint64_t)bits << precision));
+        symbol[i] = s;
+        if (offset != NULL)
+            offset[i] = (uint8_t)bits;
+        if (counts != NULL)
+            counts[s]++;
+    }
+    if (nonpositive)
+        for (Py_ssize_t i = 0; i < count; i++)
+            if (value[i] < 1)
+                return i;
     return -1;
 }
 
-static int check_symbols(const Py_buffer *symbols, Py_ssize_t alphabet)
+static PyObject *bucket_symbols(PyObject *module, PyObject *args)
 {
-    Py_ssize_t bad;
-    Py_BEGIN_ALLOW_THREADS
-    bad = first_outside(symbols->buf, symbols->len, alphabet);
-    Py_END_ALLOW_THREADS
-    if (bad < 0)
-        return 0;
-    PyErr_Format(PyExc_ValueError, "symbols[%zd] = %u is outside the alphabet of %zd", bad,
-                 (unsigned)((const uint8_t *)symbols->buf)[bad], alphabet);
-    return -1;
-}
-
-/* Gets every buffer of an entry point; on failure releases those it got. */
-static int get_arrays(PyObject *const *objects, Py_buffer **views, const char *const *names,
-                      const kind_t *kinds, const int *writable, int count)
-{
-    for (int i = 0; i < count; i++)
-        if (get_array(objects[i], views[i], names[i], kinds[i], writable[i]) < 0) {
-            release_all(views, i);
-            return -1;
+    PyObject *objects[4];
+    int precision;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OiOOO:bucket_symbols", &objects[0], &precision, &objects[1],
+                          &objects[2], &objects[3]))
+        return NULL;
+    if (precision < 0 || precision > MAX_PRECISION)
+        return PyErr_Format(PyExc_ValueError, "precision must be in [0, %d], got %d",
+                            MAX_PRECISION, precision);
+    static const char *const names[4] = {"values", "symbols", "offset_bits", "counts"};
+    static const kind_t kinds[4] = {INT64, UINT8, UINT8, INT64};
+    static const int writable[4] = {0, 1, 1, 1}, optional[4] = {0, 0, 1, 1};
+    Py_buffer storage[4], *views[4];
+    for (int i = 0; i < 4; i++)
+        views[i] = &storage[i];
+    if (get_arrays(objects, views, names, kinds, writable, optional, 4) < 0)
+        return NULL;
+    Py_buffer *values = views[0], *symbols = views[1], *offset_bits = views[2];
+    Py_buffer *counts = views[3];
+    Py_ssize_t count = values->len / 8, bad = -1;
+    PyObject *result = NULL;
+    if (symbols->len != count || (offset_bits->buf != NULL && offset_bits->len != count))
+        PyErr_Format(PyExc_ValueError, "symbols and offset_bits must hold %zd entries, got "
+                     "%zd and %zd", count, symbols->len, offset_bits->len);
+    else if (counts->buf != NULL && counts->len / 8 != MAX_ALPHABET)
+        PyErr_Format(PyExc_ValueError, "counts must hold %d entries, got %zd", MAX_ALPHABET,
+                     counts->len / 8);
+    else {
+        const int64_t *value = values->buf;
+        uint8_t *symbol = symbols->buf, *offset = offset_bits->buf;
+        int64_t *histogram = counts->buf;
+        Py_BEGIN_ALLOW_THREADS
+        if (histogram != NULL)
+            memset(histogram, 0, MAX_ALPHABET * sizeof *histogram);
+        bad = precision == 0 ? bucket_loop(value, count, 0, symbol, offset, histogram)
+            : precision == 1 ? bucket_loop(value, count, 1, symbol, offset, histogram)
+                             : bucket_loop(value, count, 2, symbol, offset, histogram);
+        Py_END_ALLOW_THREADS
+        if (bad >= 0)
+            PyErr_Format(PyExc_ValueError, "values[%zd] = %lld is not positive", bad,
+                         (long long)value[bad]);
+        else {
+            result = Py_None;
+            Py_INCREF(result);
         }
-    return 0;
+    }
+    release_all(views, 4);
+    return result;
+}
+
+/* ------------------------------------------------------------ bit writer */
+
+/* Pending bits (`held` of them, in the low end of a 64-bit accumulator) and where the
+ * next full word goes; words are stored big-endian, never at or past `end`. */
+typedef struct {
+    uint8_t *out, *end;
+    uint64_t pending;
+    unsigned held;
+    int overflow;
+} writer_t;
+
+/* Appends the low `width` (0..64) bits of value, which has no bits above them (so a
+ * width of 0 appends nothing, without a branch). */
+static inline void put_bits(writer_t *w, uint64_t value, unsigned width)
+{
+    if (w->held + width < 64) {
+        w->pending = (w->pending << width) | value;
+        w->held += width;
+        return;
+    }
+    unsigned rest = w->held + width - 64;
+    /* held == 0 only with width == 64, whose value is the whole word. */
+    uint64_t word = w->held ? (w->pending << (64 - w->held)) | (value >> rest) : value;
+    if (w->end - w->out >= 8) {
+        store_be64(w->out, word);
+        w->out += 8;
+    } else
+        w->overflow = 1;
+    w->pending = rest ? value & ((1ull << rest) - 1) : 0;
+    w->held = rest;
+}
+
+/* The last partial word, zero-padded to a byte. Returns whether everything written
+ * fitted and filled the output exactly. */
+static inline int flush_bits(writer_t *w)
+{
+    unsigned tail = (w->held + 7) / 8;
+    if (w->overflow || w->end - w->out != (Py_ssize_t)tail)
+        return 0;
+    uint64_t pending = w->held ? w->pending << (64 - w->held) : 0;
+    for (unsigned i = 0; i < tail; i++)
+        w->out[i] = (uint8_t)(pending >> (56 - 8 * i));
+    return 1;
+}
+
+static inline uint64_t low_bits(uint64_t value, unsigned width)
+{
+    return width >= 64 ? value : value & ((1ull << (width & 63)) - 1);
 }
 
 /* ------------------------------------------------------------ pack_buckets */
 
-/* Code and offset bits of the values, in total and per block of `block` symbols. */
-static void measure_buckets(const uint8_t *symbols, Py_ssize_t count, const uint8_t *code_length,
-                            const uint8_t *offset_bits, Py_ssize_t block, int64_t *block_bits,
-                            uint64_t *code_total, uint64_t *offset_total)
+typedef struct {
+    uint64_t code[MAX_ALPHABET], base[MAX_ALPHABET];
+    uint8_t code_length[MAX_ALPHABET], offset_bits[MAX_ALPHABET];
+} pack_tables_t;
+
+/* One pass: both streams and the code bits of every block of `block` symbols. Returns
+ * 0, or -1 when a symbol is outside the alphabet or the streams do not fill their
+ * outputs exactly (the counts were not those of the symbols). */
+static int pack_streams(const int64_t *values, const uint8_t *symbols, Py_ssize_t count,
+                        Py_ssize_t alphabet, const pack_tables_t *t, Py_ssize_t block,
+                        int64_t *block_bits, writer_t *code, writer_t *offset)
 {
-    uint64_t codes = 0, offsets = 0;
+    int outside = 0;
     for (Py_ssize_t first = 0; first < count; first += block) {
         Py_ssize_t stop = count - first < block ? count : first + block;
-        uint64_t bits = 0;
+        int64_t bits = 0;
         for (Py_ssize_t i = first; i < stop; i++) {
-            bits += code_length[symbols[i]];
-            offsets += offset_bits[symbols[i]];
+            unsigned symbol = symbols[i];
+            unsigned length = t->code_length[symbol], width = t->offset_bits[symbol];
+            outside |= symbol >= alphabet;
+            bits += length;
+            put_bits(code, low_bits(t->code[symbol], length), length);
+            put_bits(offset, low_bits((uint64_t)values[i] - t->base[symbol], width), width);
         }
-        block_bits[first / block] = (int64_t)bits;
-        codes += bits;
+        block_bits[first / block] = bits;
     }
-    *code_total = codes;
-    *offset_total = offsets;
+    int code_ok = flush_bits(code), offset_ok = flush_bits(offset);
+    return outside || !code_ok || !offset_ok ? -1 : 0;
 }
 
-static void pack_streams(const int64_t *values, const uint8_t *symbols, Py_ssize_t count,
-                         const uint64_t *codes, const uint8_t *code_length, const int64_t *base,
-                         const uint8_t *offset_bits, uint8_t *code_out, uint8_t *offset_out)
+/* pack_buckets on its buffers: views are values, symbols, counts, codes, code_lengths,
+ * base, offset_bits, block_bits. */
+static PyObject *pack_views(Py_buffer *const *views, Py_ssize_t block)
 {
-    writer_t code = {code_out, 0, 0}, offset = {offset_out, 0, 0};
-    for (Py_ssize_t i = 0; i < count; i++) {
-        unsigned symbol = symbols[i], length = code_length[symbol], width = offset_bits[symbol];
-        if (length)
-            put_bits(&code, low_bits(codes[symbol], length), length);
-        if (width)
-            put_bits(&offset, low_bits((uint64_t)values[i] - (uint64_t)base[symbol], width),
-                     width);
+    const Py_buffer *values = views[0], *symbols = views[1], *counts = views[2];
+    const Py_buffer *codes = views[3], *code_lengths = views[4], *base = views[5];
+    const Py_buffer *offset_bits = views[6], *block_bits = views[7];
+    Py_ssize_t count = symbols->len, alphabet = code_lengths->len;
+    Py_ssize_t blocks = count / block + (count % block != 0);
+    if (values->len / 8 != count)
+        return PyErr_Format(PyExc_ValueError, "values and symbols differ in size: %zd and %zd",
+                            values->len / 8, count);
+    if (block_bits->len / 8 != blocks)
+        return PyErr_Format(PyExc_ValueError, "block_bits must hold %zd entries, got %zd",
+                            blocks, block_bits->len / 8);
+    if (check_table(code_lengths, "code_lengths", alphabet, "code_lengths") < 0
+            || check_table(counts, "counts", alphabet, "code_lengths") < 0
+            || check_table(codes, "codes", alphabet, "code_lengths") < 0
+            || check_table(base, "base", alphabet, "code_lengths") < 0
+            || check_table(offset_bits, "offset_bits", alphabet, "code_lengths") < 0
+            || check_widths(code_lengths, "code_lengths", 64) < 0
+            || check_widths(offset_bits, "offset_bits", 64) < 0)
+        return NULL;
+    /* The counts size the outputs; the pass checks that they were right. Counts that
+     * add up to the number of symbols keep the totals far from overflow. */
+    const int64_t *count_of = counts->buf;
+    uint64_t code_total = 0, offset_total = 0, counted = 0;
+    for (Py_ssize_t s = 0; s < alphabet; s++) {
+        if (count_of[s] < 0 || (uint64_t)count_of[s] > (uint64_t)count)
+            return PyErr_Format(PyExc_ValueError, "counts[%zd] = %lld is not a count of %zd "
+                                "symbols", s, (long long)count_of[s], count);
+        counted += (uint64_t)count_of[s];
+        code_total += (uint64_t)count_of[s] * ((const uint8_t *)code_lengths->buf)[s];
+        offset_total += (uint64_t)count_of[s] * ((const uint8_t *)offset_bits->buf)[s];
     }
-    flush_bits(&code);
-    flush_bits(&offset);
+    if (counted != (uint64_t)count)
+        return PyErr_Format(PyExc_ValueError, "counts add up to %llu, not to the %zd symbols",
+                            (unsigned long long)counted, count);
+    pack_tables_t tables;
+    pad_words(codes, tables.code);
+    pad_words(base, tables.base);
+    pad_widths(code_lengths, tables.code_length);
+    pad_widths(offset_bits, tables.offset_bits);
+    PyObject *code_data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((code_total + 7) / 8));
+    if (code_data == NULL)
+        return NULL;
+    PyObject *offset_data = PyBytes_FromStringAndSize(NULL,
+                                                      (Py_ssize_t)((offset_total + 7) / 8));
+    if (offset_data == NULL) {
+        Py_DECREF(code_data);
+        return NULL;
+    }
+    uint8_t *code_out = (uint8_t *)PyBytes_AS_STRING(code_data);
+    uint8_t *offset_out = (uint8_t *)PyBytes_AS_STRING(offset_data);
+    writer_t code = {code_out, code_out + PyBytes_GET_SIZE(code_data), 0, 0, 0};
+    writer_t offset = {offset_out, offset_out + PyBytes_GET_SIZE(offset_data), 0, 0, 0};
+    int status;
+    /* The bytes objects are not shared yet: filling them without the GIL is safe. */
+    Py_BEGIN_ALLOW_THREADS
+    status = pack_streams(values->buf, symbols->buf, count, alphabet, &tables, block,
+                          block_bits->buf, &code, &offset);
+    Py_END_ALLOW_THREADS
+    PyObject *result = NULL;
+    if (status < 0)
+        PyErr_Format(PyExc_ValueError, "symbols are outside the alphabet of %zd or do not "
+                     "match counts", alphabet);
+    else
+        result = PyTuple_Pack(2, code_data, offset_data);
+    Py_DECREF(code_data);
+    Py_DECREF(offset_data);
+    return result;
 }
 
 static PyObject *pack_buckets(PyObject *module, PyObject *args)
 {
-    PyObject *objects[7];
+    PyObject *objects[8];
     Py_ssize_t block;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OOOOOOnO:pack_buckets", &objects[0], &objects[1], &objects[2],
-                          &objects[3], &objects[4], &objects[5], &block, &objects[6]))
+    if (!PyArg_ParseTuple(args, "OOOOOOOnO:pack_buckets", &objects[0], &objects[1],
+                          &objects[2], &objects[3], &objects[4], &objects[5], &objects[6],
+                          &block, &objects[7]))
         return NULL;
     if (block < 1)
         return PyErr_Format(PyExc_ValueError, "block must be positive, got %zd", block);
-    static const char *const names[7] = {"values", "symbols", "codes", "code_lengths", "base",
-                                         "offset_bits", "block_bits"};
-    static const kind_t kinds[7] = {INT64, UINT8, UINT64, UINT8, INT64, UINT8, INT64};
-    static const int writable[7] = {0, 0, 0, 0, 0, 0, 1};
-    Py_buffer storage[7], *views[7];
-    for (int i = 0; i < 7; i++)
+    static const char *const names[8] = {"values", "symbols", "counts", "codes",
+                                         "code_lengths", "base", "offset_bits", "block_bits"};
+    static const kind_t kinds[8] = {INT64, UINT8, INT64, UINT64, UINT8, INT64, UINT8, INT64};
+    static const int writable[8] = {0, 0, 0, 0, 0, 0, 0, 1};
+    Py_buffer storage[8], *views[8];
+    for (int i = 0; i < 8; i++)
         views[i] = &storage[i];
-    if (get_arrays(objects, views, names, kinds, writable, 7) < 0)
+    if (get_arrays(objects, views, names, kinds, writable, NULL, 8) < 0)
         return NULL;
-    Py_buffer *values = views[0], *symbols = views[1], *codes = views[2];
-    Py_buffer *code_lengths = views[3], *base = views[4], *offset_bits = views[5];
-    Py_buffer *block_bits = views[6];
-    Py_ssize_t count = symbols->len, alphabet = code_lengths->len;
-    Py_ssize_t blocks = count / block + (count % block != 0);
-    const Py_buffer *tables[4] = {code_lengths, codes, base, offset_bits};
-    const char *const table_names[4] = {"code_lengths", "codes", "base", "offset_bits"};
-    PyObject *code_data = NULL, *offset_data = NULL, *result = NULL;
-    if (values->len / 8 != count)
-        PyErr_Format(PyExc_ValueError, "values and symbols differ in size: %zd and %zd",
-                     values->len / 8, count);
-    else if (block_bits->len / 8 != blocks)
-        PyErr_Format(PyExc_ValueError, "block_bits must hold %zd entries, got %zd", blocks,
-                     block_bits->len / 8);
-    else if (check_tables(alphabet, tables, table_names, 4) == 0
-             && check_widths(code_lengths, "code_lengths", 64) == 0
-             && check_widths(offset_bits, "offset_bits", 64) == 0
-             && check_symbols(symbols, alphabet) == 0) {
-        uint64_t code_total, offset_total;
-        Py_BEGIN_ALLOW_THREADS
-        measure_buckets(symbols->buf, count, code_lengths->buf, offset_bits->buf, block,
-                        block_bits->buf, &code_total, &offset_total);
-        Py_END_ALLOW_THREADS
-        code_data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((code_total + 7) / 8));
-        offset_data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((offset_total + 7) / 8));
-        if (code_data != NULL && offset_data != NULL) {
-            uint8_t *code_out = (uint8_t *)PyBytes_AS_STRING(code_data);
-            uint8_t *offset_out = (uint8_t *)PyBytes_AS_STRING(offset_data);
-            /* Not shared yet: filling them without the GIL is safe. */
-            Py_BEGIN_ALLOW_THREADS
-            pack_streams(values->buf, symbols->buf, count, codes->buf, code_lengths->buf,
-                         base->buf, offset_bits->buf, code_out, offset_out);
-            Py_END_ALLOW_THREADS
-            result = PyTuple_Pack(2, code_data, offset_data);
-        }
-    }
-    Py_XDECREF(code_data);
-    Py_XDECREF(offset_data);
-    release_all(views, 7);
+    PyObject *result = pack_views(views, block);
+    release_all(views, 8);
     return result;
 }
 
@@ -547,7 +605,7 @@ static PyObject *decode_lanes(PyObject *module, PyObject *args)
     Py_buffer storage[6], *views[6];
     for (int i = 0; i < 6; i++)
         views[i] = &storage[i];
-    if (get_arrays(objects, views, names, kinds, writable, 6) < 0)
+    if (get_arrays(objects, views, names, kinds, writable, NULL, 6) < 0)
         return NULL;
     Py_buffer *data = views[0], *starts = views[1], *code_lengths = views[2];
     Py_buffer *symbols = views[3], *ends = views[4], *bad = views[5];
@@ -555,8 +613,6 @@ static PyObject *decode_lanes(PyObject *module, PyObject *args)
     uint64_t size = (uint64_t)data->len;
     const int64_t *start = starts->buf;
     const uint8_t *length = code_lengths->buf;
-    const Py_buffer *tables[1] = {code_lengths};
-    const char *const table_names[1] = {"code_lengths"};
     unsigned peek = 0;
     uint16_t *table = NULL;
     PyObject *result = NULL;
@@ -574,9 +630,9 @@ static PyObject *decode_lanes(PyObject *module, PyObject *args)
     else if (late >= 0)
         PyErr_Format(PyExc_ValueError, "starts[%zd] = %lld is outside the %llu bits of data",
                      late, (long long)start[late], (unsigned long long)(8 * size));
-    else if (check_tables(alphabet, tables, table_names, 1) < 0
+    else if (check_table(code_lengths, "code_lengths", alphabet, "code_lengths") < 0
              || check_widths(code_lengths, "code_lengths", MAX_CODE_LENGTH) < 0)
-        ;
+        result = NULL;
     else if (peek == 0)
         PyErr_SetString(PyExc_ValueError, "code_lengths gives no symbol a code");
     else if ((table = PyMem_Malloc(sizeof *table << peek)) == NULL)
@@ -596,14 +652,73 @@ static PyObject *decode_lanes(PyObject *module, PyObject *args)
     return result;
 }
 
-/* ------------------------------------------------------------ bucket_values */
+/* ------------------------------------------------------------ field_bits */
 
-static PyObject *bucket_values(PyObject *module, PyObject *args)
+static PyObject *field_bits(PyObject *module, PyObject *args)
+{
+    PyObject *objects[2];
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OO:field_bits", &objects[0], &objects[1]))
+        return NULL;
+    static const char *const names[2] = {"symbols", "widths"};
+    static const kind_t kinds[2] = {UINT8, UINT8};
+    static const int writable[2] = {0, 0};
+    Py_buffer storage[2], *views[2] = {&storage[0], &storage[1]};
+    if (get_arrays(objects, views, names, kinds, writable, NULL, 2) < 0)
+        return NULL;
+    Py_ssize_t count = views[0]->len, alphabet = views[1]->len;
+    PyObject *result = NULL;
+    if (check_table(views[1], "widths", alphabet, "widths") == 0) {
+        uint8_t width[MAX_ALPHABET];
+        const uint8_t *symbol = views[0]->buf;
+        uint64_t total = 0;
+        int outside = 0;
+        pad_widths(views[1], width);
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < count; i++) {
+            total += width[symbol[i]];
+            outside |= symbol[i] >= alphabet;
+        }
+        Py_END_ALLOW_THREADS
+        result = outside ? symbol_outside(alphabet) : PyLong_FromUnsignedLongLong(total);
+    }
+    release_all(views, 2);
+    return result;
+}
+
+/* ------------------------------------------------------------ read_indices */
+
+/* Gaps base[s] + offset, summed into indices (the sum minus one) as they are read.
+ * Stores the exact sum of the gaps (128 bits) in *total_high:*total_low and returns the
+ * bit position after the last offset; sets *outside for symbols past the alphabet. */
+static uint64_t read_gaps(const uint8_t *data, uint64_t size, uint64_t position,
+                          const uint8_t *symbols, Py_ssize_t count, const uint64_t *base,
+                          const uint8_t *width, Py_ssize_t alphabet, int64_t *out,
+                          uint64_t *total_high, uint64_t *total_low, int *outside)
+{
+    uint64_t low = 0, high = 0;
+    int flag = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        unsigned s = symbols[i];
+        uint64_t gap = base[s] + read_bits(data, size, position, width[s]);
+        position += width[s];
+        flag |= s >= alphabet;
+        low += gap;
+        high += low < gap;
+        out[i] = (int64_t)(low - 1);
+    }
+    *total_high = high;
+    *total_low = low;
+    *outside = flag;
+    return position;
+}
+
+static PyObject *read_indices(PyObject *module, PyObject *args)
 {
     PyObject *objects[5];
     long long bit_offset;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OLOOOO:bucket_values", &objects[0], &bit_offset, &objects[1],
+    if (!PyArg_ParseTuple(args, "OLOOOO:read_indices", &objects[0], &bit_offset, &objects[1],
                           &objects[2], &objects[3], &objects[4]))
         return NULL;
     static const char *const names[5] = {"data", "symbols", "base", "offset_bits", "out"};
@@ -612,65 +727,192 @@ static PyObject *bucket_values(PyObject *module, PyObject *args)
     Py_buffer storage[5], *views[5];
     for (int i = 0; i < 5; i++)
         views[i] = &storage[i];
-    if (get_arrays(objects, views, names, kinds, writable, 5) < 0)
+    if (get_arrays(objects, views, names, kinds, writable, NULL, 5) < 0)
         return NULL;
     Py_buffer *data = views[0], *symbols = views[1], *base = views[2];
     Py_buffer *offset_bits = views[3], *out = views[4];
-    Py_ssize_t count = symbols->len, alphabet = base->len / 8;
+    Py_ssize_t count = symbols->len, alphabet = offset_bits->len;
     uint64_t size = (uint64_t)data->len;
-    const Py_buffer *tables[2] = {base, offset_bits};
-    const char *const table_names[2] = {"base", "offset_bits"};
     PyObject *result = NULL;
     if (out->len / 8 != count)
         PyErr_Format(PyExc_ValueError, "out holds %zd values, symbols %zd", out->len / 8,
                      count);
-    else if (check_tables(alphabet, tables, table_names, 2) == 0
-             && check_widths(offset_bits, "offset_bits", 64) == 0
-             && check_symbols(symbols, alphabet) == 0) {
-        const uint8_t *symbol = symbols->buf, *width = offset_bits->buf, *bytes = data->buf;
-        const int64_t *first = base->buf;
-        int64_t *value = out->buf;
-        uint64_t nbits = 0;
+    else if (bit_offset < 0 || (uint64_t)bit_offset > 8 * size)
+        PyErr_Format(PyExc_ValueError, "bit_offset %lld is outside the %zd bytes of data",
+                     bit_offset, data->len);
+    else if (check_table(offset_bits, "offset_bits", alphabet, "offset_bits") == 0
+             && check_table(base, "base", alphabet, "offset_bits") == 0
+             && check_widths(offset_bits, "offset_bits", 64) == 0) {
+        uint64_t first[MAX_ALPHABET], high, low, end;
+        uint8_t width[MAX_ALPHABET];
+        int outside;
+        pad_words(base, first);
+        pad_widths(offset_bits, width);
+        /* Reads past the end of data see zeros; the check after the pass refuses them. */
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++)
-            nbits += width[symbol[i]];
+        end = read_gaps(data->buf, size, (uint64_t)bit_offset, symbols->buf, count, first,
+                        width, alphabet, out->buf, &high, &low, &outside);
         Py_END_ALLOW_THREADS
-        if (bit_offset < 0 || (uint64_t)bit_offset > 8 * size
-                || nbits > 8 * size - (uint64_t)bit_offset)
-            PyErr_Format(PyExc_ValueError, "offsets of %llu bits from bit %lld do not fit %zd "
-                         "bytes", (unsigned long long)nbits, bit_offset, data->len);
+        if (outside)
+            symbol_outside(alphabet);
+        else if (end > 8 * size)
+            PyErr_Format(PyExc_ValueError, "offsets end at bit %llu, past the %zd bytes of "
+                         "data", (unsigned long long)end, data->len);
         else {
-            uint64_t position = (uint64_t)bit_offset;
-            Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t i = 0; i < count; i++) {
-                unsigned s = symbol[i];
-                /* Wraps modulo 2**64 as numpy's int64 sum does. */
-                value[i] = (int64_t)((uint64_t)first[s]
-                                     + read_bits(bytes, size, position, width[s]));
-                position += width[s];
-            }
-            Py_END_ALLOW_THREADS
-            result = Py_None;
-            Py_INCREF(result);
+            PyObject *high_part = PyLong_FromUnsignedLongLong(high);
+            PyObject *shift = PyLong_FromLong(64);
+            PyObject *shifted = high_part && shift ? PyNumber_Lshift(high_part, shift) : NULL;
+            PyObject *low_part = shifted ? PyLong_FromUnsignedLongLong(low) : NULL;
+            result = low_part ? PyNumber_Or(shifted, low_part) : NULL;
+            Py_XDECREF(high_part);
+            Py_XDECREF(shift);
+            Py_XDECREF(shifted);
+            Py_XDECREF(low_part);
         }
     }
     release_all(views, 5);
     return result;
 }
 
+/* ------------------------------------------------------------ huffman_depths */
+
+/* Nodes are leaves 0 .. n-1 and merged nodes n, n+1, ... in creation order; the heap
+ * orders them by (weight, node), as _entropy._huffman_depths's heap of
+ * (weight, tie, leaves) tuples does, so both merge the same pairs. */
+typedef struct {
+    uint64_t weight;
+    Py_ssize_t node;
+} heap_entry_t;
+
+static inline int before(heap_entry_t a, heap_entry_t b)
+{
+    return a.weight < b.weight || (a.weight == b.weight && a.node < b.node);
+}
+
+static void sift_down(heap_entry_t *heap, Py_ssize_t size, Py_ssize_t at)
+{
+    for (;;) {
+        Py_ssize_t child = 2 * at + 1;
+        if (child >= size)
+            return;
+        if (child + 1 < size && before(heap[child + 1], heap[child]))
+            child++;
+        if (!before(heap[child], heap[at]))
+            return;
+        heap_entry_t swap = heap[at];
+        heap[at] = heap[child];
+        heap[child] = swap;
+        at = child;
+    }
+}
+
+static heap_entry_t pop_min(heap_entry_t *heap, Py_ssize_t *size)
+{
+    heap_entry_t top = heap[0];
+    heap[0] = heap[--*size];
+    sift_down(heap, *size, 0);
+    return top;
+}
+
+static void push(heap_entry_t *heap, Py_ssize_t *size, heap_entry_t entry)
+{
+    Py_ssize_t at = (*size)++;
+    heap[at] = entry;
+    while (at > 0 && before(heap[at], heap[(at - 1) / 2])) {
+        heap_entry_t swap = heap[at];
+        heap[at] = heap[(at - 1) / 2];
+        heap[(at - 1) / 2] = swap;
+        at = (at - 1) / 2;
+    }
+}
+
+/* Leaf depths of the Huffman tree of n weights; scratch holds 2n heap entries and 2n
+ * parents. A leaf's depth is its merged ancestors' count: parents come after their
+ * children, so one backward pass gives every node's depth from its parent's. */
+static void tree_depths(const int64_t *weights, Py_ssize_t n, heap_entry_t *heap,
+                        Py_ssize_t *parent, int64_t *depths)
+{
+    Py_ssize_t size = 0, next = n;
+    for (Py_ssize_t i = 0; i < n; i++)
+        heap[size++] = (heap_entry_t){(uint64_t)weights[i], i};
+    for (Py_ssize_t i = size / 2 - 1; i >= 0; i--)
+        sift_down(heap, size, i);
+    while (size > 1) {
+        heap_entry_t first = pop_min(heap, &size), second = pop_min(heap, &size);
+        parent[first.node] = parent[second.node] = next;
+        push(heap, &size, (heap_entry_t){first.weight + second.weight, next});
+        next++;
+    }
+    /* next - 1 is the root (or the only leaf); depths are written over the parents. */
+    parent[next - 1] = -1;
+    for (Py_ssize_t node = next - 1; node >= 0; node--)
+        parent[node] = parent[node] < 0 ? 0 : parent[parent[node]] + 1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        depths[i] = (int64_t)parent[i];
+}
+
+static PyObject *huffman_depths(PyObject *module, PyObject *args)
+{
+    PyObject *objects[2];
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OO:huffman_depths", &objects[0], &objects[1]))
+        return NULL;
+    static const char *const names[2] = {"weights", "depths"};
+    static const kind_t kinds[2] = {INT64, INT64};
+    static const int writable[2] = {0, 1};
+    Py_buffer storage[2], *views[2] = {&storage[0], &storage[1]};
+    if (get_arrays(objects, views, names, kinds, writable, NULL, 2) < 0)
+        return NULL;
+    const int64_t *weight = views[0]->buf;
+    Py_ssize_t n = views[0]->len / 8;
+    uint64_t total = 0;
+    int overflow = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        overflow |= weight[i] < 0;
+        total += (uint64_t)weight[i];
+        overflow |= total >= (1ull << 63);
+    }
+    PyObject *result = NULL;
+    void *scratch = NULL;
+    if (views[1]->len / 8 != n)
+        PyErr_Format(PyExc_ValueError, "depths must hold %zd entries, got %zd", n,
+                     views[1]->len / 8);
+    else if (n < 1 || n > MAX_ALPHABET)
+        PyErr_Format(PyExc_ValueError, "weights must hold 1 to %d entries, got %zd",
+                     MAX_ALPHABET, n);
+    else if (overflow)
+        PyErr_SetString(PyExc_ValueError, "weights must be non-negative and add up to less "
+                        "than 2**63");
+    else if ((scratch = PyMem_Malloc(2 * n * (sizeof(heap_entry_t) + sizeof(Py_ssize_t))))
+             == NULL)
+        PyErr_NoMemory();
+    else {
+        heap_entry_t *heap = scratch;
+        tree_depths(weight, n, heap, (Py_ssize_t *)(heap + 2 * n), views[1]->buf);
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyMem_Free(scratch);
+    release_all(views, 2);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"bucket_symbols", bucket_symbols, METH_VARARGS,
-     "bucket_symbols(values, precision, symbols, offset_bits) -> None\n\n"
-     "Bucket symbol and offset bit length (writable uint8 arrays) of every positive\n"
-     "int64 value, precision 0..2; see deepreduce.codecs._entropy.bucket_symbols."},
+     "bucket_symbols(values, precision, symbols, offset_bits, counts) -> None\n\n"
+     "Bucket symbol and offset bit length (writable uint8 arrays, offset_bits may be\n"
+     "None) of every positive int64 value, precision 0..2 (see\n"
+     "deepreduce.codecs._entropy.bucket_symbols); counts (writable int64 of 256 entries,\n"
+     "or None) receives the histogram of the symbols."},
     {"pack_buckets", pack_buckets, METH_VARARGS,
-     "pack_buckets(values, symbols, codes, code_lengths, base, offset_bits, block,\n"
+     "pack_buckets(values, symbols, counts, codes, code_lengths, base, offset_bits, block,\n"
      "             block_bits) -> (code_bytes, offset_bytes)\n\n"
      "The Huffman encoder's two bit streams: codes[s] in code_lengths[s] bits for every\n"
      "symbol s, and values[i] - base[s] in offset_bits[s] bits for every value, each\n"
      "MSB first and zero-padded to a byte. Writes the code bits of every block of\n"
-     "block symbols to block_bits (int64). Tables: one entry per symbol; values int64,\n"
-     "symbols uint8, codes uint64, widths uint8 (0..64). Bits above a width are ignored."},
+     "block symbols to block_bits (int64). Tables: one entry per symbol (counts: the\n"
+     "histogram of symbols, which sizes the streams); values int64, symbols uint8, codes\n"
+     "uint64, widths uint8 (0..64). Bits of a value above its width are ignored."},
     {"decode_lanes", decode_lanes, METH_VARARGS,
      "decode_lanes(data, starts, steps, code_lengths, symbols, ends, bad) -> None\n\n"
      "Decode steps symbols of the canonical code of code_lengths (uint8, 0..15 per\n"
@@ -678,11 +920,20 @@ static PyMethodDef methods[] = {
      "of symbols (uint8, at least len(starts) * steps), each lane's end bit position to\n"
      "ends (int64) and whether it met bits that start no code to bad (uint8). Bits past\n"
      "the end of data read as zeros. See deepreduce.codecs.huffman.decode_lanes."},
-    {"bucket_values", bucket_values, METH_VARARGS,
-     "bucket_values(data, bit_offset, symbols, base, offset_bits, out) -> None\n\n"
-     "out[i] = base[s] + the next offset_bits[s] bits of data (from bit_offset) for\n"
-     "every symbol s = symbols[i]; ValueError unless data holds them all. Tables: one\n"
-     "entry per symbol, base int64, offset_bits uint8; out int64."},
+    {"huffman_depths", huffman_depths, METH_VARARGS,
+     "huffman_depths(weights, depths) -> None\n\n"
+     "Leaf depths (writable int64) of the Huffman tree of 1 to 256 weights (int64,\n"
+     "non-negative, total below 2**63), equal weights merged in the order of\n"
+     "deepreduce.codecs._entropy._huffman_depths (by weight, then creation)."},
+    {"field_bits", field_bits, METH_VARARGS,
+     "field_bits(symbols, widths) -> int\n\n"
+     "The sum of widths[s] (uint8 table) over symbols (uint8)."},
+    {"read_indices", read_indices, METH_VARARGS,
+     "read_indices(data, bit_offset, symbols, base, offset_bits, out) -> int\n\n"
+     "Gaps base[s] + the next offset_bits[s] bits of data (from bit_offset), for every\n"
+     "symbol s of symbols, summed: out[i] (int64) = gap[0] + ... + gap[i] - 1, modulo\n"
+     "2**64. Returns the exact sum of the gaps. ValueError unless data holds every\n"
+     "offset. Tables: one entry per symbol, base int64, offset_bits uint8 (0..64)."},
     {NULL, NULL, 0, NULL},
 };
 

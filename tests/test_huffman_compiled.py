@@ -176,6 +176,31 @@ def test_bucket_symbols_are_identical(precision):
         assert ours.dtype == theirs.dtype == np.uint8
 
 
+@compiled_only
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_bucket_histograms_are_identical(precision):
+    values = np.random.default_rng(10).geometric(0.001, 5000).astype(np.int64)
+    compiled, numpy = both(_entropy.bucket_histogram, values, precision)
+    for ours, theirs in zip(compiled, numpy):
+        np.testing.assert_array_equal(ours, theirs)
+        assert ours.dtype == theirs.dtype
+
+
+@compiled_only
+@SETTINGS
+@given(counts=st.lists(st.integers(0, 10**6) | st.sampled_from([0, 1, 2, 2**40]),
+                       min_size=1, max_size=248))
+def test_huffman_lengths_are_identical(counts):
+    """Ties merge in the same order; deep codes are flattened the same way."""
+    counts = np.array(counts, dtype=np.int64)
+    same(both(lambda c: _entropy.huffman_lengths(c).tolist(), counts))
+
+
+def test_huffman_lengths_of_huge_counts(implementation):
+    lengths = _entropy.huffman_lengths(np.array([2**62, 2**62, 2**61, 1]))
+    assert lengths.tolist() == [2, 1, 3, 3]  # 1 and 2**61 merge first
+
+
 def code_table(rng, alphabet=248):
     """Code lengths of a random complete prefix code (sometimes a single 1-bit code)."""
     used = int(rng.integers(1, 60))
@@ -215,12 +240,11 @@ def lane_arguments(**changes):
     return arguments
 
 
-def bucket_arguments(**changes):
-    """Valid arguments of _entropyc.bucket_values (offsets of 3 values), with ``changes``."""
-    base, offset_bits = _entropy.bucket_base(2)
-    arguments = dict(data=b"\xff\x00", bit_offset=3, symbols=np.array([9, 1, 12], np.uint8),
-                     base=base, offset_bits=offset_bits.astype(np.uint8),
-                     out=np.empty(3, np.int64))
+def read_arguments(**changes):
+    """Valid arguments of _entropyc.read_indices (3 gaps), with ``changes``."""
+    base, offset_bits = huffman.bucket_tables(2)
+    arguments = dict(data=b"\xff\x00", bit_offset=3, symbols=np.array([9, 1, 16], np.uint8),
+                     base=base, offset_bits=offset_bits, out=np.empty(3, np.int64))
     arguments.update(changes)
     return arguments
 
@@ -228,34 +252,65 @@ def bucket_arguments(**changes):
 def pack_arguments(**changes):
     """Valid arguments of _entropyc.pack_buckets (gaps 1, 9, 100), with ``changes``."""
     values = np.array([1, 9, 100], np.int64)
-    symbols, _ = _entropy.bucket_symbols(values, 2)
-    base, offset_bits = _entropy.bucket_base(2)
-    counts = np.bincount(symbols, minlength=base.size)
+    symbols, counts = _entropy.bucket_histogram(values, 2)
+    base, offset_bits = huffman.bucket_tables(2)
     lengths = _entropy.huffman_lengths(counts)
-    arguments = dict(values=values, symbols=symbols, codes=_entropy.canonical_codes(lengths),
-                     code_lengths=lengths.astype(np.uint8), base=base,
-                     offset_bits=offset_bits.astype(np.uint8), block=2,
-                     block_bits=np.empty(2, np.int64))
+    arguments = dict(values=values, symbols=symbols, counts=counts,
+                     codes=_entropy.canonical_codes(lengths),
+                     code_lengths=lengths.astype(np.uint8), base=base, offset_bits=offset_bits,
+                     block=2, block_bits=np.empty(2, np.int64))
     arguments.update(changes)
     return arguments
 
 
+def symbol_arguments(**changes):
+    """Valid arguments of _entropyc.bucket_symbols (3 values), with ``changes``."""
+    arguments = dict(values=np.array([1, 2, 3]), precision=2, symbols=np.empty(3, np.uint8),
+                     offset_bits=np.empty(3, np.uint8), counts=np.empty(256, np.int64))
+    arguments.update(changes)
+    return arguments
+
+
+def table_arguments(**changes):
+    """Valid arguments of _entropyc.field_bits, with ``changes``."""
+    arguments = dict(symbols=np.array([9, 1, 16], np.uint8), widths=huffman.bucket_tables(2)[1])
+    arguments.update(changes)
+    return arguments
+
+
+def depth_arguments(**changes):
+    """Valid arguments of _entropyc.huffman_depths, with ``changes``."""
+    arguments = dict(weights=np.array([5, 1, 1, 3]), depths=np.empty(4, np.int64))
+    arguments.update(changes)
+    return arguments
+
+
+ARGUMENTS = {"decode_lanes": lane_arguments, "read_indices": read_arguments,
+             "pack_buckets": pack_arguments, "bucket_symbols": symbol_arguments,
+             "field_bits": table_arguments, "huffman_depths": depth_arguments}
+
+
+def call(name, changes):
+    return getattr(_entropy._entropyc, name)(*ARGUMENTS[name](**changes).values())
+
+
 @compiled_only
 def test_entry_points_accept_their_valid_arguments():
-    module = _entropy._entropyc
     arguments = lane_arguments()
-    assert module.decode_lanes(*arguments.values()) is None
+    assert _entropy._entropyc.decode_lanes(*arguments.values()) is None
     assert arguments["bad"].tolist() == [0, 0, 0]
 
-    arguments = bucket_arguments()
-    module.bucket_values(*arguments.values())
+    arguments = read_arguments()
+    gap_sum = _entropy._entropyc.read_indices(*arguments.values())
     widths = arguments["offset_bits"][arguments["symbols"]]
     offsets = _entropy.unpack_varlen(arguments["data"], widths, "t", bit_offset=3)
-    assert arguments["out"].tolist() == (arguments["base"][arguments["symbols"]]
-                                         + offsets.astype(np.int64)).tolist()
+    gaps = arguments["base"][arguments["symbols"]] + offsets.astype(np.int64)
+    assert arguments["out"].tolist() == (np.cumsum(gaps) - 1).tolist()
+    assert gap_sum == gaps.sum()
+    assert call("field_bits", {}) == widths.sum()
 
     arguments = pack_arguments()
-    codes, offsets = module.pack_buckets(*arguments.values())
+    codes, offsets = _entropy._entropyc.pack_buckets(*arguments.values())
     symbols, code_lengths = arguments["symbols"], arguments["code_lengths"]
     assert codes == _entropy.pack_varlen(arguments["codes"][symbols], code_lengths[symbols])[0]
     assert offsets == _entropy.pack_varlen(
@@ -264,9 +319,26 @@ def test_entry_points_accept_their_valid_arguments():
     assert arguments["block_bits"].tolist() == np.add.reduceat(
         code_lengths[symbols], [0, 2], dtype=np.int64).tolist()
 
-    symbols, offset_bits = np.empty(2, np.uint8), np.empty(2, np.uint8)
-    module.bucket_symbols(np.array([1, 2**62]), 2, symbols, offset_bits)
-    assert symbols.tolist() == [1, 4 + (60 << 2)] and offset_bits.tolist() == [0, 60]
+    arguments = symbol_arguments(values=np.array([1, 2**62, 2**62]))
+    _entropy._entropyc.bucket_symbols(*arguments.values())
+    assert arguments["symbols"].tolist() == [1, 244, 244]  # 244 = 0b100 + (60 << 2)
+    assert arguments["offset_bits"].tolist() == [0, 60, 60]
+    assert arguments["counts"][[1, 244]].tolist() == [1, 2] and arguments["counts"].sum() == 3
+    assert call("bucket_symbols", {"offset_bits": None, "counts": None}) is None
+
+    arguments = depth_arguments()
+    _entropy._entropyc.huffman_depths(*arguments.values())
+    assert arguments["depths"].tolist() == [1, 3, 3, 2]
+
+
+@compiled_only
+def test_read_indices_gives_the_exact_sum_past_64_bits():
+    base = np.array([0, 2**62 + 5], np.int64)
+    out = np.empty(5, np.int64)
+    gap_sum = _entropy._entropyc.read_indices(b"", 0, np.ones(5, np.uint8), base,
+                                              np.zeros(2, np.uint8), out)
+    assert gap_sum == 5 * (2**62 + 5)
+    assert out[0] == 2**62 + 4
 
 
 @compiled_only
@@ -279,8 +351,12 @@ def test_entry_points_accept_their_valid_arguments():
     ("decode_lanes", {"bad": b"\0\0\0"}),
     ("decode_lanes", {"data": np.zeros(4, np.uint16)}),
     ("decode_lanes", {"data": 7}),
-    ("bucket_values", {"out": np.empty(3, np.uint64)}),
-    ("bucket_values", {"base": np.zeros(248, np.float64)}),
+    ("read_indices", {"out": np.empty(3, np.uint64)}),
+    ("read_indices", {"base": np.zeros(248, np.float64)}),
+    ("field_bits", {"widths": np.zeros(248, np.int64)}),
+    ("huffman_depths", {"weights": np.array([5.0, 1, 1, 3])}),
+    ("huffman_depths", {"depths": np.empty(4, np.int32)}),
+    ("bucket_symbols", {"counts": np.empty(256, np.int32)}),
     ("pack_buckets", {"codes": np.zeros(248, np.int64)}),
     ("pack_buckets", {"block_bits": np.empty(2, np.int64)[::-1]}),
     ("bucket_symbols", {"symbols": np.empty(3, np.int64)}),
@@ -302,38 +378,37 @@ def test_bad_buffers_raise_type_error(name, changes):
     ("decode_lanes", {"code_lengths": np.array([16, 1], np.uint8)}),
     ("decode_lanes", {"code_lengths": np.zeros(4, np.uint8)}),
     ("decode_lanes", {"code_lengths": np.ones(257, np.uint8)}),
-    ("bucket_values", {"bit_offset": 14}),
-    ("bucket_values", {"bit_offset": -1}),
-    ("bucket_values", {"bit_offset": 2**40}),
-    ("bucket_values", {"symbols": np.array([9, 1, 248], np.uint8)}),
-    ("bucket_values", {"offset_bits": np.zeros(247, np.uint8)}),
-    ("bucket_values", {"offset_bits": np.full(248, 65, np.uint8)}),
-    ("bucket_values", {"out": np.empty(4, np.int64)}),
+    ("read_indices", {"bit_offset": 13}),
+    ("read_indices", {"bit_offset": -1}),
+    ("read_indices", {"bit_offset": 2**40}),
+    ("read_indices", {"data": b"\xff", "bit_offset": 5}),
+    ("read_indices", {"symbols": np.array([9, 1, 248], np.uint8)}),
+    ("read_indices", {"offset_bits": np.zeros(247, np.uint8)}),
+    ("read_indices", {"offset_bits": np.full(248, 65, np.uint8)}),
+    ("read_indices", {"base": np.zeros(257, np.int64)}),
+    ("read_indices", {"out": np.empty(4, np.int64)}),
+    ("field_bits", {"symbols": np.array([9, 1, 248], np.uint8)}),
+    ("field_bits", {"widths": np.zeros(0, np.uint8)}),
+    ("huffman_depths", {"weights": np.array([5, -1, 1, 3])}),
+    ("huffman_depths", {"weights": np.array([2**62, 2**62])}),
+    ("huffman_depths", {"weights": np.zeros(0, np.int64), "depths": np.empty(0, np.int64)}),
+    ("huffman_depths", {"depths": np.empty(3, np.int64)}),
     ("pack_buckets", {"block": 0}),
     ("pack_buckets", {"block_bits": np.empty(3, np.int64)}),
     ("pack_buckets", {"values": np.array([1, 9], np.int64)}),
     ("pack_buckets", {"symbols": np.array([1, 250, 3], np.uint8)}),
     ("pack_buckets", {"code_lengths": np.full(248, 65, np.uint8)}),
     ("pack_buckets", {"base": np.zeros(200, np.int64)}),
+    ("pack_buckets", {"counts": np.zeros(248, np.int64)}),
+    ("pack_buckets", {"counts": -np.ones(248, np.int64)}),
+    ("pack_buckets", {"counts": np.roll(pack_arguments()["counts"], 1)}),
+    ("pack_buckets", {"counts": pack_arguments()["counts"][:-1]}),
     ("bucket_symbols", {"values": np.array([1, 0, 3])}),
     ("bucket_symbols", {"values": np.array([1, -5, 3])}),
     ("bucket_symbols", {"precision": 3}),
     ("bucket_symbols", {"offset_bits": np.empty(2, np.uint8)}),
+    ("bucket_symbols", {"counts": np.empty(255, np.int64)}),
 ])
 def test_bad_arguments_raise_value_error(name, changes):
     with pytest.raises(ValueError):
         call(name, changes)
-
-
-def call(name, changes):
-    module = _entropy._entropyc
-    if name == "decode_lanes":
-        return module.decode_lanes(*lane_arguments(**changes).values())
-    if name == "bucket_values":
-        return module.bucket_values(*bucket_arguments(**changes).values())
-    if name == "pack_buckets":
-        return module.pack_buckets(*pack_arguments(**changes).values())
-    arguments = dict(values=np.array([1, 2, 3]), precision=2, symbols=np.empty(3, np.uint8),
-                     offset_bits=np.empty(3, np.uint8))
-    arguments.update(changes)
-    return module.bucket_symbols(*arguments.values())
