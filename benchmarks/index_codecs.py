@@ -14,7 +14,11 @@ bound ``log2 C(n, k) / k`` of the set, and checks the targets of issue 3:
 - Top-k 1% of large synthetic gradients (low rank, rows of different
   scales), where auto chooses from estimates: within 2% of the smallest;
 - clustered supports (aligned blocks of 256, embedding rows of 64, random
-  runs): where the ``runs`` code wins.
+  runs): where the ``runs`` code wins;
+- ``huffman`` encode and decode times with its compiled loops
+  (``deepreduce._entropyc``) and with the numpy fallback, at n = 25M, 1%
+  and on the 41,944 indices of a 4,194,304-element tensor (the size of the
+  e2e benchmark's largest layer), next to ``golomb``.
 
 Prints markdown and writes it to ``benchmarks/results/index_codecs.md``.
 
@@ -25,6 +29,7 @@ Prints markdown and writes it to ``benchmarks/results/index_codecs.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -34,7 +39,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core: the targets are per c
 import numpy as np  # noqa: E402
 
 import deepreduce as dr  # noqa: E402
-from deepreduce.codecs import auto  # noqa: E402
+from deepreduce.codecs import _entropy, auto, golomb, huffman  # noqa: E402
 from deepreduce.registry import registered_codecs  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -142,6 +147,62 @@ def speed_section(n, density, codecs, repeat, seed) -> tuple[list[str], bool]:
     lines += table(["codec", "bits/index", "encode ms", "encode CPU ms", "encode M idx/s",
                     "decode ms", "decode CPU ms", "decode M idx/s"], rows)
     return lines, ok
+
+
+@contextlib.contextmanager
+def entropy_implementation(name: str):
+    """Run the block with the compiled Huffman loops (as installed) or the numpy fallback."""
+    saved = _entropy._entropyc
+    if name == "numpy":
+        _entropy._entropyc = None
+    try:
+        yield
+    finally:
+        _entropy._entropyc = saved
+
+
+def huffman_speed_sets(seed):
+    """The sets of the Huffman speed section: (label, n, indices)."""
+    rng = np.random.default_rng(seed)
+    n = 25_000_000
+    yield "uniform, n = 25M, 1%", n, np.sort(rng.choice(n, n // 100, replace=False))
+    n, k = 4_194_304, 41_944
+    yield "uniform, n = 4,194,304", n, np.sort(rng.choice(n, k, replace=False))
+    # Top-k of a layer whose rows have log-normal scales: the skewed gaps for
+    # which auto picks huffman.
+    x = np.abs(np.exp(rng.normal(0, 1, (4096, 1))) * rng.standard_normal((4096, 1024)))
+    top = np.argpartition(x.ravel(), n - k)[n - k:]
+    yield "Top-k of log-normal rows, n = 4,194,304", n, np.sort(top).astype(np.int64)
+
+
+def huffman_speed_section(repeat, seed) -> list[str]:
+    implementations = ["numpy"] if _entropy._entropyc is None else ["compiled", "numpy"]
+    rows = []
+    for label, n, indices in huffman_speed_sets(seed):
+        k = indices.size
+        # golomb has no compiled loops: it runs the same code either way.
+        for cid, codec, names in [("huffman", huffman.HuffmanIndices(), implementations),
+                                  ("golomb", golomb.GolombIndices(), ["numpy"])]:
+            for name in names:
+                with entropy_implementation(name):
+                    data = codec.encode(indices, n)
+                    encode, encode_cpu = best_of(lambda: codec.encode(indices, n), repeat)
+                    decode, decode_cpu = best_of(lambda: codec.decode(data, n, k), repeat)
+                rows.append([label, f"{k:,}", cid, name, f"{8 * len(data) / k:.2f}",
+                             f"{1e3 * encode:.3f}", f"{1e3 * encode_cpu:.3f}",
+                             f"{k / encode / 1e6:.1f}", f"{1e3 * decode:.3f}",
+                             f"{1e3 * decode_cpu:.3f}", f"{k / decode / 1e6:.1f}"])
+    lines = ["## Huffman with its compiled loops and with the numpy fallback",
+             "",
+             f"`huffman` (default precision 2, block 128) with the C extension "
+             f"`deepreduce._entropyc` and without it (the same bytes either way), and "
+             f"`golomb` (numpy only) for reference. Best of {repeat} runs on one core, "
+             f"wall clock and CPU time of the process.",
+             ""]
+    lines += table(["set", "k", "codec", "implementation", "bits/index", "encode ms",
+                    "encode CPU ms", "encode M idx/s", "decode ms", "decode CPU ms",
+                    "decode M idx/s"], rows)
+    return lines
 
 
 def clustered_sets(seed):
@@ -334,6 +395,7 @@ def main(argv=None):
     section, verdicts["structured"] = structured_section(codecs, args.seed)
     lines += section + [""]
     lines += clustered_section(codecs, args.seed) + [""]
+    lines += huffman_speed_section(args.repeat, args.seed) + [""]
     lines += ["## Verdict", ""] + [f"- {name}: {'PASS' if ok else 'FAIL'}"
                                    for name, ok in verdicts.items()]
     text = "\n".join(lines) + "\n"
