@@ -37,23 +37,17 @@ def test_codecs_subpackage_maps_to_codecs_folder_and_stdlib_codecs_stays():
     assert stdlib_codecs == "True"
 
 
-def test_install_compiled_the_bloom_scan():
-    # The extension is optional so that installs without a compiler work; this
-    # machine has one, so a fallback to the numpy scan here means a broken build.
-    code = ("from deepreduce.codecs import bloom; print(bloom.SCAN_IMPLEMENTATION); "
-            "print(bloom._bloomscan.__file__)")
-    implementation, module_file = run_python("-c", code).stdout.split()
-    assert implementation == "compiled"
-    assert pathlib.Path(module_file).resolve().parent == REPO / "deepreduce"
-
-
-def test_install_compiled_the_huffman_loops():
-    # Optional like the Bloom scan, and for the same reason a numpy fallback here
-    # means a broken build.
-    code = ("from deepreduce.codecs import _entropy; print(_entropy.IMPLEMENTATION); "
-            "print(_entropy._entropyc.__file__)")
-    implementation, module_file = run_python("-c", code).stdout.split()
-    assert implementation == "compiled"
+@pytest.mark.parametrize("module, implementation, extension", [
+    ("bloom", "SCAN_IMPLEMENTATION", "_bloomscan"),    # the Bloom-filter scan and build
+    ("_entropy", "IMPLEMENTATION", "_entropyc"),        # the Huffman coder's loops
+])
+def test_install_compiled_the_c_extensions(module, implementation, extension):
+    # The extensions are optional so that installs without a compiler work; this
+    # machine has one, so a numpy fallback here means a broken build.
+    code = (f"from deepreduce.codecs import {module}; print({module}.{implementation}); "
+            f"print({module}.{extension}.__file__)")
+    active, module_file = run_python("-c", code).stdout.split()
+    assert active == "compiled"
     assert pathlib.Path(module_file).resolve().parent == REPO / "deepreduce"
 
 
