@@ -272,17 +272,6 @@ def test_lossy_values_on_sparse_supports_same_everywhere(value):
         assert last_stage == ("return" if value in ("fp16", "bf16") else "gather")
 
 
-def test_split_receives_less_than_allgather_on_random_supports():
-    size, n, k = 4, 400_000, 4000
-    rng = np.random.default_rng(5)
-    inputs = [dr.SparseTensor(rng.standard_normal(k).astype(np.float32),
-                              np.sort(rng.choice(n, k, replace=False)), (n,))
-              for _ in range(size)]
-    received = {name: np.mean([r.traffic.received for r in reduce_everywhere(name, inputs)])
-                for name in ("allgather", "split")}
-    assert received["split"] < received["allgather"]
-
-
 @pytest.mark.parametrize("name", ["split", "block"])
 def test_reduced_ranges_switch_to_dense(name):
     size, n = 4, 8000
@@ -299,7 +288,7 @@ def test_reduced_ranges_switch_to_dense(name):
         (size - 1) * dense_range / 2
 
 
-def test_measured_traffic_matches_the_cost_model():
+def test_measured_traffic_matches_the_cost_model_and_split_beats_allgather():
     size, n, k = 4, 400_000, 4000
     rng = np.random.default_rng(3)
     inputs = [dr.SparseTensor(rng.standard_normal(k).astype(np.float32),
@@ -313,17 +302,21 @@ def test_measured_traffic_matches_the_cost_model():
               "split-qsgd": cost.sparse_allreduce(size, n, k, union, rate,
                                                   len(qsgd.encode(inputs[0].values)) / k),
               "recursive_doubling": cost.recursive_doubling(size, n, k, rate, 4)}
+    received = {}
     for name, model in models.items():
         if name == "split-qsgd":  # QSGD is not elementwise: every rank gets the same range
             pipeline = dr.Pipeline(index=LOSSLESS.index_codec, value=qsgd)
             reductions = reduce_everywhere("split", inputs, pipeline)
         else:
             reductions = reduce_everywhere(name, inputs)
-        received = np.mean([r.traffic.received for r in reductions])
+        received[name] = np.mean([r.traffic.received for r in reductions])
         sent = np.mean([r.traffic.sent for r in reductions])
         # ThreadTransport carries no 8-byte length prefixes: allow for them
-        assert abs(received / model.received - 1) < 0.05, (name, received, model.received)
+        assert abs(received[name] / model.received - 1) < 0.05, \
+            (name, received[name], model.received)
         assert abs(sent / model.sent - 1) < 0.05, (name, sent, model.sent)
+    # random supports barely overlap, yet returning only what each rank lacks wins
+    assert received["split"] < received["allgather"]
 
 
 def test_cost_model_properties():
