@@ -21,6 +21,7 @@ with threshold 0 and a lossless value codec the reduction is exact.
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import numpy as np
@@ -188,19 +189,22 @@ class BlockReduce(Communicator):
             _, rounded = value_codec.encode_and_receive(reduced.rows.reshape(-1))
             reduced = Blocks(reduced.ids,
                              np.asarray(rounded, dtype=dtype).reshape(reduced.rows.shape))
+        # the whole range dense, encoded once if some rank's frame is better dense
+        dense = functools.cache(lambda: self._encode_dense(reduced, length, dtype))
         per_rank = []
         for r, needed in enumerate(return_masks(reduced.ids, supports)):
             lacking = Blocks(reduced.ids[needed], reduced.rows[needed])
             per_rank.append(b"" if r == rank else
-                            self._encode_reduced(lacking, length, dtype, whole=reduced)[0])
+                            self._encode_reduced(lacking, length, dtype, dense=dense)[0])
         return per_rank, reduced
 
-    def _encode_reduced(self, reduced: Blocks, length, dtype, whole: Blocks | None = None):
+    def _encode_reduced(self, reduced: Blocks, length, dtype, dense=None):
         """Blocks frame of ``reduced``, or the dense range when that is smaller; and what
         receivers decode from it.
 
-        With ``whole``, ``reduced`` is part of it and a dense frame carries all
-        of ``whole`` (a receiver lacking only ``reduced`` may replace the range).
+        ``dense``, when given, returns the dense ``(frame, received)`` to compare
+        with (default: of ``reduced``); a receiver lacking only part of a range
+        gets the whole range when dense.
         """
         index_codec, value_codec = self.pipeline.index_codec, self.pipeline.value_codec
         blocks_in_range = -(-length // self.block_size)
@@ -213,13 +217,19 @@ class BlockReduce(Communicator):
             else dtype.itemsize
         if length == 0 or 2 * len(frame) < length * bytes_per_value:
             return frame, mine
-        values = _expand(reduced if whole is None else whole, self.block_size, 0, length,
-                         (length,)).to_dense()
-        stream, dense_received = value_codec.encode_and_receive(values)
-        dense = frames.dense_frame(stream, dtype, length, value_codec.spec())
-        if len(dense) < len(frame):
-            return dense, np.asarray(dense_received, dtype=dtype)
+        dense_frame, dense_received = (
+            dense or (lambda: self._encode_dense(reduced, length, dtype)))()
+        if len(dense_frame) < len(frame):
+            return dense_frame, dense_received
         return frame, mine
+
+    def _encode_dense(self, reduced: Blocks, length, dtype):
+        """The range's dense frame (every value, no block numbers) and what receivers get."""
+        value_codec = self.pipeline.value_codec
+        values = _expand(reduced, self.block_size, 0, length, (length,)).to_dense()
+        stream, received = value_codec.encode_and_receive(values)
+        frame = frames.dense_frame(stream, dtype, length, value_codec.spec())
+        return frame, np.asarray(received, dtype=dtype)
 
 
 def _sum_blocks(parts: list, block_size, dtype) -> Blocks:

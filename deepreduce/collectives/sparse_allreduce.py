@@ -42,6 +42,7 @@ plain allgather of the payloads. docs/collectives.md has the argument.
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import numpy as np
@@ -266,6 +267,8 @@ class SparseAllreduce(Communicator):
             _, rounded = value_codec.encode_and_receive(reduced.values)
             reduced = SparseTensor._trusted(np.asarray(rounded, dtype=reduced.dtype),
                                             reduced.indices, reduced.shape)
+        # the whole part dense, encoded once if some rank's frame is better dense
+        dense = functools.cache(lambda: encode_dense(self.pipeline, reduced))
         per_rank = []
         for r, needed in enumerate(return_masks(reduced.indices, supports)):
             if r == rank:
@@ -273,7 +276,7 @@ class SparseAllreduce(Communicator):
                 continue
             lacking = SparseTensor._trusted(reduced.values[needed], reduced.indices[needed],
                                             reduced.shape)
-            per_rank.append(encode_range(self.pipeline, lacking, whole=reduced)[0])
+            per_rank.append(encode_range(self.pipeline, lacking, dense=dense)[0])
         return per_rank, reduced
 
     # -- SSAR_Recursive_double ------------------------------------------------------
@@ -311,7 +314,7 @@ class SparseAllreduce(Communicator):
         return partial.to_dense(), sent, "recursive_doubling"
 
 
-def encode_range(pipeline, reduced: SparseTensor, source=None, whole=None):
+def encode_range(pipeline, reduced: SparseTensor, source=None, dense=None):
     """Encode a range sparse, or dense when that is smaller; return (frame, received).
 
     ``source`` is the flat dense tensor ``reduced`` was selected from, when
@@ -319,9 +322,9 @@ def encode_range(pipeline, reduced: SparseTensor, source=None, whole=None):
     there. The dense encoding is only tried when the sparse payload is at
     least half the estimated dense size (the value codec's bytes per value on
     this range times the range length): far from the crossover the estimate
-    decides. With ``whole``, ``reduced`` is part of it and the dense frame
-    carries all of ``whole``: a receiver that lacks only ``reduced`` may
-    replace the whole range.
+    decides. ``dense``, when given, returns the dense ``(frame, received)``
+    to compare with (default :func:`encode_dense` of ``reduced``): a receiver
+    that lacks only part of a range gets the whole range when dense.
     """
     length, dtype = reduced.size, reduced.dtype
     index_codec = pipeline.index_codec
@@ -336,12 +339,18 @@ def encode_range(pipeline, reduced: SparseTensor, source=None, whole=None):
                        if reduced.nnz else dtype.itemsize)
     if 2 * len(sparse) < length * bytes_per_value:
         return sparse, received
-    stream, dense_received = value_codec.encode_and_receive(
-        (reduced if whole is None else whole).to_dense())
-    dense = frames.dense_frame(stream, dtype, length, value_codec.spec())
-    if len(dense) < len(sparse):
-        return dense, np.asarray(dense_received, dtype=dtype)
+    dense_frame, dense_received = (dense or (lambda: encode_dense(pipeline, reduced)))()
+    if len(dense_frame) < len(sparse):
+        return dense_frame, dense_received
     return sparse, received
+
+
+def encode_dense(pipeline, reduced: SparseTensor):
+    """The dense frame of a range (every value, no indices) and what receivers decode."""
+    value_codec = pipeline.value_codec
+    stream, received = value_codec.encode_and_receive(reduced.to_dense())
+    frame = frames.dense_frame(stream, reduced.dtype, reduced.size, value_codec.spec())
+    return frame, np.asarray(received, dtype=reduced.dtype)
 
 
 def _sparse(decoded):
