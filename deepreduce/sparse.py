@@ -34,8 +34,15 @@ def check_dtype(dtype) -> np.dtype:
     return dtype.newbyteorder("=")
 
 
+#: Byte alignment of the arrays :func:`zeros` returns. TensorFlow adopts a host
+#: array aligned to its ``EIGEN_MAX_ALIGN_BYTES`` (64 with AVX-512) as a tensor
+#: without copying it; a less aligned one (numpy guarantees 16) it copies.
+ALIGNMENT = 64
+
+
 def zeros(size: int, dtype) -> np.ndarray:
-    """``np.zeros(size, dtype)``, for arrays about to be scattered into.
+    """``np.zeros(size, dtype)``, aligned to :data:`ALIGNMENT`, for arrays about to be
+    scattered into.
 
     numpy takes zeroed memory from ``calloc``, which maps fresh 4 KB zero
     pages on first touch; a scatter touches them in random order and pays a
@@ -43,7 +50,11 @@ def zeros(size: int, dtype) -> np.ndarray:
     scatter itself). Memory from ``np.empty`` is advised to use huge pages,
     and one sequential fill faults it in cheaply.
     """
-    out = np.empty(size, dtype=dtype)
+    dtype = np.dtype(dtype)
+    nbytes = int(size) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = -raw.__array_interface__["data"][0] % ALIGNMENT
+    out = raw[start:start + nbytes].view(dtype)
     out.fill(0)
     return out
 

@@ -71,6 +71,36 @@ def check_different_sizes(rank):
             "bytes_received": compression.stats.last.bytes_received}
 
 
+def check_held_results_survive(rank):
+    """TensorFlow adopts deepreduce's aligned sums without copying, and deepreduce
+    rewrites a sum in place once nothing holds it: a result still held must not
+    change, and the memory of dropped ones is reused."""
+    compression = lossless(min_size=0)
+    reduce = tf.function(lambda t: drh.allreduce(t, compression, op=hvd.Sum, name="x"))
+
+    def gradient(step):
+        x = np.random.default_rng(10 * step + rank).standard_normal(6000).astype(np.float32)
+        x[np.random.default_rng(step).random(6000) < 0.8] = 0
+        return tf.constant(x)
+
+    def address(tensor):  # np.asarray views an eager tensor's memory; .numpy() copies it
+        return np.asarray(tensor).__array_interface__["data"][0]
+
+    kept = reduce(gradient(0))
+    kept_copy = kept.numpy().copy()
+    correct, addresses, adopted = [], [], []
+    for step in range(1, 5):
+        result = reduce(gradient(step))
+        correct.append(equal(result, hvd.allreduce(gradient(step), op=hvd.Sum)))
+        addresses.append(address(result))
+        (written, _), = compression._sums._last.values()  # the array deepreduce summed into
+        adopted.append(addresses[-1] == written.__array_interface__["data"][0])
+        del result
+    return {"kept_unchanged": equal(kept, kept_copy), "correct": correct,
+            "kept_address": address(kept),
+            "addresses": addresses, "adopted": adopted}
+
+
 def check_error_feedback(rank, value="fp16", communicator="allgather"):
     compression = drh.Compression(dr.TopK(0.02), index=INDEX, value=value, min_size=0,
                                   communicator=communicator)
@@ -351,6 +381,7 @@ def main(out_dir):
     results = {"size": size}
     checks = [("lossless", lambda: check_lossless(rank)),
               ("different_sizes", lambda: check_different_sizes(rank)),
+              ("held_results", lambda: check_held_results_survive(rank)),
               ("error_feedback", lambda: check_error_feedback(rank)),
               ("communicators", lambda: check_communicators(rank)),
               ("sparse_allreduce_error_feedback",

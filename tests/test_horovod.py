@@ -171,6 +171,52 @@ def test_own_bundle_is_not_decoded_again_and_gives_the_same_sums(value):
             np.testing.assert_array_equal(got, expected)
 
 
+def address(array) -> int:
+    return array.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("dtype, average", [(np.float32, False), (np.float32, True),
+                                            (np.float64, True), (np.float16, False)])
+def test_dense_sums_reuse_memory_only_when_nobody_holds_them(dtype, average):
+    names, shapes = ["w", "b"], ((120, 40), (700,))
+    c = GradientCompression(dr.TopK(0.05), index="golomb", value="raw", min_size=0)
+
+    def step(seed):
+        bundles = [c.encode_bundle(names, [g.astype(dtype) for g in gradients(seed + r, shapes)])
+                   for r in range(2)]
+        data = b"".join(bundles)
+        fresh = GradientCompression(dr.TopK(0.05), index="golomb", min_size=0)
+        return c.decode_bundles(data, ranks=2, rank=1, average=average), \
+            fresh.decode_bundles(data, ranks=2, rank=1, average=average)
+
+    first, expected = step(0)
+    if dtype != np.float16:  # float16 is summed in float32 and cast at the end
+        assert all(address(r) % dr.sparse.ALIGNMENT == 0 for r in first)
+    first_addresses = [address(r) for r in first]
+    del first
+    # nobody holds last step's sums: they are rewritten in place (for float32 and
+    # float64, which are summed in their own type), with last step's entries reset
+    second, expected = step(10)
+    for got, want in zip(second, expected):
+        np.testing.assert_array_equal(got, want)
+    if dtype != np.float16:
+        assert [address(r) for r in second] == first_addresses
+    # sums still held, whole or by a view, are never written to
+    kept, kept_view = [r.copy() for r in second], second[1][5:9]
+    third, expected = step(20)
+    for got, want, old, held in zip(third, expected, kept, second):
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(held, old)
+        assert not np.shares_memory(got, held)
+    del second
+    fourth, expected = step(30)
+    np.testing.assert_array_equal(kept_view, kept[1][5:9])
+    assert not np.shares_memory(fourth[1], kept_view)
+    assert not np.shares_memory(fourth[0], third[0])  # third is still held here
+    for got, want in zip(fourth, expected):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_mismatched_ranks_raise_decode_error():
     c = GradientCompression(None, index="varint")
     one = c.encode_bundle(["a"], [np.ones(3, np.float32)])
@@ -446,6 +492,14 @@ def test_ranks_with_different_payload_sizes(ranks):
     sent = [f["bytes_sent"] for f in found]
     assert sent[0] * 10 < sent[1]
     assert found[0]["bytes_received"] == found[1]["bytes_received"] == sum(sent)
+
+
+def test_held_results_survive_and_dropped_ones_are_reused(ranks):
+    for found in findings(ranks, "held_results"):
+        assert found["kept_unchanged"] and all(found["correct"])
+        assert found["kept_address"] not in found["addresses"]
+        # TensorFlow adopted the aligned sums (no copy) and let go of them once dropped
+        assert all(found["adopted"]) and len(set(found["addresses"][1:])) == 1
 
 
 def test_topk_with_error_feedback_loses_no_mass(ranks):

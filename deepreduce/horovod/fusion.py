@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import sys
 import threading
 import time
 
@@ -254,6 +255,7 @@ class GradientCompression:
         self.stats = CompressionStats()
         self._lock = threading.Lock()
         self._last_sent = ([], [])
+        self._sums = _ReusedSums()
 
     def __repr__(self):
         memory = "None" if self.memory is None else f"ResidualMemory(beta={self.memory.beta})"
@@ -338,6 +340,10 @@ class GradientCompression:
         list
             One reduced tensor per gradient, with the dtype its payloads carry.
         """
+        with self._lock:
+            return self._decode_bundles(gathered, ranks, rank, average, as_rows)
+
+    def _decode_bundles(self, gathered, ranks, rank, average, as_rows):
         start = time.perf_counter()
         bundles = split_bundles(gathered, ranks)
         count = len(bundles[rank])
@@ -358,8 +364,15 @@ class GradientCompression:
                 if part.shape != reference.shape or part.dtype != reference.dtype:
                     raise DecodeError(f"tensor {i}: rank {r} sent {part.shape} {part.dtype}, "
                                       f"rank {rank} sent {reference.shape} {reference.dtype}")
-            reduce = _sum_rows if as_rows[i] else _sum_dense
-            results.append(reduce(parts, 1.0 / ranks if average else None))
+            scale = 1.0 / ranks if average else None
+            if as_rows[i]:
+                results.append(_sum_rows(parts, scale))
+                continue
+            total = self._sums.zeros(i, reference.size, _accumulator(reference.dtype))
+            touched = _sum_into(total, parts)
+            results.append(_finish(total, scale, reference.dtype, touched).reshape(
+                reference.shape))
+            self._sums.keep(i, total, touched)
         self.stats.record_decode(bytes_received=memoryview(gathered).nbytes,
                                  seconds=time.perf_counter() - start)
         return results
@@ -555,14 +568,52 @@ def _finish(total: np.ndarray, scale, dtype, touched=None) -> np.ndarray:
     return total.astype(dtype, copy=False)
 
 
-def _sum_dense(parts, scale) -> np.ndarray:
-    """Sum the ranks' sparse tensors, in rank order, into a dense array."""
-    first = parts[0]
-    total = zeros(first.size, _accumulator(first.dtype))
+def _sum_into(total: np.ndarray, parts) -> np.ndarray:
+    """Add the ranks' sparse tensors, in rank order, into ``total`` (flat, zeros);
+    return the positions written (repeats where supports overlap)."""
     for part in parts:
         total[part.indices] += part.values  # indices are unique within a part
-    touched = np.concatenate([part.indices for part in parts])
-    return _finish(total, scale, first.dtype, touched).reshape(first.shape)
+    return np.concatenate([part.indices for part in parts])
+
+
+def _references(array: np.ndarray) -> int:
+    """References to the memory of ``array``, an array from :func:`~deepreduce.sparse.zeros`:
+    every view of it holds one, and so does a TensorFlow tensor that adopted a view."""
+    return sys.getrefcount(array.base)
+
+
+#: :func:`_references` of an array nobody else views: measured, because the
+#: temporaries the count includes differ between Python versions.
+_UNSHARED = _references(zeros(1, np.float32))
+
+
+class _ReusedSums:
+    """Each tensor's dense sum of the last decode, rewritten in place once nobody holds it.
+
+    A reduced gradient is zeros plus the ranks' sparse entries. Writing it into
+    last step's array costs resetting the entries that array holds, not a pass
+    over the whole tensor, and the array is aligned so that TensorFlow adopts it
+    as a tensor instead of copying it. An array anything still views (a tensor
+    TensorFlow has not released, a result the caller kept) is left alone and a
+    fresh one replaces it.
+    """
+
+    def __init__(self):
+        self._last = {}
+
+    def zeros(self, key, size: int, dtype) -> np.ndarray:
+        """A flat array of zeros: last step's for ``key`` when it is free, else a new one."""
+        last = self._last.pop(key, None)
+        if last is not None:
+            total, touched = last
+            if total.size == size and total.dtype == dtype and _references(total) == _UNSHARED:
+                total[touched] = 0
+                return total
+        return zeros(size, dtype)
+
+    def keep(self, key, total: np.ndarray, touched: np.ndarray) -> None:
+        """Remember ``total`` (from :meth:`zeros`), non-zero at most at ``touched``."""
+        self._last[key] = (total, touched)
 
 
 def _sum_rows(parts, scale):
