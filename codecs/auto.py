@@ -30,8 +30,14 @@ TRIAL_ORDER = tuple(TAGS.index(name) for name in (
 #: Flag in the tag byte: the sub-codec stream holds the complement set.
 COMPLEMENT = 0x80
 
-#: Up to this many indices every available sub-codec is simply tried.
+#: Up to this many indices every available sub-codec is simply tried...
 TRIAL_LIMIT = 1024
+
+#: ...unless the Golomb or run code, whose sizes have closed forms, already
+#: takes fewer bytes than this. A trial encoding costs 50-150 us of fixed
+#: overhead, worth about 1 KB on a 100 Mbit/s link, so on a stream this small
+#: the bytes it could save never pay for it (Top-k of a bias or a small layer).
+SMALL_STREAM = 1024
 
 #: Gap values the Huffman size estimate looks at, at most.
 HUFFMAN_SAMPLE = 1 << 13
@@ -106,8 +112,11 @@ class AutoIndices(IndexCodec):
 
     Up to :data:`TRIAL_LIMIT` indices every sub-codec (and, for dense sets,
     every sub-codec on the complement) is tried and the smallest stream
-    kept, so ``auto`` is never more than one byte larger than any of them.
-    Above that, sizes come from cheap estimates instead of trial encodings:
+    kept, so ``auto`` is never more than one byte larger than any of them,
+    except on sets of at most half the universe that the Golomb code (or,
+    on clustered sets, the run code) takes to fewer than :data:`SMALL_STREAM`
+    bytes: that stream is written without trials, which would cost more
+    time than they could save bytes. Above that, sizes come from cheap estimates instead of trial encodings:
     exact closed forms for the bitmap, Golomb and run codes (one pass over
     the gaps) and the symbol histogram of a gap sample for Huffman. The LZ
     codecs, whose gains no histogram predicts, are tried on the whole set
@@ -137,9 +146,27 @@ class AutoIndices(IndexCodec):
 
     def choose(self, indices: np.ndarray, n: int) -> tuple[int, bytes]:
         """``(tag byte, sub-codec stream)`` for a valid, non-empty index set."""
-        if indices.size <= TRIAL_LIMIT:
-            return self._try_all(indices, n)
-        return self._estimate(indices, n)
+        if indices.size > TRIAL_LIMIT:
+            return self._estimate(indices, n)
+        if 2 * indices.size <= n:
+            small = self._small_stream(indices, n)
+            if small is not None:
+                return small
+        return self._try_all(indices, n)
+
+    def _small_stream(self, indices, n):
+        """The Golomb or run stream when the smaller is below :data:`SMALL_STREAM` bytes."""
+        gaps = golomb.index_gaps(indices)
+        clustered = 4 * np.count_nonzero(gaps == 0) > indices.size  # as in _estimate
+        split = golomb.Split(gaps, golomb.choose_parameter(golomb.mean_gap(indices)),
+                             consume=True)
+        sizes = {TAGS.index("golomb"): golomb.stream_size(split)}
+        if clustered and _sub_codec(TAGS.index("runs")) is not None:
+            sizes[TAGS.index("runs")] = runs.stream_size(indices)
+        tag = min(sizes, key=sizes.get)  # on a tie Golomb, the faster to decode
+        if sizes[tag] >= SMALL_STREAM:
+            return None
+        return tag, self._encode_with(tag, indices, n, split)
 
     def _try_all(self, indices, n):
         best = None
