@@ -1,11 +1,13 @@
 """Only the compiled part of the build; the metadata is in setup.cfg.
 
-Both extensions are optional: where they cannot be compiled (no C compiler) the
-install goes on and deepreduce falls back to numpy, which gives the same results
-more slowly. deepreduce._bloomscan is the Bloom-filter scan and build
+The three extensions are optional: where they cannot be compiled (no C compiler)
+the install goes on and deepreduce falls back to numpy, which gives the same
+results more slowly. deepreduce._bloomscan is the Bloom-filter scan and build
 (deepreduce.codecs.bloom, a quarter of the speed or less without it);
 deepreduce._entropyc the bit packing and prefix-code decoding of the Huffman index
-codec (deepreduce.codecs.huffman through deepreduce.codecs._entropy).
+codec (deepreduce.codecs.huffman through deepreduce.codecs._entropy);
+deepreduce._topkscan the candidate scan of the Top-k sparsifier
+(deepreduce.sparsifiers.TopK).
 """
 
 import sys
@@ -18,5 +20,7 @@ setup(ext_modules=[
     Extension("deepreduce._bloomscan", ["deepreduce/_bloomscan.c"],
               extra_compile_args=OPTIMISE, optional=True),
     Extension("deepreduce._entropyc", ["deepreduce/_entropyc.c"],
+              extra_compile_args=OPTIMISE, optional=True),
+    Extension("deepreduce._topkscan", ["deepreduce/_topkscan.c"],
               extra_compile_args=OPTIMISE, optional=True),
 ])

@@ -20,6 +20,16 @@ import numpy as np
 from deepreduce.registry import parse_spec
 from deepreduce.sparse import BFLOAT16, SparseTensor, check_dtype
 
+try:
+    from deepreduce import _topkscan
+except ImportError:  # not compiled (the extension is optional): the numpy scan serves
+    _topkscan = None
+
+#: Which candidate scan :class:`TopK` runs: ``"compiled"`` (the C extension
+#: ``deepreduce._topkscan``, built by ``pip install``) or ``"numpy"``. Both give
+#: the same positions.
+SCAN_IMPLEMENTATION = "numpy" if _topkscan is None else "compiled"
+
 
 def _as_float_array(x) -> np.ndarray:
     x = np.asarray(x)
@@ -56,17 +66,24 @@ def _largest(mag: np.ndarray, k: int) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
-#: Elements per slice of :func:`_at_least`: its temporaries stay in the L2 cache.
+#: Elements per slice of the numpy :func:`_at_least`: its temporaries stay in the L2 cache.
 _SCAN_SLICE = 1 << 16
 
 
 def _at_least(values: np.ndarray, low) -> np.ndarray:
-    """Sorted positions of ``|values| >= low`` (NaN never), slice by slice.
+    """Sorted positions of ``|values| >= low`` (NaN never) in 1-D ``values``.
 
-    One pass with two small scratch buffers: whole-array temporaries of a
-    large gradient would be fresh memory every call, and their page faults
-    cost more than the comparison.
+    ``low`` is a scalar of ``values``' dtype (TopK's estimate is one), so the
+    comparison is in that precision whichever scan runs. C-contiguous float32
+    and float64 go through the compiled scan when it is built
+    (:data:`SCAN_IMPLEMENTATION`): one pass that writes only the positions.
+    The numpy scan goes slice by slice with two small scratch buffers:
+    whole-array temporaries of a large gradient would be fresh memory every
+    call, and their page faults cost more than the comparison.
     """
+    if (_topkscan is not None and values.dtype in (np.float32, np.float64)
+            and values.flags.c_contiguous):
+        return _topkscan.at_least(values, low)
     if values.size <= _SCAN_SLICE:
         return np.flatnonzero(np.abs(values) >= low)
     magnitudes = np.empty(_SCAN_SLICE, dtype=values.dtype)

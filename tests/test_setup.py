@@ -38,14 +38,15 @@ def test_codecs_subpackage_maps_to_codecs_folder_and_stdlib_codecs_stays():
 
 
 @pytest.mark.parametrize("module, implementation, extension", [
-    ("bloom", "SCAN_IMPLEMENTATION", "_bloomscan"),    # the Bloom-filter scan and build
-    ("_entropy", "IMPLEMENTATION", "_entropyc"),        # the Huffman coder's loops
+    ("deepreduce.codecs.bloom", "SCAN_IMPLEMENTATION", "_bloomscan"),  # Bloom scan and build
+    ("deepreduce.codecs._entropy", "IMPLEMENTATION", "_entropyc"),     # the Huffman coder's loops
+    ("deepreduce.sparsifiers", "SCAN_IMPLEMENTATION", "_topkscan"),    # TopK's candidate scan
 ])
 def test_install_compiled_the_c_extensions(module, implementation, extension):
     # The extensions are optional so that installs without a compiler work; this
     # machine has one, so a numpy fallback here means a broken build.
-    code = (f"from deepreduce.codecs import {module}; print({module}.{implementation}); "
-            f"print({module}.{extension}.__file__)")
+    code = (f"import {module} as module; print(module.{implementation}); "
+            f"print(module.{extension}.__file__)")
     active, module_file = run_python("-c", code).stdout.split()
     assert active == "compiled"
     assert pathlib.Path(module_file).resolve().parent == REPO / "deepreduce"

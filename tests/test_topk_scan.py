@@ -1,0 +1,197 @@
+"""TopK's candidate scan: the compiled one (deepreduce._topkscan) and numpy's agree exactly.
+
+``sparsifiers._at_least`` gives the sorted positions where ``|values| >= low``.
+Tests that take the ``implementation`` fixture run once with the C scan and
+once with it switched off; ``both`` runs the two in one test and compares.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import deepreduce as dr
+from deepreduce import sparsifiers
+from deepreduce.sparsifiers import _SCAN_SLICE, _at_least
+
+compiled_only = pytest.mark.skipif(sparsifiers._topkscan is None,
+                                   reason="deepreduce._topkscan is not built")
+#: The C scan tests 64 values at a time; numpy goes by _SCAN_SLICE.
+BLOCK = 64
+EDGE_SIZES = sorted({0, 1, 2, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK - 1, 2 * BLOCK + 1,
+                     _SCAN_SLICE - 1, _SCAN_SLICE, _SCAN_SLICE + 1, _SCAN_SLICE + BLOCK + 3,
+                     3 * _SCAN_SLICE - 1, 3 * _SCAN_SLICE + 5})
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def implementation(request, monkeypatch):
+    """Run the test with the C scan, then without it."""
+    if request.param == "numpy":
+        monkeypatch.setattr(sparsifiers, "_topkscan", None)
+    elif sparsifiers._topkscan is None:
+        pytest.skip("deepreduce._topkscan is not built")
+    return request.param
+
+
+def both(function, *args):
+    """``function(*args)`` with the C scan and with numpy's."""
+    outcomes = []
+    for module in (sparsifiers._topkscan, None):
+        saved = sparsifiers._topkscan
+        sparsifiers._topkscan = module
+        try:
+            outcomes.append(function(*args))
+        finally:
+            sparsifiers._topkscan = saved
+    return outcomes
+
+
+def same_positions(outcomes):
+    compiled, numpy = outcomes
+    assert compiled.dtype == numpy.dtype == np.int64
+    np.testing.assert_array_equal(compiled, numpy)
+    return compiled
+
+
+def specials(dtype):
+    info = np.finfo(dtype)
+    return np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, info.smallest_subnormal,
+                     -info.smallest_subnormal, info.smallest_normal, info.max, -info.max],
+                    dtype=dtype)
+
+
+def test_implementation_flag_matches_the_build():
+    assert sparsifiers.SCAN_IMPLEMENTATION == ("numpy" if sparsifiers._topkscan is None
+                                               else "compiled")
+
+
+# ------------------------------------------------------------------ the scan itself
+
+@settings(max_examples=150, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64]),
+       size=st.one_of(st.sampled_from(EDGE_SIZES), st.integers(0, 3 * BLOCK),
+                      st.integers(0, 3 * _SCAN_SLICE)),
+       seed=st.integers(0, 2**32 - 1), special_share=st.sampled_from([0.0, 0.01, 0.5]),
+       low_kind=st.sampled_from(["zero", "minus_zero", "inf", "minus_inf", "nan", "subnormal",
+                                 "from_array", "quantile", "any"]),
+       quantile=st.sampled_from([0.0, 0.5, 0.98, 0.99, 0.999, 1.0]),
+       any_low=st.floats(width=32))
+def test_compiled_and_numpy_scans_agree(dtype, size, seed, special_share, low_kind, quantile,
+                                        any_low):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(size).astype(dtype)
+    if size and special_share:
+        where = rng.random(size) < special_share
+        x[where] = rng.choice(specials(dtype), int(where.sum()))
+    finite = np.abs(x[np.isfinite(x)])
+    low = {"zero": 0.0, "minus_zero": -0.0, "inf": np.inf, "minus_inf": -np.inf,
+           "nan": np.nan, "subnormal": np.finfo(dtype).smallest_subnormal,
+           "from_array": x[rng.integers(size)] if size else 1.0,
+           "quantile": np.quantile(finite, quantile) if finite.size else 1.0,
+           "any": any_low}[low_kind]
+    low = dtype(low)
+    got = same_positions(both(_at_least, x, low))
+    np.testing.assert_array_equal(got, np.flatnonzero(np.abs(x) >= low))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("size", EDGE_SIZES)
+def test_every_value_qualifying_grows_the_output_to_the_whole_array(implementation, dtype,
+                                                                    size):
+    x = np.arange(size, dtype=dtype) - size // 2
+    np.testing.assert_array_equal(_at_least(x, dtype(0)), np.arange(size))
+    np.testing.assert_array_equal(_at_least(x, dtype(-np.inf)), np.arange(size))
+    assert _at_least(x, dtype(np.nan)).size == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_hits_at_every_place_in_a_block(implementation, dtype):
+    size = 5 * BLOCK + 7
+    for count in (1, 2, 3, BLOCK - 1):
+        rng = np.random.default_rng(count)
+        x = rng.uniform(-1, 1, size).astype(dtype)
+        hits = np.sort(rng.choice(size, count * 5, replace=False))
+        x[hits] = np.where(rng.random(hits.size) < 0.5, -2, 2)
+        x[hits[::2]] = np.copysign(np.inf, x[hits[::2]])
+        np.testing.assert_array_equal(_at_least(x, dtype(2)), hits)
+    for position in (0, 1, BLOCK - 1, BLOCK, size - 1):
+        x = np.zeros(size, dtype)
+        x[position] = -np.finfo(dtype).smallest_subnormal
+        np.testing.assert_array_equal(_at_least(x, dtype(np.finfo(dtype).smallest_subnormal)),
+                                      [position])
+        np.testing.assert_array_equal(_at_least(x, dtype(-0.0)), np.arange(size))
+
+
+def test_minus_zero_and_nan_values(implementation):
+    x = np.array([-0.0, 0.0, np.nan, -np.nan, 1.0, -1.0, np.inf, -np.inf], np.float32)
+    np.testing.assert_array_equal(_at_least(x, np.float32(0.0)), [0, 1, 4, 5, 6, 7])
+    np.testing.assert_array_equal(_at_least(x, np.float32(-0.0)), [0, 1, 4, 5, 6, 7])
+    np.testing.assert_array_equal(_at_least(x, np.float32(np.inf)), [6, 7])
+    assert _at_least(x, np.float32(np.nan)).size == 0
+
+
+def test_views_and_other_dtypes_take_the_numpy_scan_with_the_same_result(implementation):
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal(3 * BLOCK + 1)
+    for x in (base.astype(np.float32)[::2], base[::-1], base.astype(">f4"), base.astype(">f8"),
+              base.astype(np.float16)):
+        low = x.dtype.type(1.0)
+        np.testing.assert_array_equal(_at_least(x, low), np.flatnonzero(np.abs(x) >= low))
+
+
+# ------------------------------------------------------------------ TopK on top of it
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("ratio", [1e-4, 0.01, 0.3])
+def test_topk_selects_the_same_under_both_scans(dtype, ratio):
+    rng = np.random.default_rng(int(ratio * 1e4))
+    x = rng.standard_normal(3 * dr.TopK.SAMPLE + 11).astype(dtype)
+    x[rng.integers(0, x.size, 200)] = 3.0  # ties at the top
+    x[rng.integers(0, x.size, 20)] = np.nan
+    for exact in (False, True):
+        fast, slow = both(lambda: dr.TopK(ratio, exact=exact)(x))
+        assert fast == slow
+        assert fast == dr.TopK(ratio, exact=True)(x)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(0, 3000),
+       size=st.integers(2 * dr.TopK.SAMPLE, 2 * dr.TopK.SAMPLE + 3 * BLOCK))
+def test_topk_sampled_and_exact_agree_under_both_scans(seed, k, size):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(size).astype(np.float32)
+    x[rng.integers(0, size, 50)] = rng.choice([0.0, -0.0, 1.5, np.inf], 50)
+    compiled, numpy = both(lambda: dr.TopK(k=k)(x))
+    assert compiled == numpy == dr.TopK(k=k, exact=True)(x)
+
+
+# ------------------------------------------------------------------ the C entry point
+
+@compiled_only
+def test_c_scan_returns_a_fresh_int64_array():
+    x = np.array([3.0, -1.0, 4.0], np.float32)
+    x.setflags(write=False)  # read-only input is fine
+    got = sparsifiers._topkscan.at_least(x, 2.0)
+    assert isinstance(got, np.ndarray) and got.dtype == np.int64 and got.flags.writeable
+    assert got.flags.owndata and got.tolist() == [0, 2]
+    assert sparsifiers._topkscan.at_least(np.zeros(0), 0.0).shape == (0,)
+    assert sparsifiers._topkscan.at_least(memoryview(x), 2.0).tolist() == [0, 2]
+
+
+@compiled_only
+@pytest.mark.parametrize("values", [
+    np.zeros(8, np.int32), np.zeros(8, np.float16), np.zeros(8, np.int64),
+    np.zeros(8, np.complex64), np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float64),
+    np.zeros(16, np.float32)[::2], np.zeros(8, ">f4"), np.zeros(8, ">f8"),
+    np.zeros((), np.float32), [1.0, 2.0], b"\x00" * 16, None, "abc"])
+def test_c_scan_refuses_other_buffers_with_type_error(values):
+    with pytest.raises(TypeError):
+        sparsifiers._topkscan.at_least(values, 0.0)
+
+
+@compiled_only
+@pytest.mark.parametrize("args", [(np.zeros(4),), (np.zeros(4), "1"), (np.zeros(4), None),
+                                  (np.zeros(4), 1.0, 2.0), ()])
+def test_c_scan_refuses_wrong_arguments_with_type_error(args):
+    with pytest.raises(TypeError):
+        sparsifiers._topkscan.at_least(*args)
