@@ -572,7 +572,8 @@ def _sum_into(total: np.ndarray, parts) -> np.ndarray:
     """Add the ranks' sparse tensors, in rank order, into ``total`` (flat, zeros);
     return the positions written (repeats where supports overlap)."""
     for part in parts:
-        total[part.indices] += part.values  # indices are unique within a part
+        # in place, unlike total[indices] += values (a gather, then a scatter)
+        np.add.at(total, part.indices, part.values)
     return np.concatenate([part.indices for part in parts])
 
 
