@@ -275,14 +275,24 @@ def test_stats_counters():
     before = s.snapshot()
     s.record_encode(tensors=2, compressed_tensors=1, bytes_sent=300, dense_bytes=1000,
                     seconds=0.5)
-    s.record_decode(bytes_received=600, seconds=0.25)
+    s.record_decode(bytes_received=600, seconds=0.25, codec_seconds=0.125)
     epoch = (s.snapshot() - before).per_step()
-    assert epoch["bytes_sent"] == 300 and epoch["decode_ms"] == 250
+    assert epoch["bytes_sent"] == 300 and epoch["decode_ms"] == 250 and epoch["codec_ms"] == 125
     assert s.total.steps == 2 and s.total.ratio == 5.0 and s.last.bytes_received == 600
     d = s.as_dict()
     assert d["steps"] == 2 and d["bytes_sent"] == 300 and d["total_bytes_sent"] == 400
     s.reset()
     assert s.total.steps == 0
+
+
+def test_codec_time_is_the_part_of_encode_and_decode_inside_the_codecs():
+    names, shapes = ["w", "b"], ((300, 200), (50,))
+    for index in ("raw", "huffman"):
+        c = GradientCompression(dr.TopK(0.05), index=index, value="fp16")
+        bundle = c.encode_bundle(names, gradients(0, shapes))
+        c.decode_bundles(bundle + bundle, ranks=2, rank=0)  # rank 1's bundle is decoded
+        last = c.stats.last
+        assert 0 < last.codec_seconds < last.encode_seconds + last.decode_seconds
 
 
 # ------------------------------------------- reducing communicators, thread ranks

@@ -35,6 +35,7 @@ payload and returns dense tensors.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
 import sys
@@ -256,6 +257,7 @@ class GradientCompression:
         self._lock = threading.Lock()
         self._last_sent = ([], [])
         self._sums = _ReusedSums()
+        self._codec_seconds = 0.0
 
     def __repr__(self):
         memory = "None" if self.memory is None else f"ResidualMemory(beta={self.memory.beta})"
@@ -273,15 +275,25 @@ class GradientCompression:
         after (``input - received``).
         """
         if _size(x) < self.min_size:
-            return self.small_pipeline.encode(x)
+            return self._encode_timed(self.small_pipeline, x)
+        encode = functools.partial(self._encode_timed, self.pipeline)
         if self.memory is None or name is None:
-            return self.pipeline.encode(x)
+            return encode(x)
         if not isinstance(x, SparseTensor):
-            return self.memory.feedback(name, x, self.pipeline.encode)
+            return self.memory.feedback(name, x, encode)
         x = self._corrected(name, x)
-        payload, received = self.pipeline.encode(x)
+        payload, received = encode(x)
         self.memory.update(name, x, received)
         return payload, received
+
+    def _encode_timed(self, pipeline, x):
+        """``pipeline.encode(x)``, adding the time of its codecs to ``_codec_seconds``."""
+        selected, dense = pipeline.sparsify(x)
+        start = time.perf_counter()
+        try:
+            return pipeline.encode_sparse(selected, dense)
+        finally:
+            self._codec_seconds += time.perf_counter() - start
 
     def _corrected(self, name: str, x):
         """``x`` plus the residual of ``name`` (error feedback on)."""
@@ -298,6 +310,7 @@ class GradientCompression:
         """Encode this rank's gradients (dense arrays or SparseTensors) into one bundle."""
         with self._lock:
             start = time.perf_counter()
+            self._codec_seconds = 0.0
             payloads, dense_bytes, compressed = [], 0, 0
             if len(names) != len(tensors):
                 raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
@@ -314,7 +327,8 @@ class GradientCompression:
             self._last_sent = (payloads, receiveds)
             self.stats.record_encode(tensors=len(payloads), compressed_tensors=compressed,
                                      bytes_sent=len(bundle), dense_bytes=dense_bytes,
-                                     seconds=time.perf_counter() - start)
+                                     seconds=time.perf_counter() - start,
+                                     codec_seconds=self._codec_seconds)
         return bundle
 
     def decode_bundles(self, gathered, ranks: int, rank: int, average: bool = False,
@@ -354,8 +368,10 @@ class GradientCompression:
         as_rows = [False] * count if as_rows is None else list(as_rows)
         if len(as_rows) != count:
             raise ValueError(f"as_rows has {len(as_rows)} entries for {count} tensors")
+        codec_start = time.perf_counter()
         decoded = [[decode(payload) for payload in bundle] if r != rank
                    else self._own_parts(bundle) for r, bundle in enumerate(bundles)]
+        codec_seconds = time.perf_counter() - codec_start
         results = []
         for i in range(count):
             parts = [decoded[r][i] for r in range(ranks)]
@@ -374,7 +390,7 @@ class GradientCompression:
                 reference.shape))
             self._sums.keep(i, total, touched)
         self.stats.record_decode(bytes_received=memoryview(gathered).nbytes,
-                                 seconds=time.perf_counter() - start)
+                                 seconds=time.perf_counter() - start, codec_seconds=codec_seconds)
         return results
 
     def _own_parts(self, bundle) -> list:

@@ -10,7 +10,8 @@ class CompressionStatsCallback(tf.keras.callbacks.Callback):
 
     At the end of every epoch the per-step means of that epoch are added to the
     epoch logs (so ``History`` keeps them) under ``prefix``: ``bytes_sent``,
-    ``dense_bytes``, ``ratio``, ``encode_ms``, ``decode_ms``, ``exchange_ms``. With ``log_dir``,
+    ``dense_bytes``, ``ratio``, ``encode_ms``, ``decode_ms``, ``exchange_ms``,
+    ``codec_ms`` (see :class:`~deepreduce.horovod.stats.StepStats`). With ``log_dir``,
     every training step's values are also written with ``tf.summary`` (as
     ``prefix + key``, step = number of exchanged steps), and the epoch means
     as ``prefix + "epoch_" + key``.
@@ -36,7 +37,8 @@ class CompressionStatsCallback(tf.keras.callbacks.Callback):
         history.history["dr_ratio"]        # one value per epoch
     """
 
-    KEYS = ("bytes_sent", "dense_bytes", "ratio", "encode_ms", "decode_ms", "exchange_ms")
+    KEYS = ("bytes_sent", "dense_bytes", "ratio", "encode_ms", "decode_ms", "exchange_ms",
+            "codec_ms")
 
     def __init__(self, compression, log_dir=None, prefix: str = "dr_"):
         super().__init__()

@@ -48,6 +48,13 @@ class StepStats:
     exchange_seconds : float
         Wall time from the end of encoding to the start of decoding: the
         collectives, including waiting for the slowest rank.
+    codec_seconds : float
+        Of ``encode_seconds + decode_seconds``, the time inside the index and
+        value codecs: coding the selected entries into payloads and decoding
+        every rank's payloads. The rest (error feedback, the sparsifier,
+        summing into dense tensors) is what any Top-k scheme pays, raw pairs
+        included. Allgather communicator only: the reducing communicators
+        code inside their collectives, and leave it 0.
 
     Examples
     --------
@@ -66,6 +73,7 @@ class StepStats:
     encode_seconds: float = 0.0
     decode_seconds: float = 0.0
     exchange_seconds: float = 0.0
+    codec_seconds: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -92,7 +100,8 @@ class StepStats:
                 "dense_bytes": self.dense_bytes / steps, "ratio": self.ratio,
                 "encode_ms": 1e3 * self.encode_seconds / steps,
                 "decode_ms": 1e3 * self.decode_seconds / steps,
-                "exchange_ms": 1e3 * self.exchange_seconds / steps}
+                "exchange_ms": 1e3 * self.exchange_seconds / steps,
+                "codec_ms": 1e3 * self.codec_seconds / steps}
 
 
 class CompressionStats:
@@ -115,7 +124,7 @@ class CompressionStats:
     >>> stats.last.ratio, stats.total.steps
     (33.333333333333336, 1)
     >>> sorted(stats.as_dict())[:4]
-    ['bytes_received', 'bytes_sent', 'compressed_tensors', 'decode_ms']
+    ['bytes_received', 'bytes_sent', 'codec_ms', 'compressed_tensors']
     """
 
     def __init__(self):
@@ -131,20 +140,22 @@ class CompressionStats:
             self._encoded_at = 0.0
 
     def record_encode(self, *, tensors: int, compressed_tensors: int, bytes_sent: int,
-                      dense_bytes: int, seconds: float) -> None:
+                      dense_bytes: int, seconds: float, codec_seconds: float = 0.0) -> None:
         """Open a step with what the encoder did (the communicator calls this)."""
         with self._lock:
             self._pending = StepStats(1, tensors, compressed_tensors, bytes_sent, 0,
-                                      dense_bytes, seconds)
+                                      dense_bytes, seconds, codec_seconds=codec_seconds)
             self._encoded_at = time.perf_counter()
 
-    def record_decode(self, *, bytes_received: int, seconds: float) -> None:
+    def record_decode(self, *, bytes_received: int, seconds: float,
+                      codec_seconds: float = 0.0) -> None:
         """Close the open step with what the decoder did."""
         now = time.perf_counter()
         with self._lock:
             step = self._pending or StepStats(steps=1)
             step.bytes_received += bytes_received
             step.decode_seconds += seconds
+            step.codec_seconds += codec_seconds
             if self._pending is not None:
                 step.exchange_seconds += max(0.0, now - seconds - self._encoded_at)
             self._pending = None
@@ -167,7 +178,8 @@ class CompressionStats:
 
         Keys: ``steps`` (completed so far), ``tensors``, ``compressed_tensors``,
         ``bytes_sent``, ``bytes_received``, ``dense_bytes``, ``ratio``,
-        ``encode_ms``, ``decode_ms``, ``exchange_ms`` of the latest step, and ``total_bytes_sent``,
+        ``encode_ms``, ``decode_ms``, ``exchange_ms``, ``codec_ms`` of the latest step, and
+        ``total_bytes_sent``,
         ``total_dense_bytes``, ``total_ratio``, ``total_encode_seconds``,
         ``total_decode_seconds``.
         """
