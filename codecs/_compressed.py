@@ -31,7 +31,12 @@ class CompressedGapIndices(IndexCodec):
         indices = _bits.check_indices(indices, n)
         if indices.size == 0:
             return b""
-        return self._compress(_bits.varint_encode(_bits.gaps(indices)))
+        return self.encode_varints(_bits.varint_encode(_bits.gaps(indices)))
+
+    def encode_varints(self, varints: bytes) -> bytes:
+        """The stream of a non-empty set from its gap varints (as :meth:`encode` makes
+        them), so that several compressors can share one varint pass."""
+        return self._compress(varints)
 
     def decode(self, data, n, nnz):
         what = f"{self.codec_id} indices"

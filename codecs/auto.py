@@ -34,10 +34,9 @@ COMPLEMENT = 0x80
 TRIAL_LIMIT = 1024
 
 #: ...unless the Golomb or run code, whose sizes have closed forms, already
-#: takes fewer bytes than this. A trial encoding costs 50-150 us of fixed
-#: overhead, worth about 1 KB on a 100 Mbit/s link, so on a stream this small
-#: the bytes it could save never pay for it (Top-k of a bias or a small layer).
-SMALL_STREAM = 1024
+#: takes fewer bytes than this: the ten trial encodings cost 0.5-1 ms of
+#: fixed overheads, and can save a few dozen bytes at most (Top-k of a bias).
+SMALL_STREAM = 64
 
 #: Gap values the Huffman size estimate looks at, at most.
 HUFFMAN_SAMPLE = 1 << 13
@@ -92,6 +91,29 @@ def _size_floor(codec_id: str, indices: np.ndarray, n: int, run_count: int) -> i
         precision = huffman.HuffmanIndices().precision
         return huffman.estimate_bits(huffman.gap_values(indices), precision, k) // 8
     return 0
+
+
+def _lz_codecs():
+    """``(tag, codec)`` of the LZ codecs whose modules are loaded."""
+    tags = [TAGS.index(name) for name in _LZ]
+    return [(tag, codec) for tag, codec in zip(tags, map(_sub_codec, tags)) if codec is not None]
+
+
+def _estimated_size(tag: int, indices: np.ndarray) -> int:
+    """Bytes of a codec with a closed-form size (:meth:`AutoIndices._estimate`'s
+    candidates) for a set starting at 0, in the universe up to its last index."""
+    name = TAGS[tag]
+    if name == "bitmap":
+        return _bits.packed_bytes(int(indices[-1]) + 1)
+    if name == "runs":
+        return runs.stream_size(indices)
+    if name == "huffman":
+        codec = huffman.HuffmanIndices()
+        return huffman.estimate_bits(huffman.gap_values(indices), codec.precision,
+                                     codec.block) // 8
+    split = golomb.Split(golomb.index_gaps(indices),
+                         golomb.choose_parameter(golomb.mean_gap(indices)), consume=True)
+    return golomb.stream_size(split)
 
 
 def complement(indices: np.ndarray, n: int) -> np.ndarray:
@@ -206,14 +228,13 @@ class AutoIndices(IndexCodec):
                              consume=True)
         sizes[TAGS.index("golomb")] = golomb.stream_size(split)
         ranked = sorted(sizes, key=sizes.get)
-        tried = [ranked[0]]
+        best = (ranked[0], self._encode_with(ranked[0], indices, n, split))
         if self._lz_worth_trying(indices, ranked[0]):
-            tried += [TAGS.index(name) for name in _LZ if _sub_codec(TAGS.index(name))]
-        best = None
-        for tag in tried:
-            data = self._encode_with(tag, indices, n, split)
-            if best is None or len(data) < len(best[1]):
-                best = (tag, data)
+            varints = _bits.varint_encode(_bits.gaps(indices))  # what every LZ codec packs
+            for tag, codec in _lz_codecs():
+                data = codec.encode_varints(varints)
+                if len(data) < len(best[1]):
+                    best = (tag, data)
         for tag in ranked[1:]:
             if sizes[tag] > (1 + CLOSE_CALL) * len(best[1]):
                 break
@@ -229,22 +250,23 @@ class AutoIndices(IndexCodec):
     @staticmethod
     def _lz_worth_trying(indices, best_tag) -> bool:
         """Whether the LZ codecs beat the best estimated codec on slices of the set."""
-        codecs = [_sub_codec(TAGS.index(name)) for name in _LZ]
-        codecs = [codec for codec in codecs if codec is not None]
+        codecs = [codec for _, codec in _lz_codecs()]
         if not codecs:
             return False
         if indices.size <= 4 * LZ_SLICES[1]:
             return True
-        best = [_sub_codec(best_tag)]
 
-        def slice_size(size, candidates):
+        def piece(size):
             start = (indices.size - size) // 2
-            piece = indices[start:start + size] - indices[start]
-            return min(len(codec.encode(piece, int(piece[-1]) + 1)) for codec in candidates)
+            return indices[start:start + size] - indices[start]
 
-        return (slice_size(LZ_SLICES[0], codecs[-1:])
-                <= LZ_MARGIN * slice_size(LZ_SLICES[0], best)
-                and slice_size(LZ_SLICES[1], codecs) <= slice_size(LZ_SLICES[1], best))
+        def lz_size(members, candidates):
+            varints = _bits.varint_encode(_bits.gaps(members))
+            return min(len(codec.encode_varints(varints)) for codec in candidates)
+
+        short, long = piece(LZ_SLICES[0]), piece(LZ_SLICES[1])
+        return (lz_size(short, codecs[-1:]) <= LZ_MARGIN * _estimated_size(best_tag, short)
+                and lz_size(long, codecs) <= _estimated_size(best_tag, long))
 
     @staticmethod
     def _encode_with(tag, indices, n, split) -> bytes:
