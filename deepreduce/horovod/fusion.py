@@ -397,8 +397,11 @@ class GradientCompression:
         """This rank's tensors in ``bundle``: what it encoded last if that is this
         bundle (the encoder returned what the receivers decode), else decoded."""
         payloads, receiveds = self._last_sent
+        # bytes(view) == bytes compares with memcmp; a memoryview compares item by
+        # item, 30 times slower
         if len(payloads) == len(bundle) and all(
-                len(sent) == len(got) and sent == got for sent, got in zip(payloads, bundle)):
+                len(sent) == len(got) and bytes(got) == sent
+                for sent, got in zip(payloads, bundle)):
             return list(receiveds)
         return [decode(payload) for payload in bundle]
 
