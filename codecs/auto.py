@@ -170,7 +170,7 @@ class AutoIndices(IndexCodec):
         """``(tag byte, sub-codec stream)`` for a valid, non-empty index set."""
         if indices.size > TRIAL_LIMIT:
             return self._estimate(indices, n)
-        if 2 * indices.size <= n:
+        if 0 < 2 * indices.size <= n:  # (the empty complement of a full set is tried)
             small = self._small_stream(indices, n)
             if small is not None:
                 return small
