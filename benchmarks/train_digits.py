@@ -178,7 +178,8 @@ def report(args, size, dense, compressed, stats, checksums, loads):
         ("median step time", f"{dense['step_ms']:.2f} ms", f"{compressed['step_ms']:.2f} ms"),
         ("encode + decode per step", "-",
          f"{stats['encode_ms']:.2f} + {stats['decode_ms']:.2f} ms "
-         f"({overhead_ms / compressed['step_ms']:.0%} of the step)"),
+         f"({overhead_ms / compressed['step_ms']:.0%} of the step"
+         + (f"; {stats['codec_ms']:.2f} ms in the codecs)" if allgather else ")")),
         ("allgather incl. waiting per step" if allgather else
          f"{args.communicator} collectives incl. waiting per step", "-",
          f"{stats['exchange_ms']:.2f} ms"),
