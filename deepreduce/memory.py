@@ -19,7 +19,9 @@ class ResidualMemory:
     ``received`` is what the receiver decodes (the pipeline returns it), so the
     residual is exact: ``corrected == received.to_dense() + residual`` holds
     element for element (one subtraction per delivered entry, zero rounding
-    elsewhere).
+    elsewhere). :meth:`accumulate` and :meth:`settle` do the same without a
+    tensor-sized copy (the gradient is added into the residual's memory), and
+    :meth:`feedback` wraps them around one encoding.
 
     Parameters
     ----------
@@ -48,6 +50,9 @@ class ResidualMemory:
             raise ValueError(f"beta must be in [0, 1], got {beta!r}")
         self.beta = beta
         self._residuals: dict[str, np.ndarray] = {}
+        # corrected gradients accumulate() made that no caller passed in: settle() may
+        # keep them as residuals without a copy
+        self._owned: dict[str, np.ndarray] = {}
 
     def compensate(self, name: str, gradient) -> np.ndarray:
         """Return ``gradient + beta * residual[name]`` (the gradient itself the first time)."""
@@ -77,16 +82,13 @@ class ResidualMemory:
         self._store(name, residual, received)
 
     def feedback(self, name: str, gradient, encode):
-        """Error feedback around one encoding: compensate, ``encode``, update.
+        """Error feedback around one encoding: :meth:`accumulate`, ``encode``, :meth:`settle`.
 
         ``encode(corrected)`` must return ``(payload, received)``; so does this.
         The residual is the same, bit for bit, as with :meth:`compensate` and
-        :meth:`update`, but no tensor-sized array is made: the gradient is
-        added into the residual's own memory, which then holds everything
-        owed, and the delivered entries are subtracted from it in place (a
-        fresh array of a large gradient costs more in page faults than the
-        addition). If ``encode`` raises, nothing was delivered and the
-        residual holds the whole corrected gradient, as error feedback wants.
+        :meth:`update`, but no tensor-sized array is made. If ``encode``
+        raises, nothing was delivered and the residual holds the whole
+        corrected gradient, as error feedback wants.
 
         Examples
         --------
@@ -98,17 +100,40 @@ class ResidualMemory:
         >>> received.values, memory.residual("w")
         (array([-2.], dtype=float32), array([1., 0., 2.], dtype=float32))
         """
+        corrected = self.accumulate(name, gradient)
+        payload, received = encode(corrected)
+        self.settle(name, corrected, received)
+        return payload, received
+
+    def accumulate(self, name: str, gradient) -> np.ndarray:
+        """First half of error feedback: ``gradient + beta * residual``, made in place.
+
+        The gradient is added into the residual's own memory, which then holds
+        everything owed until :meth:`settle` subtracts what was delivered (a
+        fresh array of a large gradient costs more in page faults than the
+        addition). The result is that memory: read it, do not keep it. Same
+        bits as :meth:`compensate`.
+        """
         corrected, owned = self._corrected_in_place(name, gradient)
         if corrected is None:
             corrected, owned = self._compensate(name, gradient)
-        payload, received = encode(corrected)
-        # what encode returns must not view the array that becomes the residual
+        if owned:
+            self._owned[name] = corrected
+        return corrected
+
+    def settle(self, name: str, corrected, received: SparseTensor) -> None:
+        """Second half: the residual becomes ``corrected - received``.
+
+        ``corrected`` is what :meth:`accumulate` returned (anything else is
+        copied, as :meth:`update` does); ``received`` is what the receivers
+        decode, and must not view ``corrected``.
+        """
+        owned = self._owned.pop(name, None) is corrected
         if owned and corrected.flags.c_contiguous \
                 and not np.may_share_memory(received.values, corrected):
             self._store(name, corrected, received)
         else:
             self.update(name, corrected, received)
-        return payload, received
 
     def _corrected_in_place(self, name, gradient):
         """``gradient + beta * residual`` computed in the residual's memory (None when
@@ -145,8 +170,10 @@ class ResidualMemory:
         """Forget one residual, or all of them."""
         if name is None:
             self._residuals.clear()
+            self._owned.clear()
         else:
             self._residuals.pop(name, None)
+            self._owned.pop(name, None)
 
     def __contains__(self, name) -> bool:
         return name in self._residuals

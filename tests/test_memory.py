@@ -72,3 +72,27 @@ def test_feedback_keeps_everything_owed_when_encoding_fails():
     with pytest.raises(RuntimeError):
         memory.feedback("w", g, failing)
     np.testing.assert_array_equal(memory.residual("w"), owed)
+
+
+def test_accumulate_and_settle_around_a_deferred_delivery():
+    # the reducing communicators learn what was delivered only after their collectives
+    rng = np.random.default_rng(2)
+    memory, reference = dr.ResidualMemory(), dr.ResidualMemory()
+    topk = dr.TopK(0.1)
+    for step in range(4):
+        g = rng.standard_normal(500).astype(np.float32)
+        corrected = memory.accumulate("w", g)
+        expected_input = reference.compensate("w", g)
+        np.testing.assert_array_equal(corrected, expected_input)
+        sent = topk(corrected)
+        memory.settle("w", corrected, sent)
+        reference.update("w", expected_input, sent)
+        np.testing.assert_array_equal(memory.residual("w"), reference.residual("w"))
+        if step >= 1:  # from the second step the residual's own memory is reused
+            assert corrected is memory.residual("w")
+    # an array accumulate did not make is copied, never adopted
+    outside = np.ones(500, np.float32)
+    memory.settle("w", outside, topk(outside))
+    assert not np.shares_memory(memory.residual("w"), outside)
+    memory.reset()
+    assert len(memory) == 0 and memory.accumulate("w", outside) is outside

@@ -296,14 +296,15 @@ class GradientCompression:
             self._codec_seconds += time.perf_counter() - start
 
     def _corrected(self, name: str, x):
-        """``x`` plus the residual of ``name`` (error feedback on)."""
+        """``x`` plus the residual of ``name`` (error feedback on); for a dense ``x``,
+        made in the residual's memory (:meth:`ResidualMemory.accumulate`)."""
         if isinstance(x, SparseTensor):
             if name in self.memory:
                 # the residual is dense: its non-zeros join the sparse gradient's,
                 # and the sparsifier chooses among the union
                 x = SparseTensor.from_dense(self.memory.compensate(name, x))
             return x
-        return self.memory.compensate(name, x)
+        return self.memory.accumulate(name, x)
 
     # -- one step -------------------------------------------------------------
     def encode_bundle(self, names, tensors) -> bytes:
@@ -525,7 +526,7 @@ class GradientCompression:
         exchanged = time.perf_counter()
         for i, reduction in reductions:
             if i in corrected:
-                self.memory.update(names[i], corrected[i], reduction.sent)
+                self.memory.settle(names[i], corrected[i], reduction.sent)
             results[i] = _nonzero_rows(reduction.output) if as_rows[i] else reduction.output
         end = time.perf_counter()
         self.stats.record_step(StepStats(
