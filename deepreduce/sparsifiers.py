@@ -291,19 +291,34 @@ class BlockTopK(Sparsifier):
 
     def _select(self, values, n, indices):
         blocks = -(-n // self.block)
-        squares = np.square(values, dtype=np.float64)
         if indices is None:
-            full = n // self.block * self.block
-            norms = np.zeros(blocks)
-            norms[: n // self.block] = squares[:full].reshape(-1, self.block).sum(axis=1)
-            norms[n // self.block:] = squares[full:].sum()
+            norms = self._dense_norms(values, blocks)
         else:
-            norms = np.bincount(indices // self.block, weights=squares, minlength=blocks)
+            norms = np.bincount(indices // self.block, weights=np.square(values, dtype=np.float64),
+                                minlength=blocks)
         chosen = _largest(norms, math.ceil(self.ratio * blocks))
         if indices is None:
             positions = (chosen[:, None] * self.block + np.arange(self.block)).reshape(-1)
             return positions[positions < n]
         return np.flatnonzero(np.isin(indices // self.block, chosen))
+
+
+    def _dense_norms(self, values, blocks: int) -> np.ndarray:
+        """Squared L2 norm of each block, in float64, a cache-sized slice of blocks at a
+        time: the float64 squares of a whole large gradient would be fresh memory, twice
+        its size, every call."""
+        whole = values.size // self.block
+        norms = np.empty(blocks)
+        step = max(1, _SCAN_SLICE // self.block)
+        squares = np.empty(step * self.block)
+        for first in range(0, whole, step):
+            last = min(whole, first + step)
+            part = squares[:(last - first) * self.block]
+            np.square(values[first * self.block:last * self.block], out=part, dtype=np.float64)
+            np.add.reduce(part.reshape(-1, self.block), axis=1, out=norms[first:last])
+        if whole < blocks:  # the last, shorter block
+            norms[whole] = np.square(values[whole * self.block:], dtype=np.float64).sum()
+        return norms
 
 
 _SPARSIFIERS = {"topk": TopK, "randomk": RandomK, "threshold": Threshold,

@@ -112,6 +112,19 @@ def test_blocktopk_last_partial_block():
         dr.BlockTopK(0.1, block=0)
 
 
+@pytest.mark.parametrize("n, block", [(0, 4), (1, 4), (300, 256), (200_003, 256),
+                                      (200_003, 7), (70_000, 100_000), (3 << 16, 1)])
+def test_blocktopk_norms_of_large_tensors_come_slice_by_slice_with_the_same_bits(n, block):
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    blocks = -(-n // block)
+    squares = np.square(x, dtype=np.float64)
+    whole = n // block * block
+    expected = np.concatenate([squares[:whole].reshape(-1, block).sum(axis=1),
+                               [squares[whole:].sum()] if whole < n else []])
+    np.testing.assert_array_equal(dr.BlockTopK(0.1, block=block)._dense_norms(x, blocks),
+                                  expected)
+
+
 def test_specs():
     assert isinstance(get_sparsifier(None), dr.NonZero)
     assert get_sparsifier("topk:0.01").ratio == 0.01
