@@ -27,6 +27,7 @@ import deepreduce as dr
 from deepreduce import collectives as dc
 from deepreduce import container
 from deepreduce.collectives import cost, frames
+from deepreduce.collectives import base
 from deepreduce.collectives.base import Ownership
 from deepreduce.collectives.transport import ThreadTransport
 from deepreduce.errors import DecodeError
@@ -675,3 +676,20 @@ def test_horovod_ranks(size):
     failures = [f"rank {run['rank']} {name}: {detail}" for run in runs
                 for name, ok, detail in run["results"] if not ok]
     assert not failures, "\n".join(failures)
+
+
+@settings(max_examples=100, deadline=None)
+@given(parts=st.lists(st.lists(st.integers(0, 300), max_size=60, unique=True), max_size=5))
+def test_sum_sparse_unions_sorted_parts_like_np_unique(parts):
+    length = 301
+    parts = [dr.SparseTensor._trusted(np.arange(1, len(p) + 1, dtype=np.float32),
+                                      np.array(sorted(p), dtype=np.int64), (length,))
+             for p in parts]
+    indices = np.concatenate([p.indices for p in parts] + [np.zeros(0, np.int64)])
+    support, inverse = base._union(indices)
+    expected_support, expected_inverse = np.unique(indices, return_inverse=True)
+    np.testing.assert_array_equal(support, expected_support)
+    np.testing.assert_array_equal(inverse, expected_inverse.ravel())
+    total = base.sum_sparse(parts, length, np.float32)
+    dense = sum((p.to_dense() for p in parts), np.zeros(length, np.float32))
+    np.testing.assert_array_equal(total.to_dense(), dense)
