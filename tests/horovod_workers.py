@@ -96,8 +96,15 @@ def check_held_results_survive(rank):
         (written, _), = compression._sums._last.values()  # the array deepreduce summed into
         adopted.append(addresses[-1] == written.__array_interface__["data"][0])
         del result
-    return {"kept_unchanged": equal(kept, kept_copy), "correct": correct,
-            "kept_address": address(kept),
+    # eagerly too: whatever TensorFlow does with the host arrays, a held result stays
+    eager_kept = drh.allreduce(gradient(0), compression, op=hvd.Sum, name="x")
+    eager_copy = eager_kept.numpy().copy()
+    for step in range(1, 4):
+        result = drh.allreduce(gradient(step), compression, op=hvd.Sum, name="x")
+        correct.append(equal(result, hvd.allreduce(gradient(step), op=hvd.Sum)))
+        del result
+    return {"kept_unchanged": equal(kept, kept_copy) and equal(eager_kept, eager_copy),
+            "correct": correct, "kept_address": address(kept),
             "addresses": addresses, "adopted": adopted}
 
 
