@@ -40,7 +40,7 @@ plain loopback.
 
 Writes ``benchmarks/results/e2e.md``, ``e2e.json`` and ``e2e.png``.
 
-    python benchmarks/e2e.py                       # 1 and 10 Gbit/s (needs root)
+    python benchmarks/e2e.py                       # 1, 10 and 0.1 Gbit/s (needs root)
     python benchmarks/e2e.py --rates 1gbit --steps 5 --hidden 1024   # quicker
     python benchmarks/e2e.py --no-netns            # unshaped loopback, no root needed
     python benchmarks/e2e.py --from-json benchmarks/results/e2e.json   # re-render only
@@ -570,8 +570,8 @@ def plot(runs, path):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"],
-                        help="tc rates of the shaped loopback (default: 1gbit 10gbit)")
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit", "100mbit"],
+                        help="tc rates of the shaped loopback (default: 1gbit 10gbit 100mbit)")
     parser.add_argument("--no-netns", action="store_true",
                         help="no namespace, no shaping: the plain loopback (no root needed)")
     parser.add_argument("--hidden", type=int, default=2048, help="width of the hidden layers")
