@@ -42,12 +42,12 @@ SMALL_STREAM = 64
 HUFFMAN_SAMPLE = 1 << 13
 
 #: LZ codecs (deflate, zstd) win on the repetitive column patterns of real
-#: layers, which no histogram shows. They are tried on the whole set only
-#: after two checks on slices of consecutive indices, each against the best
-#: estimated codec on the same slice: zstd on LZ_SLICES[0] indices within
-#: LZ_MARGIN of it, then the better LZ codec on LZ_SLICES[1] indices no
-#: larger. (LZ gains grow with the input, so slices understate them;
-#: uniform sets fail the checks.)
+#: layers, which no histogram shows. They are tried on the whole set only after
+#: two checks on slices of consecutive indices, each against the best estimated
+#: codec's closed-form size for the same slice: zstd on LZ_SLICES[0] indices
+#: within LZ_MARGIN of it, then the better LZ codec on LZ_SLICES[1] indices no
+#: larger. (LZ gains grow with the input, so slices understate them; uniform
+#: sets fail the checks.)
 LZ_SLICES = (2048, 8192)
 LZ_MARGIN = 1.08
 
@@ -138,8 +138,9 @@ class AutoIndices(IndexCodec):
     except on sets of at most half the universe that the Golomb code (or,
     on clustered sets, the run code) takes to fewer than :data:`SMALL_STREAM`
     bytes: that stream is written without trials, which would cost more
-    time than they could save bytes. Above that, sizes come from cheap estimates instead of trial encodings:
-    exact closed forms for the bitmap, Golomb and run codes (one pass over
+    time than they could save bytes. Above :data:`TRIAL_LIMIT` indices,
+    sizes come from cheap estimates instead of trial encodings: exact
+    closed forms for the bitmap, Golomb and run codes (one pass over
     the gaps) and the symbol histogram of a gap sample for Huffman. The LZ
     codecs, whose gains no histogram predicts, are tried on the whole set
     only when they beat the best estimated codec on slices of it (see

@@ -124,9 +124,10 @@ class ResidualMemory:
     def settle(self, name: str, corrected, received: SparseTensor) -> None:
         """Second half: the residual becomes ``corrected - received``.
 
-        ``corrected`` is what :meth:`accumulate` returned (anything else is
-        copied, as :meth:`update` does); ``received`` is what the receivers
-        decode, and must not view ``corrected``.
+        ``corrected`` is what :meth:`accumulate` returned; ``received`` is what
+        the receivers decode. The residual takes ``corrected``'s memory unless
+        a caller handed that array in or ``received`` views it: then it is a
+        copy, as :meth:`update` makes.
         """
         owned = self._owned.pop(name, None) is corrected
         if owned and corrected.flags.c_contiguous \
