@@ -36,6 +36,7 @@ import math
 import os
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 
@@ -140,16 +141,10 @@ def bloom_false_positive_rates(grads, tensors: int = 100) -> list[dict]:
     return rows
 
 
-@contextlib.contextmanager
 def scan_implementation(name: str):
     """Run the block with the compiled scan and build (as installed) or the numpy fallback."""
-    saved = bloom._bloomscan
-    if name == "numpy":
-        bloom._bloomscan = None
-    try:
-        yield
-    finally:
-        bloom._bloomscan = saved
+    return (mock.patch.object(bloom, "_bloomscan", None) if name == "numpy"
+            else contextlib.nullcontext())
 
 
 def implementations() -> list[str]:

@@ -14,6 +14,7 @@ from deepreduce.codecs import bloom
 from deepreduce.codecs.bloom import (POLICIES, BloomFilter, BloomIndices, filter_geometry,
                                      pattern_table, predicted_fpr)
 from deepreduce.errors import DecodeError
+import extensions
 
 SELECTING = ["leftmost", "random", "conflict_sets"]
 #: Every (k, block_k) that filter_geometry gives for fpr from 0.5 down to 1e-12.
@@ -36,14 +37,7 @@ def brute_force_positives(filt: BloomFilter, start: int = 0, stop: int | None = 
     return positions[set_bits.all(axis=1)]
 
 
-@pytest.fixture(params=["compiled", "numpy"])
-def scan(request, monkeypatch):
-    """Runs a test with the C scan, then with the numpy fallback."""
-    if request.param == "numpy":
-        monkeypatch.setattr(bloom, "_bloomscan", None)
-    elif bloom._bloomscan is None:
-        pytest.skip("deepreduce._bloomscan is not built")
-    return request.param
+scan = extensions.fixture(bloom, "_bloomscan", "scan")
 
 
 def filter_of(indices, n: int, k: int, block_k: int, seed: int, nbytes: int,
@@ -145,7 +139,7 @@ def test_scan_finds_exactly_the_positions_whose_bits_are_set(fpr, key_bytes, sca
 
 
 @pytest.mark.parametrize("k,block_k", HASH_COUNTS)
-def test_both_scans_agree_for_every_hash_count(k, block_k, monkeypatch):
+def test_both_scans_agree_for_every_hash_count(k, block_k):
     assert [k for k, _ in HASH_COUNTS] == list(range(1, 41))  # fpr 0.5 .. 1e-12
     n, rng = 5000, np.random.default_rng(k)
     indices = random_indices(rng, n, 150)
@@ -153,18 +147,12 @@ def test_both_scans_agree_for_every_hash_count(k, block_k, monkeypatch):
     filt = filter_of(indices, n, k, block_k, int(rng.integers(2**32)), nbytes)
     expected = brute_force_positives(filt)
     assert np.isin(indices, expected).all()
-    results = {}
-    for implementation in ("compiled", "numpy"):
-        if implementation == "numpy":
-            monkeypatch.setattr(bloom, "_bloomscan", None)
-        elif bloom._bloomscan is None:
-            continue
-        results[implementation] = [filt.positives(), filt.positives(limit=3),
-                                   filt.positives(limit=expected.size),
-                                   filt.positives(start=1, stop=n - 1),
-                                   BloomFilter.build(indices, n, 2.0 ** -k, filt.seed).words]
+    results = extensions.both(bloom, "_bloomscan", lambda: [
+        filt.positives(), filt.positives(limit=3), filt.positives(limit=expected.size),
+        filt.positives(start=1, stop=n - 1),
+        BloomFilter.build(indices, n, 2.0 ** -k, filt.seed).words])
     inner = expected[(expected >= 1) & (expected < n - 1)]
-    for got in results.values():
+    for got in results:
         assert np.array_equal(got[0], expected) and got[0].dtype == np.int64
         assert np.array_equal(got[1], expected[:4])
         assert np.array_equal(got[2], expected)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from deepreduce.codecs import _entropy, huffman
 from deepreduce.codecs.huffman import HuffmanIndices
 from deepreduce.errors import DecodeError
+import extensions
 from index_sets import random_set, round_trip
 
 SETTINGS = settings(max_examples=60, deadline=None,
@@ -24,29 +25,17 @@ compiled_only = pytest.mark.skipif(_entropy._entropyc is None,
                                    reason="deepreduce._entropyc is not built")
 
 
-@pytest.fixture(params=["compiled", "numpy"])
-def implementation(request, monkeypatch):
-    """Run the test with the C loops, then without them."""
-    if request.param == "numpy":
-        monkeypatch.setattr(_entropy, "_entropyc", None)
-    elif _entropy._entropyc is None:
-        pytest.skip("deepreduce._entropyc is not built")
-    return request.param
+implementation = extensions.fixture(_entropy, "_entropyc", "implementation")
 
 
 def both(function, *args):
     """``function(*args)`` with the C loops and with numpy: each result or its DecodeError."""
-    outcomes = []
-    for module in (_entropy._entropyc, None):
-        saved = _entropy._entropyc
-        _entropy._entropyc = module
+    def outcome():
         try:
-            outcomes.append(function(*args))
+            return function(*args)
         except DecodeError as error:
-            outcomes.append(f"DecodeError: {error}")
-        finally:
-            _entropy._entropyc = saved
-    return outcomes
+            return f"DecodeError: {error}"
+    return extensions.both(_entropy, "_entropyc", outcome)
 
 
 def same(outcomes):

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import deepreduce as dr
 from deepreduce import sparsifiers
 from deepreduce.sparsifiers import _SCAN_SLICE, _at_least
+import extensions
 
 compiled_only = pytest.mark.skipif(sparsifiers._topkscan is None,
                                    reason="deepreduce._topkscan is not built")
@@ -23,27 +24,12 @@ EDGE_SIZES = sorted({0, 1, 2, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK - 1, 2 * BL
                      3 * _SCAN_SLICE - 1, 3 * _SCAN_SLICE + 5})
 
 
-@pytest.fixture(params=["compiled", "numpy"])
-def implementation(request, monkeypatch):
-    """Run the test with the C scan, then without it."""
-    if request.param == "numpy":
-        monkeypatch.setattr(sparsifiers, "_topkscan", None)
-    elif sparsifiers._topkscan is None:
-        pytest.skip("deepreduce._topkscan is not built")
-    return request.param
+implementation = extensions.fixture(sparsifiers, "_topkscan", "implementation")
 
 
 def both(function, *args):
     """``function(*args)`` with the C scan and with numpy's."""
-    outcomes = []
-    for module in (sparsifiers._topkscan, None):
-        saved = sparsifiers._topkscan
-        sparsifiers._topkscan = module
-        try:
-            outcomes.append(function(*args))
-        finally:
-            sparsifiers._topkscan = saved
-    return outcomes
+    return extensions.both(sparsifiers, "_topkscan", function, *args)
 
 
 def same_positions(outcomes):
