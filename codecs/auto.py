@@ -108,12 +108,8 @@ def _estimated_size(tag: int, indices: np.ndarray) -> int:
     if name == "runs":
         return runs.stream_size(indices)
     if name == "huffman":
-        codec = huffman.HuffmanIndices()
-        return huffman.estimate_bits(huffman.gap_values(indices), codec.precision,
-                                     codec.block) // 8
-    split = golomb.Split(golomb.index_gaps(indices),
-                         golomb.choose_parameter(golomb.mean_gap(indices)), consume=True)
-    return golomb.stream_size(split)
+        return huffman.HuffmanIndices().encoded_bits(indices) // 8
+    return golomb.GolombIndices().encoded_size(indices)
 
 
 def complement(indices: np.ndarray, n: int) -> np.ndarray:
