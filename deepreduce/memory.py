@@ -50,28 +50,19 @@ class ResidualMemory:
             raise ValueError(f"beta must be in [0, 1], got {beta!r}")
         self.beta = beta
         self._residuals: dict[str, np.ndarray] = {}
-        # corrected gradients accumulate() made that no caller passed in: settle() may
-        # keep them as residuals without a copy
-        self._owned: dict[str, np.ndarray] = {}
 
     def compensate(self, name: str, gradient) -> np.ndarray:
         """Return ``gradient + beta * residual[name]`` (the gradient itself the first time)."""
-        return self._compensate(name, gradient)[0]
-
-    def _compensate(self, name, gradient) -> tuple[np.ndarray, bool]:
-        """The corrected gradient, and whether it is a new array that no caller holds."""
-        if isinstance(gradient, SparseTensor):
-            gradient, new = gradient.to_dense(), True
-        else:
-            gradient, new = np.asarray(gradient), False
+        gradient = gradient.to_dense() if isinstance(gradient, SparseTensor) else \
+            np.asarray(gradient)
         residual = self._residuals.get(name)
         if residual is None or self.beta == 0.0:
-            return gradient, new
+            return gradient
         if residual.shape != gradient.shape:
             raise ValueError(f"tensor {name!r} changed shape from {residual.shape} to "
                              f"{gradient.shape}; call reset({name!r}) first")
         return gradient + (residual if self.beta == 1.0 else self.beta * residual).astype(
-            gradient.dtype, copy=False), True
+            gradient.dtype, copy=False)
 
     def update(self, name: str, sent_input, received: SparseTensor) -> None:
         """Store ``sent_input - received`` as the residual of ``name``."""
@@ -114,23 +105,19 @@ class ResidualMemory:
         addition). The result is that memory: read it, do not keep it. Same
         bits as :meth:`compensate`.
         """
-        corrected, owned = self._corrected_in_place(name, gradient)
-        if corrected is None:
-            corrected, owned = self._compensate(name, gradient)
-        if owned:
-            self._owned[name] = corrected
-        return corrected
+        corrected = self._corrected_in_place(name, gradient)
+        return self.compensate(name, gradient) if corrected is None else corrected
 
     def settle(self, name: str, corrected, received: SparseTensor) -> None:
         """Second half: the residual becomes ``corrected - received``.
 
         ``corrected`` is what :meth:`accumulate` returned; ``received`` is what
-        the receivers decode. The residual takes ``corrected``'s memory unless
-        a caller handed that array in or ``received`` views it: then it is a
-        copy, as :meth:`update` makes.
+        the receivers decode. When ``corrected`` is the residual's own memory
+        (accumulate's usual case) the delivered entries are subtracted there;
+        otherwise, or when ``received`` views it, the residual is a copy, as
+        :meth:`update` makes.
         """
-        owned = self._owned.pop(name, None) is corrected
-        if owned and corrected.flags.c_contiguous \
+        if corrected is self._residuals.get(name) \
                 and not np.may_share_memory(received.values, corrected):
             self._store(name, corrected, received)
         else:
@@ -142,14 +129,14 @@ class ResidualMemory:
         gradient). The same bits as :meth:`compensate`: the sum commutes."""
         residual = self._residuals.get(name)
         if isinstance(gradient, SparseTensor) or residual is None or self.beta == 0.0:
-            return None, False
+            return None
         gradient = np.asarray(gradient)
         if residual.shape != gradient.shape or residual.dtype != gradient.dtype:
-            return None, False
+            return None
         if self.beta != 1.0:
             np.multiply(residual, self.beta, out=residual)
         np.add(residual, gradient, out=residual)
-        return residual, True
+        return residual
 
     def _store(self, name, residual: np.ndarray, received: SparseTensor) -> None:
         """Subtract ``received`` from ``residual`` (C-contiguous, ours) in place and keep it."""
@@ -171,10 +158,8 @@ class ResidualMemory:
         """Forget one residual, or all of them."""
         if name is None:
             self._residuals.clear()
-            self._owned.clear()
         else:
             self._residuals.pop(name, None)
-            self._owned.pop(name, None)
 
     def __contains__(self, name) -> bool:
         return name in self._residuals
