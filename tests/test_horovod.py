@@ -18,15 +18,15 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import deepreduce as dr
-from deepreduce.horovod import fusion, stats
-from deepreduce.horovod.fusion import GradientCompression, pack_bundle, split_bundles
+from deepreduce import exchange, stats
+from deepreduce.exchange import GradientExchange, pack_bundle, split_bundles
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # ----------------------------------------------------------------- numpy side
 
-@pytest.mark.parametrize("module", [fusion, stats])
+@pytest.mark.parametrize("module", [exchange, stats])
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0
@@ -57,7 +57,7 @@ def test_every_truncation_and_extension_raises_decode_error():
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=64), st.integers(1, 3))
 def test_garbage_raises_only_decode_error(data, ranks):
-    for candidate in (data, fusion.BUNDLE_MAGIC + bytes((1,)) + data):
+    for candidate in (data, exchange.BUNDLE_MAGIC + bytes((1,)) + data):
         try:
             split_bundles(candidate, ranks)
         except dr.DecodeError:
@@ -65,13 +65,13 @@ def test_garbage_raises_only_decode_error(data, ranks):
 
 
 def test_lying_headers_are_rejected_before_allocating():
-    head = fusion.BUNDLE_MAGIC + bytes((fusion.BUNDLE_VERSION,))
+    head = exchange.BUNDLE_MAGIC + bytes((exchange.BUNDLE_VERSION,))
     with pytest.raises(dr.DecodeError, match="declares"):
         split_bundles(head + b"\xff\xff\xff\xff\x0f", 1)          # 2**32 - 1 payloads
     with pytest.raises(dr.DecodeError, match="add up to more"):
         split_bundles(head + b"\x01\xff\xff\xff\xff\x0f" + b"abc", 1)  # one huge payload
     with pytest.raises(dr.DecodeError, match="version"):
-        split_bundles(fusion.BUNDLE_MAGIC + b"\x07\x00", 1)
+        split_bundles(exchange.BUNDLE_MAGIC + b"\x07\x00", 1)
     with pytest.raises(dr.DecodeError, match="magic"):
         split_bundles(b"DR\x01\x00", 1)
 
@@ -85,7 +85,7 @@ def test_lossless_sum_and_average_match_numpy():
     names = ["w", "b", "v"]
     ranks = [gradients(r) for r in range(3)]
     for average in (False, True):
-        c = GradientCompression(None, index="varint", min_size=50)
+        c = GradientExchange(None, index="varint", min_size=50)
         data = b"".join(c.encode_bundle(names, g) for g in ranks)
         results = c.decode_bundles(data, ranks=3, rank=1, average=average)
         for i, result in enumerate(results):
@@ -96,7 +96,7 @@ def test_lossless_sum_and_average_match_numpy():
 
 
 def test_error_feedback_is_exact_and_small_tensors_are_lossless():
-    c = GradientCompression(dr.TopK(0.05), index="varint", value="fp16", min_size=20)
+    c = GradientExchange(dr.TopK(0.05), index="varint", value="fp16", min_size=20)
     names = ["w", "b", "v"]
     previous = {n: 0.0 for n in names}
     for step in range(4):
@@ -121,11 +121,11 @@ def test_error_feedback_is_exact_and_small_tensors_are_lossless():
 
 
 def test_memory_off_and_shared_memory():
-    assert GradientCompression(dr.TopK(1), index="varint", memory=None).memory is None
-    assert isinstance(GradientCompression(index="varint", memory=dr.ResidualMemory).memory,
+    assert GradientExchange(dr.TopK(1), index="varint", memory=None).memory is None
+    assert isinstance(GradientExchange(index="varint", memory=dr.ResidualMemory).memory,
                       dr.ResidualMemory)
     memory = dr.ResidualMemory(beta=0.5)
-    c = GradientCompression(dr.TopK(1), index="varint", memory=memory, min_size=0)
+    c = GradientExchange(dr.TopK(1), index="varint", memory=memory, min_size=0)
     c.encode_bundle(["x"], [np.array([1.0, 3.0], np.float32)])
     assert np.array_equal(memory.residual("x"), [1.0, 0.0])
 
@@ -134,7 +134,7 @@ def test_sparse_inputs_reduce_to_rows():
     shape = (6, 3)
     a = dr.SparseTensor.from_pairs(np.ones(6, np.float32), [0, 1, 2, 12, 13, 14], shape)
     b = dr.SparseTensor.from_pairs(np.full(3, 2, np.float32), [12, 13, 14], shape)
-    c = GradientCompression(None, index="varint", min_size=0)
+    c = GradientExchange(None, index="varint", min_size=0)
     data = c.encode_bundle(["e"], [a]) + c.encode_bundle(["e"], [b])
     (values, rows), = c.decode_bundles(data, ranks=2, rank=0, as_rows=[True])
     assert rows.tolist() == [0, 4]
@@ -144,7 +144,7 @@ def test_sparse_inputs_reduce_to_rows():
 
 
 def test_sparse_input_with_error_feedback_stays_sparse_selection():
-    c = GradientCompression(dr.TopK(2), index="varint", min_size=0)
+    c = GradientExchange(dr.TopK(2), index="varint", min_size=0)
     st1 = dr.SparseTensor([5.0, -1.0, 0.5], [3, 10, 40], (50,))
     payload, received = c.encode_tensor(st1, "e")
     assert received.indices.tolist() == [3, 10]
@@ -157,7 +157,7 @@ def test_sparse_input_with_error_feedback_stays_sparse_selection():
 @pytest.mark.parametrize("value", ["fp16", "qsgd"])
 def test_own_bundle_is_not_decoded_again_and_gives_the_same_sums(value):
     names, shapes = ["w", "b"], ((200, 30), (500,))
-    ranks = [GradientCompression(dr.TopK(0.1), index="auto", value=value, seed=r)
+    ranks = [GradientExchange(dr.TopK(0.1), index="auto", value=value, seed=r)
              for r in range(2)]
     for step in range(3):
         bundles = [c.encode_bundle(names, gradients(10 * step + r, shapes))
@@ -165,7 +165,7 @@ def test_own_bundle_is_not_decoded_again_and_gives_the_same_sums(value):
         data = b"".join(bundles)
         # rank 0 last encoded bundles[0]: it reuses what its encoder returned; a fresh
         # object has nothing to reuse and decodes every bundle
-        fresh = GradientCompression(dr.TopK(0.1), index="auto", value=value)
+        fresh = GradientExchange(dr.TopK(0.1), index="auto", value=value)
         for got, expected in zip(ranks[0].decode_bundles(data, ranks=2, rank=0),
                                  fresh.decode_bundles(data, ranks=2, rank=0)):
             np.testing.assert_array_equal(got, expected)
@@ -179,13 +179,13 @@ def address(array) -> int:
                                             (np.float64, True), (np.float16, False)])
 def test_dense_sums_reuse_memory_only_when_nobody_holds_them(dtype, average):
     names, shapes = ["w", "b"], ((120, 40), (700,))
-    c = GradientCompression(dr.TopK(0.05), index="golomb", value="raw", min_size=0)
+    c = GradientExchange(dr.TopK(0.05), index="golomb", value="raw", min_size=0)
 
     def step(seed):
         bundles = [c.encode_bundle(names, [g.astype(dtype) for g in gradients(seed + r, shapes)])
                    for r in range(2)]
         data = b"".join(bundles)
-        fresh = GradientCompression(dr.TopK(0.05), index="golomb", min_size=0)
+        fresh = GradientExchange(dr.TopK(0.05), index="golomb", min_size=0)
         return c.decode_bundles(data, ranks=2, rank=1, average=average), \
             fresh.decode_bundles(data, ranks=2, rank=1, average=average)
 
@@ -218,7 +218,7 @@ def test_dense_sums_reuse_memory_only_when_nobody_holds_them(dtype, average):
 
 
 def test_mismatched_ranks_raise_decode_error():
-    c = GradientCompression(None, index="varint")
+    c = GradientExchange(None, index="varint")
     one = c.encode_bundle(["a"], [np.ones(3, np.float32)])
     two = c.encode_bundle(["a", "b"], [np.ones(3, np.float32), np.ones(2, np.float32)])
     with pytest.raises(dr.DecodeError, match="same gradients"):
@@ -236,7 +236,7 @@ def test_seed_reaches_specs_and_makes_runs_reproducible():
     g = [np.random.default_rng(0).standard_normal(5000).astype(np.float32)]
 
     def bundles(**kwargs):
-        c = GradientCompression(index="varint", memory=None, **kwargs)
+        c = GradientExchange(index="varint", memory=None, **kwargs)
         return [c.encode_bundle(["g"], g) for _ in range(3)]
 
     assert bundles(sparsifier="randomk:0.01", seed=3) == bundles(sparsifier="randomk:0.01",
@@ -246,17 +246,17 @@ def test_seed_reaches_specs_and_makes_runs_reproducible():
     # a seed in the spec wins over the Compression's
     assert bundles(sparsifier="randomk:0.01,seed=9", seed=3) == \
         bundles(sparsifier="randomk:0.01,seed=9", seed=4)
-    assert GradientCompression("randomk:0.01", index="varint", seed=5).pipeline.sparsifier.seed == 5
+    assert GradientExchange("randomk:0.01", index="varint", seed=5).pipeline.sparsifier.seed == 5
 
 
 def test_curve_fit_values_take_the_default_index():
-    c = GradientCompression(dr.TopK(0.05), value="polyfit", memory=None)
+    c = GradientExchange(dr.TopK(0.05), value="polyfit", memory=None)
     g = gradients(0)
     data = c.encode_bundle(["w", "b", "v"], g)
     w, b, v = c.decode_bundles(data, ranks=1, rank=0)
     assert np.count_nonzero(w) == 250 and np.array_equal(b, g[1])
     with pytest.raises(ValueError, match="sorts the values"):
-        GradientCompression(value="polyfit", index="varint")
+        GradientExchange(value="polyfit", index="varint")
 
 
 @pytest.mark.parametrize("kwargs", [{"min_size": -1}, {"min_size": 1.5}, {"memory": "yes"},
@@ -264,7 +264,7 @@ def test_curve_fit_values_take_the_default_index():
                                     {"value": "nosuch"}])
 def test_bad_arguments_raise_value_error(kwargs):
     with pytest.raises(ValueError):
-        GradientCompression(**{"index": "varint", **kwargs})
+        GradientExchange(**{"index": "varint", **kwargs})
 
 
 def test_stats_counters():
@@ -288,7 +288,7 @@ def test_stats_counters():
 def test_codec_time_is_the_part_of_encode_and_decode_inside_the_codecs():
     names, shapes = ["w", "b"], ((300, 200), (50,))
     for index in ("raw", "huffman"):
-        c = GradientCompression(dr.TopK(0.05), index=index, value="fp16")
+        c = GradientExchange(dr.TopK(0.05), index=index, value="fp16")
         bundle = c.encode_bundle(names, gradients(0, shapes))
         c.decode_bundles(bundle + bundle, ranks=2, rank=0)  # rank 1's bundle is decoded
         last = c.stats.last
@@ -327,7 +327,7 @@ def test_reducing_communicators_match_numpy(communicator, options, op):
     names, size = ["w", "b", "v", "d"], 4
     inputs = [integer_gradients(r) + [np.full((5, 4), r + 1.0)] for r in range(size)]
     # float64 "d" travels in its own set of collectives; "b" and "d" are below min_size
-    compressions = [GradientCompression(None, index="varint", min_size=100,
+    compressions = [GradientExchange(None, index="varint", min_size=100,
                                         communicator=communicator,
                                         communicator_options=options) for _ in range(size)]
 
@@ -351,7 +351,7 @@ def test_reducing_communicators_match_numpy(communicator, options, op):
 def test_reducing_communicators_feed_back_exactly(communicator, options):
     """Residual = corrected input - sent; small tensors exact despite fp16 values."""
     names, size, steps = ["w", "b", "v"], 2, 3
-    compressions = [GradientCompression(dr.TopK(0.05), index="varint", value="fp16",
+    compressions = [GradientExchange(dr.TopK(0.05), index="varint", value="fp16",
                                         min_size=20, communicator=communicator,
                                         communicator_options=options) for _ in range(size)]
     grads = [[gradients(10 * step + r) for step in range(steps)] for r in range(size)]
@@ -388,7 +388,7 @@ def test_reducing_communicators_feed_back_exactly(communicator, options):
 
 
 def test_block_threshold_spares_small_tensors():
-    c = [GradientCompression(None, index="varint", min_size=8, communicator="block",
+    c = [GradientExchange(None, index="varint", min_size=8, communicator="block",
                              communicator_options={"block_size": 4, "threshold": 0.5})
          for _ in range(2)]
     small = np.array([0.25, 0, 0, 0.25], np.float32)
@@ -407,7 +407,7 @@ def test_reducing_communicators_reduce_sparse_inputs_to_rows():
     shape = (6, 3)
     a = dr.SparseTensor.from_pairs(np.ones(6, np.float32), [0, 1, 2, 12, 13, 14], shape)
     b = dr.SparseTensor.from_pairs(np.full(3, -1, np.float32), [12, 13, 14], shape)
-    c = [GradientCompression(None, index="varint", min_size=0,
+    c = [GradientExchange(None, index="varint", min_size=0,
                              communicator="sparse_allreduce") for _ in range(2)]
 
     def rank_main(member):
@@ -419,7 +419,7 @@ def test_reducing_communicators_reduce_sparse_inputs_to_rows():
 
 
 def test_a_failing_rank_fails_every_rank():
-    c = [GradientCompression(None, index="varint", communicator="sparse_allreduce")
+    c = [GradientExchange(None, index="varint", communicator="sparse_allreduce")
          for _ in range(2)]
 
     def rank_main(member):
@@ -447,12 +447,12 @@ def test_a_failing_rank_fails_every_rank():
 ])
 def test_bad_communicator_settings_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        GradientCompression(**{"index": "varint", **kwargs})
+        GradientExchange(**{"index": "varint", **kwargs})
 
 
 def test_allgather_communicator_has_no_reduce_tensors():
     with pytest.raises(ValueError, match="encode_bundle"):
-        GradientCompression(index="varint").reduce_tensors(["x"], [np.ones(2)])
+        GradientExchange(index="varint").reduce_tensors(["x"], [np.ones(2)])
 
 
 # ------------------------------------------------------------ two Horovod ranks

@@ -426,12 +426,15 @@ class Ownership:
         output[start:start + tail] = values[rows * g:]
 
 
-def sum_sparse(parts: list, length: int, dtype) -> SparseTensor:
+def sum_sparse(parts: list, length: int, dtype, accumulator=np.float64) -> SparseTensor:
     """Sum SparseTensors over ``[0, length)``; the support of the sum is the union of supports.
 
-    Sums are accumulated in float64, part after part, and rounded once to
-    ``dtype``: narrower dtypes get the correctly rounded sum of up to 2**29
-    parts whatever their order, float64 the sequential sum in the parts' order.
+    The one sum of the project: every communicator and the gradient exchange
+    reduce with it. Sums are accumulated in ``accumulator``, part after part,
+    and rounded once to ``dtype``. With the float64 default, narrower dtypes
+    get the correctly rounded sum of up to 2**29 parts whatever their order;
+    an accumulator of the values' own dtype gives the sequential sum in the
+    parts' order that a dense allreduce computes.
     """
     parts = [p for p in parts if p.nnz]
     if not parts:
@@ -440,17 +443,22 @@ def sum_sparse(parts: list, length: int, dtype) -> SparseTensor:
         return SparseTensor._trusted(parts[0].values.astype(dtype, copy=False),
                                      parts[0].indices, (length,))
     indices = np.concatenate([p.indices for p in parts])
-    weights = np.concatenate([p.values.astype(np.float64) for p in parts])
     if indices.size * 8 >= length:
         # Many entries for the range: one pass over a dense accumulator beats a sort.
-        totals = np.bincount(indices, weights=weights, minlength=length)
+        totals = np.zeros(length, accumulator)
+        for part in parts:  # in place, unlike totals[indices] += values
+            np.add.at(totals, part.indices, part.values)
         touched = np.zeros(length, dtype=bool)
         touched[indices] = True
         support = np.flatnonzero(touched)
-        return SparseTensor._trusted(totals[support].astype(dtype), support, (length,))
+        return SparseTensor._trusted(totals[support].astype(dtype, copy=False), support,
+                                     (length,))
     support, inverse = _union(indices)
-    totals = np.bincount(inverse, weights=weights, minlength=support.size)
-    return SparseTensor._trusted(totals.astype(dtype), support, (length,))
+    totals = np.zeros(support.size, accumulator)
+    ends = np.cumsum([p.nnz for p in parts]).tolist()
+    for part, end in zip(parts, ends):
+        np.add.at(totals, inverse[end - part.nnz:end], part.values)
+    return SparseTensor._trusted(totals.astype(dtype, copy=False), support, (length,))
 
 
 def _union(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,7 @@
 """Horovod integrations: deepreduce payloads as the gradients of data-parallel training.
 
 ``import deepreduce.horovod.tensorflow as drh`` (TensorFlow 2 / Keras 2 with
-Horovod) is the user-facing module. :mod:`deepreduce.horovod.fusion` (bundle
-framing, compression and reduction in numpy) and :mod:`deepreduce.horovod.stats`
+Horovod) is the user-facing module. :mod:`deepreduce.exchange` (bundle
+framing, compression and reduction in numpy) and :mod:`deepreduce.stats`
 need neither TensorFlow nor Horovod; importing this package imports neither.
 """

@@ -15,7 +15,7 @@ A Horovod training script changes one or two lines::
 How it travels. Horovod's allreduce sums what it is given, and summed payload
 bytes mean nothing, so deepreduce uses the **allgather communicator**: each rank
 encodes all its gradients of a step into one bundle (one payload per gradient,
-framed by :mod:`deepreduce.horovod.fusion`), one ``hvd.allgather`` moves every
+framed by :mod:`deepreduce.exchange`), one ``hvd.allgather`` moves every
 rank's bundle to every rank (their sizes may differ), and every rank decodes
 all of them and sums in rank order (dividing by the number of ranks for
 ``op=hvd.Average``), so all ranks apply the same gradient. Encoding and
@@ -50,9 +50,9 @@ import horovod.tensorflow as hvd
 from deepreduce.errors import DecodeError
 from deepreduce.pipeline import DEFAULT_INDEX, DEFAULT_VALUE, decode
 from deepreduce.sparse import SparseTensor
-from deepreduce.horovod.fusion import GradientCompression
+from deepreduce.exchange import GradientExchange
 from deepreduce.horovod.keras import CompressionStatsCallback
-from deepreduce.horovod.stats import CompressionStats, StepStats
+from deepreduce.stats import CompressionStats, StepStats
 
 __all__ = ["Compression", "DistributedGradientTape", "DistributedOptimizer",
            "CompressionStatsCallback", "allreduce", "grouped_allreduce",
@@ -86,7 +86,7 @@ def _host_call(fn, inputs, tout):
     return tf.numpy_function(fn, inputs, tout, stateful=True)
 
 
-class Compression(GradientCompression):
+class Compression(GradientExchange):
     """Compression of gradients for Horovod: sparsifier, codecs, error feedback.
 
     Parameters
@@ -126,7 +126,7 @@ class Compression(GradientCompression):
     payloads differ in length Horovod itself refuses the mismatched allreduce.
     A wrong gradient is never returned: every payload carries a CRC32.
 
-    ``stats`` (a :class:`~deepreduce.horovod.stats.CompressionStats`) counts
+    ``stats`` (a :class:`~deepreduce.stats.CompressionStats`) counts
     the bytes and times of every step this object compresses in the
     communicator: ``compression.stats.last.ratio``,
     ``compression.stats.as_dict()``.
@@ -181,7 +181,7 @@ class Compression(GradientCompression):
 def _check_compression(compression):
     if compression is None:
         return Compression()
-    if not isinstance(compression, GradientCompression):
+    if not isinstance(compression, GradientExchange):
         raise ValueError("compression must be a deepreduce.horovod.tensorflow.Compression "
                          f"(horovod's own compressors are for allreduce), got {compression!r}")
     return compression

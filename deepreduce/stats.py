@@ -58,7 +58,7 @@ class StepStats:
 
     Examples
     --------
-    >>> from deepreduce.horovod.stats import StepStats
+    >>> from deepreduce.stats import StepStats
     >>> s = StepStats(steps=2, bytes_sent=1000, dense_bytes=40000, encode_seconds=0.004)
     >>> s.ratio, s.per_step()["bytes_sent"], round(s.per_step()["encode_ms"], 3)
     (40.0, 500.0, 2.0)
@@ -116,7 +116,7 @@ class CompressionStats:
 
     Examples
     --------
-    >>> from deepreduce.horovod.stats import CompressionStats
+    >>> from deepreduce.stats import CompressionStats
     >>> stats = CompressionStats()
     >>> stats.record_encode(tensors=3, compressed_tensors=1, bytes_sent=120, dense_bytes=4000,
     ...                     seconds=0.001)
