@@ -259,12 +259,54 @@ class GradientExchange:
         self._sums = _ReusedSums()
         self._codec_seconds = 0.0
 
+    def __getstate__(self):
+        # what belongs to the running process stays behind: the lock, the buffers
+        # kept for reuse and the payloads of the last bundle
+        state = dict(self.__dict__)
+        for runtime in ("_lock", "_sums", "_last_sent"):
+            state.pop(runtime)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock, self._sums, self._last_sent = threading.Lock(), _ReusedSums(), ([], [])
+
     def __repr__(self):
         memory = "None" if self.memory is None else f"ResidualMemory(beta={self.memory.beta})"
         options = "".join(f", {k}={v!r}" for k, v in self.communicator_options.items())
         return (f"{type(self).__name__}({self.pipeline!r}, memory={memory}, "
                 f"min_size={self.min_size}, seed={self.seed}, "
                 f"communicator={self.communicator!r}{options})")
+
+    def random_state(self) -> dict:
+        """The state of the random generators of the sparsifier and codecs.
+
+        Checkpoint it with the residuals: :meth:`set_random_state` on a new
+        exchange of the same configuration continues the same sequence.
+        """
+        state = {}
+        for role, part in self._random_parts():
+            if hasattr(part, "_calls"):
+                state[f"{role}.calls"] = int(part._calls)
+            rng = getattr(part, "_rng", None)
+            if isinstance(rng, np.random.Generator):
+                state[f"{role}.rng"] = rng.bit_generator.state
+        return state
+
+    def set_random_state(self, state: dict) -> None:
+        """Restore what :meth:`random_state` returned."""
+        for role, part in self._random_parts():
+            if f"{role}.calls" in state:
+                part._calls = int(state[f"{role}.calls"])
+            if f"{role}.rng" in state:
+                part._rng.bit_generator.state = state[f"{role}.rng"]
+
+    def _random_parts(self):
+        pipe = self.pipeline
+        return [(role, part) for role, part in (("sparsifier", pipe.sparsifier),
+                                                ("index", pipe.index_codec),
+                                                ("value", pipe.value_codec))
+                if part is not None]
 
     # -- one tensor -----------------------------------------------------------
     def encode_tensor(self, x, name: str | None = None) -> tuple[bytes, SparseTensor]:
@@ -309,10 +351,15 @@ class GradientExchange:
     # -- one step -------------------------------------------------------------
     def encode_bundle(self, names, tensors) -> bytes:
         """Encode this rank's gradients (dense arrays or SparseTensors) into one bundle."""
-        bundle, sent = self._encode_bundle(names, tensors)
+        bundle, sent, encoded = self._encode_bundle(names, tensors)
         # what the other ranks will decode from this bundle, so that decoding it
         # again here can be skipped (decode_bundles comes in a separate call)
         self._last_sent = sent
+        self.stats.record_encode(tensors=encoded.tensors,
+                                 compressed_tensors=encoded.compressed_tensors,
+                                 bytes_sent=encoded.bytes_sent, dense_bytes=encoded.dense_bytes,
+                                 seconds=encoded.encode_seconds,
+                                 codec_seconds=encoded.codec_seconds)
         return bundle
 
     def _encode_bundle(self, names, tensors):
@@ -331,11 +378,11 @@ class GradientExchange:
                 dense_bytes += received.size * received.dtype.itemsize
                 compressed += received.size >= self.min_size
             bundle = pack_bundle(payloads)
-            self.stats.record_encode(tensors=len(payloads), compressed_tensors=compressed,
-                                     bytes_sent=len(bundle), dense_bytes=dense_bytes,
-                                     seconds=time.perf_counter() - start,
-                                     codec_seconds=self._codec_seconds)
-        return bundle, (payloads, receiveds)
+            encoded = StepStats(steps=1, tensors=len(payloads), compressed_tensors=compressed,
+                                bytes_sent=len(bundle), dense_bytes=dense_bytes,
+                                encode_seconds=time.perf_counter() - start,
+                                codec_seconds=self._codec_seconds)
+        return bundle, (payloads, receiveds), encoded
 
     def decode_bundles(self, gathered, ranks: int, rank: int, average: bool = False,
                        as_rows=None, out=None) -> list:
@@ -364,8 +411,12 @@ class GradientExchange:
             One reduced tensor per gradient, with the dtype its payloads carry.
         """
         with self._lock:
-            return self._decode_bundles(gathered, ranks, rank, average, as_rows, out,
-                                        self._last_sent)
+            results, decoded = self._decode_bundles(gathered, ranks, rank, average, as_rows,
+                                                    out, self._last_sent)
+        self.stats.record_decode(bytes_received=decoded.bytes_received,
+                                 seconds=decoded.decode_seconds,
+                                 codec_seconds=decoded.codec_seconds)
+        return results
 
     def _decode_bundles(self, gathered, ranks, rank, average, as_rows, out, sent):
         start = time.perf_counter()
@@ -412,9 +463,9 @@ class GradientExchange:
                 self._sums.keep(i, total, summed.indices)
             results.append(_dense_sum(total, summed, scale, reference.dtype).reshape(
                 reference.shape))
-        self.stats.record_decode(bytes_received=received,
-                                 seconds=time.perf_counter() - start, codec_seconds=codec_seconds)
-        return results
+        return results, StepStats(bytes_received=received,
+                                  decode_seconds=time.perf_counter() - start,
+                                  codec_seconds=codec_seconds)
 
     # -- one step, reduced inside the collective -------------------------------
     def reduce_tensors(self, names, tensors, op="sum", process_set=None, transport=None,
@@ -536,14 +587,20 @@ class GradientExchange:
         if len(names) != len(tensors):
             raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
         if self.communicator == "allgather":
-            bundle, sent = self._encode_bundle(names, tensors)
+            bundle, sent, encoded = self._encode_bundle(names, tensors)
+            encode_end = time.perf_counter()
 
             def finish():
                 traffic = Traffic()
                 gathered = transport.allgather(bundle, traffic, "bundles")
+                exchanged = time.perf_counter()
                 with self._lock:
-                    outputs = self._decode_bundles(gathered, transport.size, transport.rank,
-                                                   op == "average", as_rows, out, sent)
+                    outputs, decoded = self._decode_bundles(
+                        gathered, transport.size, transport.rank, op == "average", as_rows,
+                        out, sent)
+                # one record per exchange: exchanges may overlap, open/close pairs may not
+                self.stats.record_step(encoded + decoded + StepStats(
+                    exchange_seconds=exchanged - encode_end))
                 return outputs, traffic
         else:
             as_rows = [False] * len(tensors) if as_rows is None else list(as_rows)

@@ -154,6 +154,14 @@ class ResidualMemory:
         """
         return self._residuals.get(name)
 
+    def restore(self, name: str, residual) -> None:
+        """Set the residual of ``name`` to a copy of ``residual`` (from a checkpoint)."""
+        self._residuals[name] = np.array(residual, copy=True, order="C")
+
+    def names(self) -> list:
+        """The names that hold a residual."""
+        return list(self._residuals)
+
     def reset(self, name: str | None = None) -> None:
         """Forget one residual, or all of them."""
         if name is None:

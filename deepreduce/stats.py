@@ -131,6 +131,15 @@ class CompressionStats:
         self._lock = threading.Lock()
         self.reset()
 
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def reset(self) -> None:
         """Forget every step."""
         with self._lock:

@@ -31,8 +31,9 @@ In a script started with ``horovodrun -np 4 -H localhost:4 --gloo``::
     total = collectives.allreduce(grad, "sparse_allreduce", pipeline=pipe)
 """
 
-from deepreduce.collectives.transport import (HorovodTransport, ThreadTransport, Traffic,
-                                              Transport, get_transport)
+from deepreduce.collectives.transport import (HorovodTransport, ThreadTransport,
+                                              TorchTransport, Traffic, Transport,
+                                              get_transport)
 from deepreduce.collectives.base import Communicator, Handle, Reduction, fail_collectively
 from deepreduce.collectives.allgather import AllgatherReduce
 from deepreduce.collectives.sparse_allreduce import SparseAllreduce
@@ -123,5 +124,6 @@ def block_allreduce(x, pipeline=None, block_size=256, threshold=0.0, op="sum",
 
 __all__ = ["AllgatherReduce", "SparseAllreduce", "BlockReduce", "Communicator", "Reduction",
            "Handle", "Traffic", "Transport", "HorovodTransport", "ThreadTransport",
+           "TorchTransport",
            "COMMUNICATORS", "get_communicator", "allreduce", "allreduce_async",
            "sparse_allreduce", "block_allreduce", "cost"]

@@ -1,0 +1,98 @@
+"""PyTorch integration: a DDP communication hook and allreduce over torch.distributed.
+
+::
+
+    import torch, deepreduce as dr, deepreduce.torch as drt
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    state = drt.DeepReduceState(sparsifier=dr.TopK(0.01), index="auto", value="fp16")
+    model.register_comm_hook(state, drt.deepreduce_hook)
+
+    total = drt.allreduce(grad, state, name="w")     # custom loops, dense or sparse COO
+
+Everything framework-neutral (error feedback, encoding, the collectives'
+logic, the sums) lives in :mod:`deepreduce.exchange` and
+:mod:`deepreduce.collectives`; this package converts tensors and moves bytes
+with :class:`~deepreduce.collectives.TorchTransport` (gloo or NCCL).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deepreduce.sparse import SparseTensor
+from deepreduce.torch.ddp import DeepReduceState, deepreduce_hook, transport_of
+
+__all__ = ["DeepReduceState", "deepreduce_hook", "allreduce", "allreduce_async",
+           "transport_of"]
+
+
+def allreduce_async(tensor, state: DeepReduceState, name: str | None = None,
+                    op: str = "average") -> torch.futures.Future:
+    """Start reducing ``tensor`` across the ranks of ``state``'s group; return a Future.
+
+    For training loops that do not use DDP. ``tensor`` is dense, or a sparse
+    COO tensor (the gradient of ``nn.Embedding(sparse=True)``), which is
+    encoded sparse, never densified. The state's sparsifier, codecs and
+    communicator apply; its ``start_iter`` and ``min_compression_rate``
+    concern only the DDP hook. Every rank must start the same reductions in
+    the same order.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        Floating point, dense or sparse COO, on any device.
+    state : DeepReduceState
+    name : str, optional
+        Key of the error-feedback residual (one per tensor you reduce each
+        step). None reduces without error feedback.
+    op : {"average", "sum"}
+
+    Returns
+    -------
+    torch.futures.Future
+        Its value is the reduced tensor, the same on every rank: dense for a
+        dense input (same shape, dtype and device); for a sparse input, a
+        sparse COO tensor holding the rows any rank sent.
+    """
+    if not tensor.dtype.is_floating_point:
+        raise TypeError(f"allreduce reduces floating-point tensors, got {tensor.dtype}")
+    state._agree()
+    sparse = tensor.is_sparse
+    x = _sparse_to_numpy(tensor) if sparse else tensor.detach().cpu().numpy()
+    result = torch.futures.Future()
+
+    def deliver(future):
+        try:
+            (output,), _ = future.result()
+            if sparse:
+                values, rows = output
+                result.set_result(torch.sparse_coo_tensor(
+                    torch.from_numpy(rows)[None], torch.from_numpy(values), tensor.shape,
+                    device=tensor.device, check_invariants=True, is_coalesced=True))
+            else:
+                result.set_result(torch.from_numpy(output).to(tensor.device))
+        except Exception as exc:  # noqa: BLE001 - raised by the future's wait()
+            result.set_exception(exc)
+
+    started = state.exchange.reduce_async([name], [x], state._guarded, op, as_rows=[sparse])
+    started.add_done_callback(deliver)
+    return result
+
+
+def allreduce(tensor, state: DeepReduceState, name: str | None = None, op: str = "average"):
+    """Reduce ``tensor`` across ranks; see :func:`allreduce_async`."""
+    return allreduce_async(tensor, state, name, op).wait()
+
+
+def _sparse_to_numpy(tensor) -> SparseTensor:
+    """A sparse COO tensor as a :class:`~deepreduce.SparseTensor` of its dense shape."""
+    coalesced = tensor.detach().coalesce().cpu()
+    shape = tuple(coalesced.shape)
+    sparse_dims = coalesced.sparse_dim()
+    rows = np.ravel_multi_index(coalesced.indices().numpy(), shape[:sparse_dims]) \
+        if coalesced._nnz() else np.zeros(0, np.int64)
+    row_size = int(np.prod(shape[sparse_dims:], dtype=np.int64))
+    values = coalesced.values().numpy().reshape(-1)
+    flat = (rows[:, None] * row_size + np.arange(row_size, dtype=np.int64)).reshape(-1)
+    return SparseTensor.from_pairs(values, flat, shape, values.dtype)

@@ -1,0 +1,183 @@
+"""deepreduce.torch: the DDP hook, allreduce and the torch.distributed transport.
+
+The multi-rank checks run on two real gloo ranks (spawned processes, see
+tests/torch_workers.py); the rest on one process.
+"""
+
+import doctest
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import deepreduce as dr  # noqa: E402
+import deepreduce.torch as drt  # noqa: E402
+from deepreduce.torch import ddp  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Findings of tests/torch_workers.py on two gloo ranks: ``{check: [rank0, rank1]}``."""
+    out = tmp_path_factory.mktemp("torch_ranks")
+    subprocess.run([sys.executable, os.path.join(HERE, "torch_workers.py"), str(out),
+                    str(free_port())], check=True, timeout=600)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return {check: [ranks[0][check], ranks[1][check]] for check in ranks[0]}
+
+
+def findings(two_ranks, check):
+    for rank, found in enumerate(two_ranks[check]):
+        assert "error" not in found, f"rank {rank}:\n{found['error']}"
+    return two_ranks[check]
+
+
+def test_lossless_hook_equals_ddp_allreduce_for_every_communicator(two_ranks):
+    for found in findings(two_ranks, "check_lossless"):
+        for communicator in ("allgather", "sparse_allreduce", "block"):
+            assert found[communicator] is True, communicator
+            # 6 iterations, 2 before start_iter, 3 parameters of >= min_size each
+            assert found[f"{communicator}_compressed"] == 12
+
+
+def test_topk_error_feedback_conserves_the_gradient_sum(two_ranks):
+    for found in findings(two_ranks, "check_error_feedback"):
+        assert found == {"conserved": True, "sparse": True}
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_run(two_ranks):
+    for found in findings(two_ranks, "check_resume"):
+        assert found == {"identical": True, "iter": 10, "pickled_group": True,
+                         "pickled_residuals": 3}
+
+
+def test_allreduce_dense_and_sparse_coo_every_communicator(two_ranks):
+    for found in findings(two_ranks, "check_allreduce"):
+        assert found and all(found.values()), found
+
+
+def test_transport_moves_frames_of_any_length(two_ranks):
+    rank0, rank1 = findings(two_ranks, "check_transport")
+    # rank r sends bytes([r]) * (3 * peer + r) to each peer; its own slot stays b""
+    assert rank0["alltoall"] == ["", "01"] and rank1["alltoall"] == ["000000", ""]
+    assert rank0["allgather"] == rank1["allgather"] == ["", "07"]
+    assert rank0["empty"] == rank1["empty"] == [0, 0]
+
+
+def test_ranks_configured_differently_fail_everywhere_naming_the_difference(two_ranks):
+    for found in findings(two_ranks, "check_misconfigured"):
+        assert found["raised"] is True
+        assert "start_iter: 3 on rank 0; 4 on rank 1" in found["message"]
+
+
+# ------------------------------------------------------------------ one process
+
+@pytest.fixture
+def world_of_one():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    ddp._TRANSPORTS.clear()
+
+
+def test_docstring_examples():
+    ddp._TRANSPORTS.clear()
+    result = doctest.testmod(ddp, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted and result.failed == 0
+    ddp._TRANSPORTS.clear()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"value": "nosuchcodec"}, "nosuchcodec"),
+    ({"sparsifier": "topk:1.5"}, "ratio"),
+    ({"communicator": "ring"}, "communicator"),
+    ({"start_iter": -1}, "start_iter"),
+    ({"min_compression_rate": float("nan")}, "min_compression_rate"),
+])
+def test_bad_settings_fail_when_the_state_is_built(kwargs, message):
+    # no process group exists: the settings are checked before any collective
+    with pytest.raises(ValueError, match=message):
+        drt.DeepReduceState(**kwargs)
+
+
+def test_state_needs_an_initialised_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        drt.DeepReduceState()
+
+
+def test_non_float_tensors_are_refused(world_of_one):
+    state = drt.DeepReduceState()
+    with pytest.raises(TypeError, match="floating-point"):
+        drt.allreduce(torch.arange(10), state)
+
+
+def test_one_rank_hook_matches_plain_training(world_of_one):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Linear(64, 3))
+    reference = pickle.loads(pickle.dumps(net))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    state = drt.DeepReduceState(sparsifier=None, value="raw", start_iter=1, min_size=0,
+                                min_compression_rate=0)
+    model.register_comm_hook(state, drt.deepreduce_hook)
+    x = torch.randn(8, 20)
+    for module in (model, reference):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            module(x).square().mean().backward()
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), reference.parameters()))
+    assert state.iter == 3 and state.stats.total.compressed_tensors == 8  # 4 params x 2
+
+
+def test_min_compression_rate_sends_incompressible_buckets_as_allreduce(world_of_one):
+    net = torch.nn.Linear(64, 64)
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    # every non-zero with raw values: no smaller than dense, so never worth it
+    state = drt.DeepReduceState(sparsifier=None, value="raw", start_iter=0,
+                                min_compression_rate=1.5)
+    model.register_comm_hook(state, drt.deepreduce_hook)
+    model(torch.ones(2, 64)).sum().backward()
+    assert state.stats.total.compressed_tensors == 0 and state.stats.total.steps == 1
+
+
+def test_state_dict_round_trip_and_settings_check(world_of_one):
+    state = drt.DeepReduceState(sparsifier=dr.TopK(0.1), start_iter=0)
+    x = torch.randn(4096)
+    drt.allreduce(x, state, name="w")
+    saved = state.state_dict()
+    assert set(saved["residuals"]) == {"w"} and saved["iter"] == 0
+    other = drt.DeepReduceState(sparsifier=dr.TopK(0.1), start_iter=0)
+    other.load_state_dict(saved)
+    assert np.array_equal(other.exchange.memory.residual("w"), saved["residuals"]["w"].numpy())
+    with pytest.raises(ValueError, match="start_iter"):
+        drt.DeepReduceState(sparsifier=dr.TopK(0.1), start_iter=5).load_state_dict(saved)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="NCCL needs two CUDA devices")
+def test_nccl_transport_moves_frames_between_gpus(tmp_path):  # pragma: no cover - no GPU here
+    env = {**os.environ, "DEEPREDUCE_TEST_BACKEND": "nccl"}
+    subprocess.run([sys.executable, os.path.join(HERE, "torch_workers.py"), str(tmp_path),
+                    str(free_port())], check=True, env=env, timeout=600)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text())["check_transport"]
+                    for r in range(2))
+    assert rank0["device"].startswith("cuda") and rank1["device"].startswith("cuda")
+    assert rank0["alltoall"] == ["", "01"] and rank1["alltoall"] == ["000000", ""]
+    assert rank0["allgather"] == rank1["allgather"] == ["", "07"]

@@ -1,0 +1,224 @@
+"""Two-rank checks of deepreduce.torch on gloo, run by tests/test_torch.py.
+
+Launched as ``python tests/torch_workers.py OUT PORT``: two spawned processes
+form a gloo group on 127.0.0.1:PORT, every rank runs every check and writes
+its findings to ``OUT/rank<r>.json``; the pytest side asserts on them. One
+launch holds all checks because each process pays torch's import time.
+"""
+
+import io
+import json
+import os
+import pickle
+import sys
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import deepreduce as dr
+import deepreduce.torch as drt
+from deepreduce.collectives import Traffic
+
+LOSSLESS = {"sparsifier": None, "index": "varint", "value": "raw"}
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 300), torch.nn.ReLU(),
+                               torch.nn.Linear(300, 200), torch.nn.ReLU(),
+                               torch.nn.Linear(200, 10))
+
+
+def batches(rank, steps, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
+            for _ in range(steps)]
+
+
+def train(ddp, data, lr=0.1):
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return opt
+
+
+def params(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def check_lossless(rank):
+    """A lossless state over every communicator trains exactly as DDP's allreduce."""
+    data = batches(rank, 6)
+    reference = DDP(model())
+    train(reference, data)
+    out = {}
+    for communicator in ("allgather", "sparse_allreduce", "block"):
+        ddp = DDP(model())
+        state = drt.DeepReduceState(**LOSSLESS, communicator=communicator, start_iter=2,
+                                    min_compression_rate=0)
+        ddp.register_comm_hook(state, drt.deepreduce_hook)
+        train(ddp, data)
+        out[communicator] = same(params(ddp), params(reference))
+        out[f"{communicator}_compressed"] = state.stats.total.compressed_tensors
+    return out
+
+
+def check_error_feedback(rank):
+    """Top-k with error feedback: delivered sum + everyone's residual == sum of inputs."""
+    net = model()
+    ddp = DDP(net)
+    state = drt.DeepReduceState(sparsifier=dr.TopK(0.05), value="raw", start_iter=0,
+                                min_compression_rate=0)
+    ddp.register_comm_hook(state, drt.deepreduce_hook)
+    x, y = batches(rank, 1)[0]
+    local = model()
+    torch.nn.functional.cross_entropy(local(x), y).backward()
+    inputs = [p.grad.detach().clone() for p in local.parameters()]
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    delivered = [p.grad.detach().clone() * 2 for p in net.parameters()]   # average -> sum
+    memory = state.exchange.memory
+    residuals = [torch.from_numpy(memory.residual(key).copy()) if key in memory
+                 else torch.zeros_like(g) for key, g in zip(_keys(state, net), inputs)]
+    summed_inputs = [_sum(t) for t in inputs]
+    summed_residuals = [_sum(t) for t in residuals]
+    return {"conserved": all(torch.allclose(d + r, i, rtol=0, atol=1e-6)
+                             for d, r, i in zip(delivered, summed_residuals, summed_inputs)),
+            "sparse": all(bool((d != 0).float().mean() < 0.2)
+                          for d, p in zip(delivered, net.parameters()) if p.numel() >= 1024)}
+
+
+def _keys(state, net):
+    return [state._keys[id(p)] for p in net.parameters()]
+
+
+def _sum(tensor):
+    everyone = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, tensor.contiguous())
+    return everyone[0] + everyone[1]
+
+
+def check_resume(rank):
+    """A run stopped and resumed from a checkpoint continues bit-identically."""
+    data = batches(rank, 10, seed=3)
+    settings = {"sparsifier": dr.TopK(0.02), "value": "fp16", "start_iter": 2,
+                "min_compression_rate": 0}
+
+    def fresh():
+        ddp = DDP(model(seed=1))
+        state = drt.DeepReduceState(**settings)
+        ddp.register_comm_hook(state, drt.deepreduce_hook)
+        return ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+
+    def steps(ddp, opt, part):
+        for x, y in part:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+    ddp, state, opt = fresh()
+    steps(ddp, opt, data)
+    uninterrupted = params(ddp)
+
+    ddp, state, opt = fresh()
+    steps(ddp, opt, data[:5])
+    buffer = io.BytesIO()
+    torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(),
+                "hook": state.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=False)
+    ddp, state, opt = fresh()
+    ddp.module.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["opt"])
+    state.load_state_dict(checkpoint["hook"])
+    steps(ddp, opt, data[5:])
+    restored = pickle.loads(pickle.dumps(state))
+    return {"identical": same(params(ddp), uninterrupted), "iter": state.iter,
+            "pickled_group": restored.process_group is None,
+            "pickled_residuals": len(restored.exchange.memory)}
+
+
+def check_allreduce(rank):
+    """drt.allreduce: dense and sparse COO inputs, every communicator, lossless."""
+    out = {}
+    g = torch.Generator().manual_seed(rank)
+    dense = torch.randn(40, 30, generator=g)
+    expected = dense.clone()
+    dist.all_reduce(expected)
+    emb = torch.nn.Embedding(50, 8, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.arange(400, dtype=torch.float32).reshape(50, 8))
+    emb(torch.tensor([rank, 7, 20 + rank])).sum().backward()
+    sparse_grad = emb.weight.grad
+    expected_sparse = sparse_grad.to_dense().clone()
+    dist.all_reduce(expected_sparse)
+    for communicator in ("allgather", "sparse_allreduce", "block"):
+        state = drt.DeepReduceState(**LOSSLESS, communicator=communicator)
+        total = drt.allreduce(dense, state, name="w", op="sum")
+        out[f"{communicator}_dense"] = torch.equal(total, expected)
+        handle = drt.allreduce_async(sparse_grad, state, name="emb", op="sum")
+        reduced = handle.wait()
+        out[f"{communicator}_sparse"] = reduced.is_sparse and torch.equal(
+            reduced.to_dense(), expected_sparse)
+    return out
+
+
+def check_transport(rank):
+    """TorchTransport's two collectives with frames of different lengths, empty ones too."""
+    transport = drt.transport_of()
+    frames = [bytes([rank]) * (3 * r + rank) for r in range(2)]
+    received = transport.alltoall(frames, Traffic(), "test")
+    gathered = transport.allgather(bytes([7]) * rank, Traffic(), "test")
+    empty = transport.allgather(b"", Traffic(), "test")
+    return {"device": str(transport.device), "alltoall": [bytes(f).hex() for f in received],
+            "allgather": [bytes(f).hex() for f in gathered],
+            "empty": [len(f) for f in empty]}
+
+
+def check_misconfigured(rank):
+    """Ranks configured differently raise on every rank, naming the difference."""
+    ddp = DDP(model())
+    state = drt.DeepReduceState(start_iter=3 + rank)
+    ddp.register_comm_hook(state, drt.deepreduce_hook)
+    x, y = batches(rank, 1)[0]
+    try:
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    except Exception as exc:  # noqa: BLE001 - the message is the finding
+        return {"raised": True, "message": str(exc)}
+    return {"raised": False, "message": ""}
+
+
+CHECKS = [check_transport, check_lossless, check_error_feedback, check_resume, check_allreduce,
+          check_misconfigured]
+
+
+def main(rank, out_dir, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    backend = os.environ.get("DEEPREDUCE_TEST_BACKEND", "gloo")
+    if backend == "nccl":  # frames travel between GPUs; the training checks are gloo's
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=2)
+    findings = {}
+    for check in CHECKS if backend == "gloo" else [check_transport]:
+        try:
+            findings[check.__name__] = check(rank)
+        except Exception:  # noqa: BLE001 - reported to the pytest side
+            findings[check.__name__] = {"error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(findings, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.start_processes(main, args=(sys.argv[1], int(sys.argv[2])), nprocs=2,
+                       start_method="spawn")
