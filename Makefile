@@ -3,7 +3,7 @@
 #   make demo    set up (if needed), train on two Horovod ranks: dense versus deepreduce
 #   make bench   set up (if needed), capture real gradients, compare every codec on them
 #   make test    set up (if needed), run the test suite
-#   make venv    only set up: .venv in this checkout with TensorFlow, Horovod and deepreduce
+#   make venv    only set up: .venv in this checkout with TensorFlow, Horovod, torch and deepreduce
 #
 # Needs python3 (3.9 to 3.11: TensorFlow 2.15 has no wheels for newer ones) with its
 # venv module, gcc/g++ and cmake (Horovod is compiled from source), and pip access.
@@ -20,6 +20,9 @@ GRADIENTS := benchmarks/cache/gradients.npz
 # headers). Keras 2.15 needs numpy < 2.
 TENSORFLOW := tensorflow-cpu==2.15.1
 HOROVOD := horovod==0.28.1
+# The CPU build of torch 2.13.0 lies on this project's machines; any other version
+# (or a plain "torch") downloads several GB of CUDA builds.
+TORCH := torch==2.13.0
 # Only TensorFlow and Gloo: no MPI needed to run several ranks on one machine.
 # CMAKE_POLICY_VERSION_MINIMUM lets a CMake 4 (which rejects the bundled Gloo's
 # cmake_minimum_required 2.8) build it too; CMake 3.x ignores it.
@@ -37,7 +40,7 @@ help:
 	@echo "make demo    set up (if needed), train on two Horovod ranks: dense versus deepreduce"
 	@echo "make bench   set up (if needed), capture real gradients, compare every codec on them"
 	@echo "make test    set up (if needed), run the test suite"
-	@echo "make venv    only set up .venv (TensorFlow, Horovod, deepreduce with its extras)"
+	@echo "make venv    only set up .venv (TensorFlow, Horovod, torch, deepreduce with its extras)"
 	@echo "make clean   remove .venv, the gradient cache and build leftovers"
 
 venv: $(STAMP)
@@ -65,7 +68,8 @@ $(STAMP): setup.cfg setup.py pyproject.toml Makefile deepreduce/_bloomscan.c \
 		echo "make: horovod is installed but horovod.tensorflow does not import. A wheel built" \
 		     "without TensorFlow may sit in pip's cache: run '$(PIP) uninstall -y horovod;" \
 		     "$(PIP) cache remove horovod' and make again" >&2; exit 1; }
-	$(PIP) install -e ".[horovod,dev,notebooks]"
+	$(PIP) install $(TORCH)
+	$(PIP) install -e ".[horovod,torch,dev,notebooks]"
 	touch $@
 
 # .venv/bin goes first on PATH so that tools the tests start by name (horovodrun,

@@ -14,8 +14,8 @@ def modules():
     names = ["deepreduce"]
     for package in (deepreduce, deepreduce.codecs):
         for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
-            # the Horovod integration needs TensorFlow and Horovod: tested in test_horovod.py
-            if not info.name.startswith("deepreduce.horovod"):
+            # the integrations need their frameworks: tested in test_horovod.py, test_torch.py
+            if not info.name.startswith(("deepreduce.horovod", "deepreduce.torch")):
                 names.append(info.name)
     return names
 

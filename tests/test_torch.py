@@ -181,3 +181,13 @@ def test_nccl_transport_moves_frames_between_gpus(tmp_path):  # pragma: no cover
     assert rank0["device"].startswith("cuda") and rank1["device"].startswith("cuda")
     assert rank0["alltoall"] == ["", "01"] and rank1["alltoall"] == ["000000", ""]
     assert rank0["allgather"] == rank1["allgather"] == ["", "07"]
+
+
+def test_example_script_trains_on_two_ranks():
+    script = os.path.join(HERE, os.pardir, "examples", "torch_ddp.py")
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, script, "--steps", "30"], capture_output=True,
+                          text=True, timeout=600, env=env, check=True)
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("deepreduce:") and "x fewer" in last
+    assert float(last.split("(")[1].split("x")[0]) > 20
