@@ -594,10 +594,11 @@ class GradientExchange:
                 traffic = Traffic()
                 gathered = transport.allgather(bundle, traffic, "bundles")
                 exchanged = time.perf_counter()
-                with self._lock:
-                    outputs, decoded = self._decode_bundles(
-                        gathered, transport.size, transport.rank, op == "average", as_rows,
-                        out, sent)
+                # no lock: decoding shares nothing with encoding (the next reduction's,
+                # running meanwhile), and the transport thread decodes one at a time
+                outputs, decoded = self._decode_bundles(
+                    gathered, transport.size, transport.rank, op == "average", as_rows, out,
+                    sent)
                 # one record per exchange: exchanges may overlap, open/close pairs may not
                 self.stats.record_step(encoded + decoded + StepStats(
                     exchange_seconds=exchanged - encode_end))
