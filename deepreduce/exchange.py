@@ -43,7 +43,7 @@ import time
 import numpy as np
 
 from deepreduce import collectives
-from deepreduce.collectives.base import sum_sparse
+from deepreduce.collectives.base import fail_collectively, signed_allgather, sum_sparse
 from deepreduce.collectives.transport import Traffic
 from deepreduce.codecs._bits import read_varint, varint_decode_prefix, varint_encode, write_varint
 from deepreduce.errors import DecodeError
@@ -56,6 +56,9 @@ from deepreduce.stats import CompressionStats, StepStats
 
 BUNDLE_MAGIC = b"DRB"
 BUNDLE_VERSION = 1
+#: What a bundle travels behind over a transport (Horovod's graph path allgathers bare
+#: bundles); ranks that fail to encode send an ERROR frame instead, so none waits.
+BUNDLE_SIGNATURE = "exchange=bundles"
 _MAX_VARINT_BYTES = 10
 
 #: The communicators the Horovod wrappers accept, by name.
@@ -587,12 +590,18 @@ class GradientExchange:
         if len(names) != len(tensors):
             raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
         if self.communicator == "allgather":
-            bundle, sent, encoded = self._encode_bundle(names, tensors)
+            try:
+                bundle, sent, encoded = self._encode_bundle(names, tensors)
+            except (ValueError, TypeError) as exc:
+                # the other ranks wait in the allgather: they get an ERROR frame and raise
+                return transport.submit(fail_collectively, "allgather", transport,
+                                        BUNDLE_SIGNATURE, exc)
             encode_end = time.perf_counter()
 
             def finish():
                 traffic = Traffic()
-                gathered = transport.allgather(bundle, traffic, "bundles")
+                gathered = signed_allgather(transport, BUNDLE_SIGNATURE, bundle, traffic,
+                                            "bundles")
                 exchanged = time.perf_counter()
                 # no lock: decoding shares nothing with encoding (the next reduction's,
                 # running meanwhile), and the transport thread decodes one at a time

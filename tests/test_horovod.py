@@ -623,3 +623,25 @@ def test_reducing_communicator_in_a_graph_with_one_inter_op_thread_is_refused():
                           capture_output=True, text=True, timeout=120)
     assert "refused:" in proc.stdout and "set_inter_op_parallelism_threads" in proc.stdout, \
         proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_reduce_async_over_a_transport_fails_on_every_rank_instead_of_hanging():
+    from concurrent.futures import ThreadPoolExecutor
+    from deepreduce.collectives import ThreadTransport
+    from deepreduce.collectives.frames import PeerError
+
+    exchanges = [GradientExchange(dr.TopK(0.5), min_size=0) for _ in range(2)]
+
+    def rank_main(member):
+        grad = np.arange(8, dtype=np.float32) if member.rank == 0 else np.array(["x"] * 8)
+        future = exchanges[member.rank].reduce_async(["w"], [grad], member)
+        try:
+            future.result(timeout=60)
+        except Exception as exc:  # noqa: BLE001 - the finding
+            return type(exc), str(exc)
+        return None, ""
+
+    with ThreadPoolExecutor(2) as pool:
+        (kind0, message0), (kind1, message1) = pool.map(rank_main, ThreadTransport.group(2))
+    assert kind0 is PeerError and "rank 1" in message0
+    assert kind1 is not None and kind1 is not PeerError

@@ -7,7 +7,7 @@ rank receives the P - 1 payloads of the others, so the volume grows with P.
 from __future__ import annotations
 
 from deepreduce.collectives import frames
-from deepreduce.collectives.base import Communicator, check_peers, sum_sparse
+from deepreduce.collectives.base import Communicator, signed_allgather, sum_sparse
 from deepreduce.errors import DecodeError
 from deepreduce.sparse import SparseTensor
 
@@ -45,9 +45,7 @@ class AllgatherReduce(Communicator):
     def _communicate(self, transport, inp, signature, plan, traffic):
         frame, sent = plan
         rank, n, dtype = transport.rank, inp.selected.size, inp.dtype
-        gathered = transport.allgather(frames.signed(signature, frame), traffic, "gather")
-        bodies = check_peers({r: f for r, f in enumerate(gathered) if r != rank},
-                             signature, rank)
+        bodies = signed_allgather(transport, signature, frame, traffic, "gather")
         parts = [sent if r == rank else frames.read_frame(bodies[r], n, dtype)
                  for r in range(transport.size)]
         if not all(isinstance(part, SparseTensor) for part in parts):

@@ -290,6 +290,19 @@ def fail_collectively(first_collective, transport, signature, error, traffic=Non
     raise error
 
 
+def signed_allgather(transport, signature: str, frame, traffic, stage: str) -> list:
+    """Every rank's ``frame``, sent behind ``signature``: the one allgather of deepreduce.
+
+    Returns the frames in rank order (this rank's own as given), after
+    :func:`check_peers`: a rank that sent an ERROR frame or another signature
+    makes every rank raise.
+    """
+    rank = transport.rank
+    gathered = transport.allgather(frames.signed(signature, frame), traffic, stage)
+    bodies = check_peers({r: f for r, f in enumerate(gathered) if r != rank}, signature, rank)
+    return [memoryview(frame) if r == rank else bodies[r] for r in range(transport.size)]
+
+
 def signed_alltoall(transport, signature: str, per_rank: list, traffic, stage: str) -> dict:
     """Send ``per_rank[r]`` to rank ``r`` behind ``signature``; return the checked replies.
 
