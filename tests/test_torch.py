@@ -191,3 +191,24 @@ def test_example_script_trains_on_two_ranks():
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("deepreduce:") and "x fewer" in last
     assert float(last.split("(")[1].split("x")[0]) > 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_hook_and_allreduce_take_every_float_dtype(world_of_one, dtype):
+    if dtype == torch.bfloat16 and dr.sparse.BFLOAT16 is None:
+        pytest.skip("bfloat16 needs ml_dtypes")
+    torch.manual_seed(0)
+    net = torch.nn.Linear(64, 64).to(dtype)
+    reference = pickle.loads(pickle.dumps(net))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    state = drt.DeepReduceState(sparsifier=dr.TopK(0.1), value="raw", start_iter=0,
+                                min_compression_rate=0)
+    model.register_comm_hook(state, drt.deepreduce_hook)
+    x = torch.randn(2, 64, dtype=dtype)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert net.weight.grad.dtype == dtype
+    assert int((net.weight.grad != 0).sum()) == 410           # the Top-10% travelled
+    assert torch.equal(net.bias.grad, reference.bias.grad)   # below min_size: all of it
+    x = torch.randn(300, dtype=dtype)
+    assert torch.equal(drt.allreduce(x, drt.DeepReduceState(sparsifier=None, value="raw")), x)

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from deepreduce.sparse import SparseTensor
-from deepreduce.torch.ddp import DeepReduceState, deepreduce_hook, transport_of
+from deepreduce.torch.ddp import (DeepReduceState, deepreduce_hook, from_host, host_array,
+                                  transport_of)
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "allreduce", "allreduce_async",
            "transport_of"]
@@ -59,7 +60,7 @@ def allreduce_async(tensor, state: DeepReduceState, name: str | None = None,
         raise TypeError(f"allreduce reduces floating-point tensors, got {tensor.dtype}")
     state._agree()
     sparse = tensor.is_sparse
-    x = _sparse_to_numpy(tensor) if sparse else tensor.detach().cpu().numpy()
+    x = _sparse_to_numpy(tensor) if sparse else host_array(tensor.detach().cpu())
     result = torch.futures.Future()
 
     def deliver(future):
@@ -68,10 +69,10 @@ def allreduce_async(tensor, state: DeepReduceState, name: str | None = None,
             if sparse:
                 values, rows = output
                 result.set_result(torch.sparse_coo_tensor(
-                    torch.from_numpy(rows)[None], torch.from_numpy(values), tensor.shape,
+                    torch.from_numpy(rows)[None], from_host(values), tensor.shape,
                     device=tensor.device, check_invariants=True, is_coalesced=True))
             else:
-                result.set_result(torch.from_numpy(output).to(tensor.device))
+                result.set_result(from_host(output).to(tensor.device))
         except Exception as exc:  # noqa: BLE001 - raised by the future's wait()
             result.set_exception(exc)
 
@@ -93,6 +94,6 @@ def _sparse_to_numpy(tensor) -> SparseTensor:
     rows = np.ravel_multi_index(coalesced.indices().numpy(), shape[:sparse_dims]) \
         if coalesced._nnz() else np.zeros(0, np.int64)
     row_size = int(np.prod(shape[sparse_dims:], dtype=np.int64))
-    values = coalesced.values().numpy().reshape(-1)
+    values = host_array(coalesced.values()).reshape(-1)
     flat = (rows[:, None] * row_size + np.arange(row_size, dtype=np.int64)).reshape(-1)
     return SparseTensor.from_pairs(values, flat, shape, values.dtype)

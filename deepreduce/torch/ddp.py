@@ -31,9 +31,10 @@ from deepreduce.collectives.base import check_peers
 from deepreduce.collectives.transport import TorchTransport, Traffic, Transport
 from deepreduce.exchange import GradientExchange
 from deepreduce.pipeline import DEFAULT_INDEX
+from deepreduce.sparse import BFLOAT16
 from deepreduce.stats import StepStats
 
-__all__ = ["DeepReduceState", "deepreduce_hook", "transport_of"]
+__all__ = ["DeepReduceState", "deepreduce_hook", "transport_of", "host_array", "from_host"]
 
 _TRANSPORTS: dict = {}
 _TRANSPORTS_LOCK = threading.Lock()
@@ -52,6 +53,23 @@ def transport_of(process_group=None) -> TorchTransport:
         if transport is None:
             transport = _TRANSPORTS[group] = TorchTransport(group)
         return transport
+
+
+def host_array(tensor) -> np.ndarray:
+    """A numpy view of the CPU tensor ``tensor`` (bfloat16 through ml_dtypes' type)."""
+    if tensor.dtype == torch.bfloat16:
+        if BFLOAT16 is None:
+            raise TypeError("bfloat16 tensors need the ml_dtypes package (pip install "
+                            "ml_dtypes) to be encoded")
+        return tensor.view(torch.int16).numpy().view(BFLOAT16)
+    return tensor.numpy()
+
+
+def from_host(array: np.ndarray):
+    """The CPU tensor sharing the memory of ``array`` (inverse of :func:`host_array`)."""
+    if BFLOAT16 is not None and array.dtype == BFLOAT16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 class DeepReduceState:
@@ -295,7 +313,7 @@ def deepreduce_hook(state: DeepReduceState,
     state._agree()
     keys, shapes = state._parameters(bucket)
     host = buffer.detach().cpu() if buffer.device.type != "cpu" else buffer.detach()
-    array = host.numpy()
+    array = host_array(host)
     size = state._transport.size
     sizes = [math.prod(s) for s in shapes]
     if sum(sizes) != array.size:  # not a layout of whole parameters: one tensor
