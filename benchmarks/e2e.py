@@ -389,8 +389,60 @@ def run_rate(rate, args, net):
             cmd += ["--schemes", *args.schemes]
         subprocess.run(cmd, env=env, check=True)
         data = json.loads(out.read_text())
-    data.update(rate=rate if net is not None else "unshaped loopback", measured_gbit=measured)
+    data.update(rate=rate if net is not None else "unshaped loopback", measured_gbit=measured,
+                copy_gbytes_s=copy_bandwidth(),
+                codec_prediction_ms=codec_cost_ms(model_shapes(args), data["index"], "fp16"))
+    print(f"  memory copy {data['copy_gbytes_s']:.1f} GB/s; the codecs' own speed predicts "
+          f"{data['codec_prediction_ms']:.1f} ms of codec time per step", flush=True)
     return data
+
+
+def copy_bandwidth(nbytes=256 << 20, repeats=5) -> float:
+    """This machine's memory copy bandwidth in GB/s (bytes read + written), best of a few."""
+    import numpy as np
+
+    source = np.ones(nbytes // 4, np.float32)
+    target = np.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best / 1e9
+
+
+def codec_cost_ms(shapes, index, value, ranks=2, repeats=5) -> float:
+    """What the codecs' own speed predicts per step: encoding this rank's Top-k pairs of
+    every tensor of ``shapes`` and decoding the other ``ranks - 1`` payloads of each (a
+    rank never decodes its own), from median timings on random supports, outside any
+    framework."""
+    import numpy as np
+    import deepreduce as dr
+
+    rng, total = np.random.default_rng(0), 0.0
+    for shape in shapes:
+        n = int(np.prod(shape))
+        if n < 1024:
+            continue
+        k = max(1, int(np.ceil(RATIO * n)))
+        indices = np.sort(rng.choice(n, k, replace=False))
+        selected = dr.SparseTensor(rng.standard_normal(k).astype(np.float32), indices, (n,))
+        pipeline = dr.Pipeline(None, index=index, value=value)
+        encodes, decodes = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            payload, _ = pipeline.encode_sparse(selected, None)
+            encodes.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            dr.decompress(payload)
+            decodes.append(time.perf_counter() - start)
+        total += np.median(encodes) + (ranks - 1) * np.median(decodes)
+    return 1e3 * total
+
+
+def model_shapes(args):
+    widths = [64] + [args.hidden] * args.layers + [10]
+    return [s for a, b in zip(widths, widths[1:]) for s in ((a, b), (b,))]
 
 
 def targets(run):
@@ -412,6 +464,19 @@ def targets(run):
     out.update(path_ms=path_ms, path_fraction=path_ms / ours["step_ms_median"],
                codec_ms=ours.get("codec_ms", 0.0),
                codec_fraction=ours.get("codec_ms", 0.0) / ours["step_ms_median"])
+    compute = next((r for r in run["results"] if r["kind"] == "none"), None)
+    if compute is not None and ours.get("wire_bytes_per_step") and run.get("measured_gbit"):
+        # the physical limit: computing the step, plus the wire time of its bytes
+        wire_ms = ours["wire_bytes_per_step"] * 8e3 / (run["measured_gbit"] * 1e9)
+        out.update(limit_ms=compute["step_ms_median"] + wire_ms, wire_ms=wire_ms,
+                   vs_limit=ours["step_ms_median"] / (compute["step_ms_median"] + wire_ms))
+    if run.get("codec_prediction_ms"):
+        out["codec_vs_prediction"] = out["codec_ms"] / run["codec_prediction_ms"]
+    if run.get("copy_gbytes_s"):
+        # read the gradient, read and write the residual, write the reduced gradient
+        floor_ms = 16 * ours["params"] / (run["copy_gbytes_s"] * 1e9) * 1e3
+        out.update(memory_floor_ms=floor_ms,
+                   non_codec_vs_floor=(path_ms - out["codec_ms"]) / floor_ms)
     return out
 
 
@@ -529,6 +594,22 @@ def report(runs, args):
                           f"the whole path with error feedback, Top-k and the dense sums "
                           f"{t['path_ms']:.1f} ms = {t['path_fraction']:.0%}."]
             run["targets"] = t
+            if "vs_limit" in t:
+                lines += ["", f"Near the wire (issue 14): the physical limit of this step is "
+                              f"compute-only + wire time of its bytes = "
+                              f"{t['limit_ms'] - t['wire_ms']:.1f} + {t['wire_ms']:.1f} = "
+                              f"{t['limit_ms']:.1f} ms; deepreduce takes {t['vs_limit']:.2f}x "
+                              "that (target <= 1.3 at 1 Gbit/s)."]
+            if "codec_vs_prediction" in t:
+                lines[-1] += (f" Codec time {t['codec_ms']:.1f} ms against "
+                              f"{run['codec_prediction_ms']:.1f} ms predicted by the codecs' own "
+                              f"speed: {t['codec_vs_prediction']:.2f}x (target <= 2).")
+            if "non_codec_vs_floor" in t:
+                lines[-1] += (f" The rest of the path (error feedback, Top-k, sums) "
+                              f"{t['path_ms'] - t['codec_ms']:.1f} ms against a memory-traffic "
+                              f"floor of {t['memory_floor_ms']:.1f} ms (16 bytes per parameter at "
+                              f"the measured {run['copy_gbytes_s']:.1f} GB/s copy bandwidth): "
+                              f"{t['non_codec_vs_floor']:.2f}x (target <= 2).")
             lines += ["", *reading(run, t)]
         lines.append("")
     lines += NOTES + ["![step time per scheme](e2e.png)", ""]

@@ -13,7 +13,6 @@ import pickle
 import sys
 import traceback
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
