@@ -39,6 +39,7 @@ import numbers
 import sys
 import threading
 import time
+import zlib
 
 import numpy as np
 
@@ -46,6 +47,7 @@ from deepreduce import collectives
 from deepreduce.collectives.base import fail_collectively, signed_allgather, sum_sparse
 from deepreduce.collectives.transport import Traffic
 from deepreduce.codecs._bits import read_varint, varint_decode_prefix, varint_encode, write_varint
+from deepreduce.codecs.base import Codec
 from deepreduce.errors import DecodeError
 from deepreduce.memory import ResidualMemory
 from deepreduce.pipeline import DEFAULT_INDEX, DEFAULT_VALUE, Pipeline, decode
@@ -257,6 +259,8 @@ class GradientExchange:
             self._build_communicator("main")
             self._build_communicator("small")
         self.stats = CompressionStats()
+        # per tensor name, the pipeline with its own random streams (see _pipeline_of)
+        self._pipelines = {}
         self._lock = threading.Lock()
         self._last_sent = ([], [])
         self._sums = _ReusedSums()
@@ -281,35 +285,48 @@ class GradientExchange:
                 f"min_size={self.min_size}, seed={self.seed}, "
                 f"communicator={self.communicator!r}{options})")
 
+    def _pipeline_of(self, name):
+        """The pipeline of tensor ``name``: the configured one, with every random stream
+        (RandomK, stochastic rounding, Bloom hashing) seeded from ``seed`` and the name.
+
+        A stream per tensor makes what a tensor draws independent of the order
+        in which tensors are encoded (DDP hands its buckets over in a different
+        order after its first iteration, and again after a restart), so a
+        resumed run draws exactly what an uninterrupted one does.
+        """
+        pipeline = self._pipelines.get(name)
+        if pipeline is None:
+            base = self.pipeline
+            pipeline = self._pipelines[name] = Pipeline(
+                _with_seed(base.sparsifier, name), index=_with_seed(base.index_codec, name),
+                value=_with_seed(base.value_codec, name))
+        return pipeline
+
     def random_state(self) -> dict:
-        """The state of the random generators of the sparsifier and codecs.
+        """Where every tensor's random streams stand (see :meth:`_pipeline_of`).
 
         Checkpoint it with the residuals: :meth:`set_random_state` on a new
-        exchange of the same configuration continues the same sequence.
+        exchange of the same configuration continues the same sequences.
         """
         state = {}
-        for role, part in self._random_parts():
-            if hasattr(part, "_calls"):
-                state[f"{role}.calls"] = int(part._calls)
-            rng = getattr(part, "_rng", None)
-            if isinstance(rng, np.random.Generator):
-                state[f"{role}.rng"] = rng.bit_generator.state
+        for name, pipeline in self._pipelines.items():
+            for role, part in _random_parts(pipeline):
+                if hasattr(part, "_calls"):
+                    state[f"{name}/{role}.calls"] = int(part._calls)
+                rng = getattr(part, "_rng", None)
+                if isinstance(rng, np.random.Generator):
+                    state[f"{name}/{role}.rng"] = rng.bit_generator.state
         return state
 
     def set_random_state(self, state: dict) -> None:
         """Restore what :meth:`random_state` returned."""
-        for role, part in self._random_parts():
-            if f"{role}.calls" in state:
-                part._calls = int(state[f"{role}.calls"])
-            if f"{role}.rng" in state:
-                part._rng.bit_generator.state = state[f"{role}.rng"]
-
-    def _random_parts(self):
-        pipe = self.pipeline
-        return [(role, part) for role, part in (("sparsifier", pipe.sparsifier),
-                                                ("index", pipe.index_codec),
-                                                ("value", pipe.value_codec))
-                if part is not None]
+        names = {key.split("/", 1)[0] for key in state}
+        for name in names:
+            for role, part in _random_parts(self._pipeline_of(name)):
+                if f"{name}/{role}.calls" in state:
+                    part._calls = int(state[f"{name}/{role}.calls"])
+                if f"{name}/{role}.rng" in state:
+                    part._rng.bit_generator.state = state[f"{name}/{role}.rng"]
 
     # -- one tensor -----------------------------------------------------------
     def encode_tensor(self, x, name: str | None = None) -> tuple[bytes, SparseTensor]:
@@ -321,7 +338,7 @@ class GradientExchange:
         """
         if _size(x) < self.min_size:
             return self._encode_timed(self.small_pipeline, x)
-        encode = functools.partial(self._encode_timed, self.pipeline)
+        encode = functools.partial(self._encode_timed, self._pipeline_of(name))
         if self.memory is None or name is None:
             return encode(x)
         if not isinstance(x, SparseTensor):
@@ -650,7 +667,7 @@ class GradientExchange:
             else:
                 if self.memory is not None and name is not None:
                     x = corrected[i] = self._corrected(name, x)
-                selected = self.pipeline.sparsify(x)[0]
+                selected = self._pipeline_of(name).sparsify(x)[0]
                 kind = "main"
                 compressed += 1
             selections.append(selected)
@@ -693,6 +710,25 @@ class GradientExchange:
             return results, traffic
 
         return finish
+
+
+def _with_seed(part, name):
+    """The sparsifier or codec ``part`` with its random stream seeded from its own seed
+    and the tensor ``name`` (``part`` itself when it draws nothing)."""
+    seed = getattr(part, "seed", None)
+    if seed is None:
+        return part
+    seed = zlib.crc32(str(name).encode(), seed)
+    if isinstance(part, Codec):
+        return type(part).from_config({**part.get_config(), "seed": seed})
+    return part.with_seed(seed)
+
+
+def _random_parts(pipeline):
+    return [(role, part) for role, part in (("sparsifier", pipeline.sparsifier),
+                                            ("index", pipeline.index_codec),
+                                            ("value", pipeline.value_codec))
+            if part is not None]
 
 
 def _own_parts(bundle, sent) -> list:

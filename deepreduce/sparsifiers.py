@@ -148,6 +148,11 @@ class Sparsifier:
     def _select(self, values, n, indices):
         raise NotImplementedError
 
+    def with_seed(self, seed: int) -> "Sparsifier":
+        """This sparsifier with its random stream seeded by ``seed`` (itself when it draws
+        nothing)."""
+        return self
+
     def __repr__(self):
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
                            if not k.startswith("_") and v is not None)
@@ -239,6 +244,9 @@ class RandomK(Sparsifier):
         self.ratio, self.k = _check_ratio_or_k(ratio_or_k, ratio, k, "RandomK")
         self.seed = int(seed)
         self._rng = np.random.default_rng(self.seed)
+
+    def with_seed(self, seed: int) -> "RandomK":
+        return RandomK(ratio=self.ratio, k=self.k, seed=seed)
 
     def _select(self, values, n, indices):
         count = values.size if indices is not None else n

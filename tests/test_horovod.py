@@ -645,3 +645,26 @@ def test_reduce_async_over_a_transport_fails_on_every_rank_instead_of_hanging():
         (kind0, message0), (kind1, message1) = pool.map(rank_main, ThreadTransport.group(2))
     assert kind0 is PeerError and "rank 1" in message0
     assert kind1 is not None and kind1 is not PeerError
+
+
+@pytest.mark.parametrize("settings", [{"sparsifier": "randomk:0.05"},
+                                      {"sparsifier": dr.TopK(0.05), "value": "qsgd:bits=4"}])
+def test_random_streams_are_per_tensor_and_checkpointable(settings):
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal(3000).astype(np.float32) for _ in range(2))
+
+    def payloads(exchange, names, tensors):
+        _, (sent, _), _ = exchange._encode_bundle(names, tensors)
+        return dict(zip(names, sent))
+
+    one, other = (GradientExchange(index="varint", memory=None, **settings) for _ in range(2))
+    first = payloads(one, ["a", "b"], [a, b])
+    # the other order draws the same for each tensor: streams do not depend on call order
+    assert payloads(other, ["b", "a"], [b, a]) == first
+    state = one.random_state()
+    assert state and all(key.split("/")[0] in ("a", "b") for key in state)
+    later = payloads(one, ["a", "b"], [a, b])
+    assert later != first                          # the streams moved on
+    restored = GradientExchange(index="varint", memory=None, **settings)
+    restored.set_random_state(state)
+    assert payloads(restored, ["a", "b"], [a, b]) == later

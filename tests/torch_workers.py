@@ -109,7 +109,7 @@ def _sum(tensor):
 def check_resume(rank):
     """A run stopped and resumed from a checkpoint continues bit-identically."""
     data = batches(rank, 10, seed=3)
-    settings = {"sparsifier": dr.TopK(0.02), "value": "fp16", "start_iter": 2,
+    settings = {"sparsifier": dr.TopK(0.02), "value": "qsgd:bits=8", "start_iter": 2,
                 "min_compression_rate": 0}
 
     def fresh():

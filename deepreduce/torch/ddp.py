@@ -18,6 +18,7 @@ parameters into buckets, which it changes after the first iteration, so
 residuals, checkpoints and a resumed run do not depend on the bucket layout.
 """
 
+import copy
 import math
 import numbers
 import threading
@@ -268,9 +269,8 @@ class DeepReduceState:
             pipeline = (self.exchange.small_pipeline if size < self.exchange.min_size
                         else self.exchange.pipeline)
             synthetic = np.random.default_rng(0).standard_normal(size).astype(dtype)
-            random_state = self.exchange.random_state()
-            self._estimates[key] = len(pipeline.encode(synthetic.reshape(shape))[0])
-            self.exchange.set_random_state(random_state)   # estimating draws nothing
+            # a copy: estimating must not advance the random streams of the real ones
+            self._estimates[key] = len(copy.deepcopy(pipeline).encode(synthetic.reshape(shape))[0])
         return self._estimates[key]
 
 
