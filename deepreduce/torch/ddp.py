@@ -132,7 +132,11 @@ class DeepReduceState:
     (``torch.save``) leaves the process group out, as PowerSGD's state does;
     :meth:`state_dict` and :meth:`load_state_dict` carry the iteration, the
     residuals and the random state, so a resumed run continues exactly as one
-    that never stopped.
+    that never stopped. That holds for every setting with the allgather
+    communicator. ``"sparse_allreduce"`` and ``"block"`` code the selections
+    of a bucket's parameters together, so a value codec whose output depends on
+    its neighbours (QSGD's bucket norms) makes them depend on the bucket
+    layout, which DDP builds afresh after a restart.
     """
 
     _SIGNED = ("sparsifier", "index", "value", "communicator", "communicator_options",
