@@ -44,7 +44,8 @@ import zlib
 import numpy as np
 
 from deepreduce import collectives
-from deepreduce.collectives.base import fail_collectively, signed_allgather, sum_sparse
+from deepreduce.collectives.base import (fail_collectively, signed_allgather, sum_into,
+                                         sum_sparse)
 from deepreduce.collectives.transport import Traffic
 from deepreduce.codecs._bits import read_varint, varint_decode_prefix, varint_encode, write_varint
 from deepreduce.codecs.base import Codec
@@ -472,17 +473,24 @@ class GradientExchange:
             if as_rows[i]:
                 results.append(_sum_rows(parts, scale))
                 continue
-            # the sequential sum in the dtype, as Horovod's dense allreduce computes it
+            # the sequential sum in the dtype, as Horovod's dense allreduce computes it,
+            # straight into the dense result: no per-rank arrays, no union of supports
             accumulator = _accumulator(reference.dtype)
-            summed = sum_sparse(parts, reference.size, accumulator, accumulator)
-            if out is not None and out[i] is not None:
-                total = _writable_flat(out[i], reference)
+            target = None if out is None or out[i] is None else _writable_flat(out[i], reference)
+            if target is not None and target.dtype == accumulator:
+                total = target
                 total.fill(0)
             else:
-                total = self._sums.zeros(i, reference.size, reference.dtype)
-                self._sums.keep(i, total, summed.indices)
-            results.append(_dense_sum(total, summed, scale, reference.dtype).reshape(
-                reference.shape))
+                total = self._sums.zeros(i, reference.size, accumulator)
+            sum_into(total, parts)
+            touched = np.concatenate([part.indices for part in parts])
+            result = _finish(total, scale, reference.dtype, touched)
+            if target is None:
+                self._sums.keep(i, total, touched)
+            elif result is not target:
+                np.copyto(target, result)
+                result = target
+            results.append(result.reshape(reference.shape))
         return results, StepStats(bytes_received=received,
                                   decode_seconds=time.perf_counter() - start,
                                   codec_seconds=codec_seconds)
@@ -790,13 +798,17 @@ def _accumulator(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype.itemsize >= 8 else np.dtype(np.float32)
 
 
-def _dense_sum(total: np.ndarray, summed: SparseTensor, scale, dtype) -> np.ndarray:
-    """Write ``summed``, times ``scale`` (in float64) when averaging, into ``total``
-    (flat, zeros where ``summed`` has no entry), rounded once to ``dtype``."""
-    values = summed.values if scale is None else np.multiply(summed.values, scale,
-                                                             dtype=np.float64)
-    total[summed.indices] = values.astype(dtype, copy=False)
-    return total
+def _finish(total: np.ndarray, scale, dtype, touched) -> np.ndarray:
+    """Apply the average (times 1/size in double precision) and cast to ``dtype``.
+
+    ``touched`` lists the positions that can be non-zero (repeats allowed):
+    only those are scaled, so a sparse sum into a large dense gradient does
+    not pay for a float64 copy of the whole tensor.
+    """
+    if scale is not None:
+        # the right side is computed before any write: repeats scale once
+        total[touched] = np.multiply(total[touched], scale, dtype=np.float64)
+    return total.astype(dtype, copy=False)
 
 
 def _references(array: np.ndarray) -> int:
@@ -850,8 +862,8 @@ def _sum_rows(parts, scale):
     summed = sum_sparse(parts, first.size, accumulator, accumulator)
     row_of = summed.indices // row_size
     rows = np.unique(row_of)
-    total = np.zeros(rows.size * row_size, first.dtype)
+    total = np.zeros(rows.size * row_size, accumulator)
     slots = np.searchsorted(rows, row_of) * row_size + summed.indices % row_size
-    values = _dense_sum(total, SparseTensor._trusted(summed.values, slots, total.shape),
-                        scale, first.dtype)
+    total[slots] = summed.values
+    values = _finish(total, scale, first.dtype, slots)
     return values.reshape(rows.size, *row_shape), rows

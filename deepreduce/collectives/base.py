@@ -439,15 +439,26 @@ class Ownership:
         output[start:start + tail] = values[rows * g:]
 
 
+def sum_into(totals: np.ndarray, parts) -> None:
+    """Add the SparseTensors ``parts``, one after the other, into the flat ``totals``.
+
+    The one sum of the project: every communicator and the gradient exchange
+    reduce with it (directly into a dense result, or through
+    :func:`sum_sparse`). The additions happen in ``totals``' dtype, in the
+    parts' order, as a dense allreduce in that dtype would do them.
+    """
+    for part in parts:  # in place, unlike totals[indices] += values (gather, then scatter)
+        np.add.at(totals, part.indices, part.values)
+
+
 def sum_sparse(parts: list, length: int, dtype, accumulator=np.float64) -> SparseTensor:
     """Sum SparseTensors over ``[0, length)``; the support of the sum is the union of supports.
 
-    The one sum of the project: every communicator and the gradient exchange
-    reduce with it. Sums are accumulated in ``accumulator``, part after part,
-    and rounded once to ``dtype``. With the float64 default, narrower dtypes
-    get the correctly rounded sum of up to 2**29 parts whatever their order;
-    an accumulator of the values' own dtype gives the sequential sum in the
-    parts' order that a dense allreduce computes.
+    Sums are accumulated by :func:`sum_into` in ``accumulator`` and rounded
+    once to ``dtype``. With the float64 default, narrower dtypes get the
+    correctly rounded sum of up to 2**29 parts whatever their order; an
+    accumulator of the values' own dtype gives the sequential sum in the parts'
+    order that a dense allreduce computes.
     """
     parts = [p for p in parts if p.nnz]
     if not parts:
@@ -459,8 +470,7 @@ def sum_sparse(parts: list, length: int, dtype, accumulator=np.float64) -> Spars
     if indices.size * 8 >= length:
         # Many entries for the range: one pass over a dense accumulator beats a sort.
         totals = np.zeros(length, accumulator)
-        for part in parts:  # in place, unlike totals[indices] += values
-            np.add.at(totals, part.indices, part.values)
+        sum_into(totals, parts)
         touched = np.zeros(length, dtype=bool)
         touched[indices] = True
         support = np.flatnonzero(touched)
@@ -469,8 +479,9 @@ def sum_sparse(parts: list, length: int, dtype, accumulator=np.float64) -> Spars
     support, inverse = _union(indices)
     totals = np.zeros(support.size, accumulator)
     ends = np.cumsum([p.nnz for p in parts]).tolist()
-    for part, end in zip(parts, ends):
-        np.add.at(totals, inverse[end - part.nnz:end], part.values)
+    sum_into(totals, [SparseTensor._trusted(part.values, inverse[end - part.nnz:end],
+                                            (support.size,))
+                      for part, end in zip(parts, ends)])
     return SparseTensor._trusted(totals.astype(dtype, copy=False), support, (length,))
 
 
