@@ -212,3 +212,13 @@ def test_hook_and_allreduce_take_every_float_dtype(world_of_one, dtype):
     assert torch.equal(net.bias.grad, reference.bias.grad)   # below min_size: all of it
     x = torch.randn(300, dtype=dtype)
     assert torch.equal(drt.allreduce(x, drt.DeepReduceState(sparsifier=None, value="raw")), x)
+
+
+def test_seeds_may_differ_between_ranks_and_pickles_load_anywhere(world_of_one):
+    states = [drt.DeepReduceState(sparsifier="randomk:0.01", value="qsgd:bits=4", seed=rank)
+              for rank in range(2)]
+    assert states[0]._settings == states[1]._settings
+    assert repr(states[0].exchange.pipeline.sparsifier) != \
+        repr(states[1].exchange.pipeline.sparsifier)
+    restored = pickle.loads(pickle.dumps(states[0]))
+    assert restored.process_group is None and restored._transport is None

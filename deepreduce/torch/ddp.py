@@ -21,6 +21,7 @@ residuals, checkpoints and a resumed run do not depend on the bucket layout.
 import copy
 import math
 import numbers
+import re
 import threading
 
 import numpy as np
@@ -54,6 +55,10 @@ def transport_of(process_group=None) -> TorchTransport:
         if transport is None:
             transport = _TRANSPORTS[group] = TorchTransport(group)
         return transport
+
+
+def _unseeded(text: str) -> str:
+    return re.sub(r",? ?seed=\d+", "", text)
 
 
 def host_array(tensor) -> np.ndarray:
@@ -139,9 +144,6 @@ class DeepReduceState:
     layout, which DDP builds afresh after a restart.
     """
 
-    _SIGNED = ("sparsifier", "index", "value", "communicator", "communicator_options",
-               "use_error_feedback", "start_iter", "min_compression_rate", "min_size")
-
     def __init__(self, process_group=None, sparsifier="topk:0.01", index=DEFAULT_INDEX,
                  value="fp16", communicator="allgather", communicator_options=None,
                  use_error_feedback=True, start_iter=10, min_compression_rate=2.0,
@@ -162,9 +164,11 @@ class DeepReduceState:
         self.use_error_feedback = bool(use_error_feedback)
         self.start_iter, self.min_compression_rate = int(start_iter), float(min_compression_rate)
         self.iter = 0
-        self._settings = {"sparsifier": repr(self.exchange.pipeline.sparsifier),
-                          "index": repr(self.exchange.pipeline.index_codec),
-                          "value": repr(self.exchange.pipeline.value_codec),
+        pipeline = self.exchange.pipeline
+        # what every rank must share; seeds may differ (independent RandomK draws)
+        self._settings = {"sparsifier": _unseeded(repr(pipeline.sparsifier)),
+                          "index": _unseeded(repr(pipeline.index_codec)),
+                          "value": _unseeded(repr(pipeline.value_codec)),
                           "communicator": self.exchange.communicator,
                           "communicator_options": repr(self.exchange.communicator_options),
                           "use_error_feedback": self.use_error_feedback,
@@ -215,13 +219,20 @@ class DeepReduceState:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.process_group = None
-        self._transport = transport_of(None)
+        self._transport = None    # the default group's, once the state is used
         self._init_runtime()
 
     # -- what the hook needs ---------------------------------------------------------
     @property
     def stats(self):
         return self.exchange.stats
+
+    @property
+    def transport(self) -> TorchTransport:
+        """The transport every collective of this state runs on."""
+        if self._transport is None:
+            self._transport = transport_of(self.process_group)
+        return self._transport
 
     def _submit(self, fn):
         """Run ``fn`` on the transport's thread unless the ranks already failed together."""
@@ -233,7 +244,7 @@ class DeepReduceState:
             except Exception as exc:  # noqa: BLE001 - every rank raises the same
                 self._failure = exc
                 raise
-        return self._transport.submit(guarded)
+        return self.transport.submit(guarded)
 
     def _agree(self):
         """Compare the settings of all ranks once, before the first reduction."""
@@ -241,7 +252,7 @@ class DeepReduceState:
             return
         self._agreed = True
         signature = ";".join(f"{k}={v}" for k, v in self._settings.items())
-        transport = self._transport
+        transport = self.transport
 
         def compare():
             gathered = transport.allgather(frames.signed(signature, b""), Traffic(), "settings")
@@ -318,7 +329,7 @@ def deepreduce_hook(state: DeepReduceState,
     keys, shapes = state._parameters(bucket)
     host = buffer.detach().cpu() if buffer.device.type != "cpu" else buffer.detach()
     array = host_array(host)
-    size = state._transport.size
+    size = state.transport.size
     sizes = [math.prod(s) for s in shapes]
     if sum(sizes) != array.size:  # not a layout of whole parameters: one tensor
         keys, shapes, sizes = [f"bucket{bucket.index()}"], [(array.size,)], [array.size]
@@ -355,7 +366,7 @@ def _allreduce_average(state, buffer, host, size):
     if host is not buffer:
         buffer.copy_(host)
     buffer.div_(size)
-    dist.all_reduce(buffer, group=state._transport.group)
+    dist.all_reduce(buffer, group=state.transport.group)
     if host is not buffer:
         host.copy_(buffer)
     nbytes = buffer.numel() * buffer.element_size()
@@ -368,14 +379,21 @@ class _GuardedTransport(Transport):
 
     def __init__(self, state):
         super().__init__()
-        self._state, self._inner = state, state._transport
-        self.rank, self.size = self._inner.rank, self._inner.size
+        self._state = state
+
+    @property
+    def rank(self):
+        return self._state.transport.rank
+
+    @property
+    def size(self):
+        return self._state.transport.size
 
     def submit(self, fn, *args):
         return self._state._submit(lambda: fn(*args))
 
     def allgather(self, frame, traffic, stage):
-        return self._inner.allgather(frame, traffic, stage)
+        return self._state.transport.allgather(frame, traffic, stage)
 
     def alltoall(self, frames, traffic, stage):
-        return self._inner.alltoall(frames, traffic, stage)
+        return self._state.transport.alltoall(frames, traffic, stage)
