@@ -1,6 +1,7 @@
 # The one place that knows how to set deepreduce up.
 #
 #   make demo    set up (if needed), train on two Horovod ranks: dense versus deepreduce
+#                (BACKEND=torch: on two PyTorch DDP ranks)
 #   make bench   set up (if needed), capture real gradients, compare every codec on them
 #   make test    set up (if needed), run the test suite
 #   make venv    only set up: .venv in this checkout with TensorFlow, Horovod, torch and deepreduce
@@ -38,6 +39,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 help:
 	@echo "make demo    set up (if needed), train on two Horovod ranks: dense versus deepreduce"
+	@echo "             (make demo BACKEND=torch: PyTorch DDP with deepreduce's hook)"
 	@echo "make bench   set up (if needed), capture real gradients, compare every codec on them"
 	@echo "make test    set up (if needed), run the test suite"
 	@echo "make venv    only set up .venv (TensorFlow, Horovod, torch, deepreduce with its extras)"
@@ -81,11 +83,20 @@ test: $(STAMP)
 
 # The main job: two Horovod ranks train the same model with dense allreduce and
 # with deepreduce, and print bytes per step, step time and accuracy side by side.
+# BACKEND=torch: the same comparison with PyTorch DDP and deepreduce's communication
+# hook, on a character model of the standard library's sources.
 # The demo's own results go to benchmarks/cache/ so the committed ones stay as measured.
+BACKEND ?= horovod
 demo: $(STAMP)
 	mkdir -p benchmarks/cache
+ifeq ($(BACKEND),torch)
+	$(RUN) $(BIN)/python benchmarks/train_text.py --out benchmarks/cache/train_text.md
+else ifeq ($(BACKEND),horovod)
 	$(RUN) $(BIN)/horovodrun -np 2 -H localhost:2 --gloo \
 		$(BIN)/python benchmarks/train_digits.py --out benchmarks/cache/train_digits.md
+else
+	@echo "make: BACKEND must be horovod (the default) or torch, got '$(BACKEND)'" >&2; exit 1
+endif
 
 # Every codec on real gradients of three small Keras models (captured once, kept
 # until gradients.py changes).
