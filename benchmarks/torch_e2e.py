@@ -1,0 +1,429 @@
+"""End to end with PyTorch DDP: training steps over a bandwidth-limited network.
+
+Two gloo ranks (spawned processes) train the e2e benchmark's MLP (64-2048-2048-2048-10,
+about 8.5M parameters, scikit-learn's digits, batch 32 per rank) with
+``torch.nn.parallel.DistributedDataParallel`` and each way of reducing the
+gradients a PyTorch user would pick:
+
+``compute only``
+    one process, no DDP: the floor of every step time;
+``DDP allreduce fp32``
+    DDP's own bucketed allreduce;
+``DDP fp16_compress_hook``
+    PyTorch's fp16 cast hook;
+``PowerSGD rank 1`` / ``rank 4``
+    PyTorch's PowerSGD hook with error feedback. On this torch build PowerSGD
+    with more than one bucket aborted on gloo with a collective size mismatch,
+    so its model gets one bucket (``bucket_cap_mb`` above the model's size);
+``raw Top-k pairs``
+    what a user writes without deepreduce: a hook with error feedback,
+    ``torch.topk`` of 1% of each bucket, int32 indices and float32 values
+    allgathered, summed with ``index_add_``;
+``deepreduce``
+    ``deepreduce_hook``: Top-k 1%, ``auto`` indices with fp16 or 8-bit QSGD
+    values over the allgather communicator, and fp16 over SparCML's
+    ``sparse_allreduce`` and OmniReduce's ``block`` (Top-k of 256-element
+    blocks).
+
+As in benchmarks/e2e.py, as root the script shapes a network namespace's
+loopback with ``tc`` to each rate, measures the single TCP stream it gets, runs
+the ranks inside it and deletes it afterwards; schemes alternate in turns so
+that load from other jobs spreads over all of them. Writes
+``benchmarks/results/torch_e2e.md``, ``.json`` and ``.png``.
+
+    python benchmarks/torch_e2e.py                      # 1 Gbit/s, 10 Gbit/s, 100 Mbit/s
+    python benchmarks/torch_e2e.py --rates 1gbit --steps 6 --rounds 2     # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from e2e import BURST, NetnsError, ShapedLoopback, loopback_tx_bytes  # noqa: E402
+
+RESULTS = HERE / "results"
+NAMESPACE = "drtorch"
+RATIO = 0.01
+DEEPREDUCE = "deepreduce Top-k 1% + auto + fp16 (allgather)"
+
+
+# -- the worker: one process per rank ---------------------------------------------------
+
+def build_schemes(args, world):
+    """``(label, kind, ddp_kwargs, register)`` per scheme; ``register(ddp)`` returns a
+    function giving the bytes this rank contributed since its last call."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    import deepreduce as dr
+    import deepreduce.torch as drt
+
+    def dense_bytes(ddp, itemsize=4):
+        per_step = itemsize * sum(p.numel() for p in ddp.parameters())
+        return lambda steps: per_step * steps
+
+    def plain(ddp):
+        return dense_bytes(ddp)
+
+    def fp16(ddp):
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return dense_bytes(ddp, 2)
+
+    def powersgd(rank):
+        def register(ddp):
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=rank,
+                start_powerSGD_iter=args.start_iter, use_error_feedback=True,
+                min_compression_rate=2)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            per_step = 0
+            for p in ddp.parameters():  # what PowerSGD compresses, and what it sends dense
+                n, m = p.shape[0], p[0].numel() if p.dim() > 1 else 1
+                compressed = p.dim() > 1 and n * m >= 2 * (n + m) * rank
+                per_step += 4 * ((n + m) * rank if compressed else p.numel())
+            return lambda steps: per_step * steps
+        return register
+
+    def raw_pairs(ddp):
+        residuals = {}
+        sent = [0]
+
+        def hook(state, bucket):
+            buffer = bucket.buffer()
+            key = (bucket.index(), buffer.numel())
+            corrected = buffer + residuals[key] if key in residuals else buffer.clone()
+            k = max(1, int(RATIO * corrected.numel()))
+            _, indices = torch.topk(corrected.abs(), k, sorted=False)
+            values = corrected[indices]
+            corrected[indices] = 0
+            residuals[key] = corrected
+            sent[0] += 8 * k
+            gathered_i = [torch.empty_like(indices, dtype=torch.int32) for _ in range(world)]
+            gathered_v = [torch.empty_like(values) for _ in range(world)]
+            dist.all_gather(gathered_i, indices.to(torch.int32))
+            work = dist.all_gather(gathered_v, values, async_op=True)
+
+            def finish(_):
+                buffer.zero_()
+                for i, v in zip(gathered_i, gathered_v):
+                    buffer.index_add_(0, i.long(), v)
+                return buffer.div_(world)
+            return work.get_future().then(finish)
+
+        ddp.register_comm_hook(None, hook)
+
+        def take(steps):
+            value, sent[0] = sent[0], 0
+            return value
+        return take
+
+    def deepreduce(**settings):
+        def register(ddp):
+            state = drt.DeepReduceState(start_iter=args.start_iter, **settings)
+            ddp.register_comm_hook(state, drt.deepreduce_hook)
+            last = [state.stats.snapshot()]
+
+            def take(steps):
+                now = state.stats.snapshot()
+                value, last[0] = (now - last[0]).bytes_sent, now
+                return value
+            return take
+        return register
+
+    one_bucket = {"bucket_cap_mb": 1024}
+    schemes = [
+        ("DDP allreduce fp32", "dense", {}, plain),
+        ("DDP fp16_compress_hook", "fp16", {}, fp16),
+        ("PowerSGD rank 1 (one bucket)", "powersgd", one_bucket, powersgd(1)),
+        ("PowerSGD rank 4 (one bucket)", "powersgd", one_bucket, powersgd(4)),
+        ("raw Top-k pairs hook (torch.topk, int32 + fp32)", "pairs", {}, raw_pairs),
+        (DEEPREDUCE, "deepreduce", {}, deepreduce(sparsifier=dr.TopK(RATIO), value="fp16")),
+        ("deepreduce Top-k 1% + auto + qsgd:bits=8 (allgather)", "deepreduce", {},
+         deepreduce(sparsifier=dr.TopK(RATIO), value="qsgd:bits=8")),
+        ("deepreduce Top-k 1% + auto + fp16 (sparse_allreduce)", "deepreduce", {},
+         deepreduce(sparsifier=dr.TopK(RATIO), value="fp16", communicator="sparse_allreduce")),
+        ("deepreduce block Top-k 1% of 256 + fp16 (block)", "deepreduce", {},
+         deepreduce(sparsifier=dr.BlockTopK(RATIO, block=256), value="fp16",
+                    communicator="block")),
+    ]
+    if args.schemes:
+        schemes = [s for s in schemes if any(word in s[0] for word in args.schemes)]
+    return schemes
+
+
+def worker(rank, args, port, out_path):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from sklearn.datasets import load_digits
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    digits = load_digits()
+    features = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+    labels = torch.tensor(digits.target, dtype=torch.long)
+
+    def build_model():
+        torch.manual_seed(args.seed)
+        widths = [64] + [args.hidden] * args.layers
+        layers = []
+        for a, b in zip(widths, widths[1:]):
+            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(widths[-1], 10))
+
+    runs = [dict(label="compute only (no communication)", kind="none", model=build_model(),
+                 take=lambda steps: 0)]
+    runs[0]["module"] = runs[0]["model"]
+    for label, kind, ddp_kwargs, register in build_schemes(args, args.ranks):
+        model = build_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+        runs.append(dict(label=label, kind=kind, model=ddp, module=model, take=register(ddp)))
+    for run in runs:
+        run.update(opt=torch.optim.SGD(run["model"].parameters(), lr=args.lr, momentum=0.9),
+                   batches=torch.Generator().manual_seed(1000 * args.seed + rank), times=[],
+                   losses=[], wire=0, sent=0, steps=0)
+
+    def steps(run, count, timed):
+        for _ in range(count):
+            batch = torch.randint(0, len(labels), (args.batch_size,), generator=run["batches"])
+            start = time.perf_counter()
+            run["opt"].zero_grad()
+            loss = torch.nn.functional.cross_entropy(run["model"](features[batch]),
+                                                     labels[batch])
+            loss.backward()
+            run["opt"].step()
+            if timed:
+                run["times"].append(time.perf_counter() - start)
+                run["losses"].append(loss.item())
+
+    barrier = torch.zeros(1)
+    for run in runs:
+        steps(run, args.warmup, timed=False)
+        run["take"](args.warmup)
+    per_round = max(1, -(-args.steps // args.rounds))
+    for _ in range(args.rounds):
+        for run in runs:
+            dist.all_reduce(barrier)  # the ranks start each turn together
+            tx = loopback_tx_bytes()
+            steps(run, per_round, timed=True)
+            dist.all_reduce(barrier)
+            end = loopback_tx_bytes()
+            run["wire"] = None if tx is None or end is None or run["wire"] is None \
+                else run["wire"] + end - tx
+            run["sent"] += run["take"](per_round)
+            run["steps"] += per_round
+    results = []
+    for run in runs:
+        params = sum(p.numel() for p in run["module"].parameters())
+        times = run["times"]
+        results.append(dict(
+            scheme=run["label"], kind=run["kind"], params=params, steps=len(times),
+            step_ms_median=1e3 * float(np.median(times)),
+            step_ms_q1=1e3 * float(np.percentile(times, 25)),
+            step_ms_q3=1e3 * float(np.percentile(times, 75)),
+            bytes_sent=run["sent"] / run["steps"], dense_bytes=4 * params,
+            wire_bytes_per_step=None if run["wire"] is None or run["kind"] == "none"
+            else run["wire"] / run["steps"],
+            final_loss=float(np.mean(run["losses"][-per_round:]))))
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(dict(results=results, ranks=args.ranks)))
+    dist.destroy_process_group()
+
+
+def spawn_workers(args):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args, port, args.worker_out), nprocs=args.ranks)
+
+
+# -- the driver ------------------------------------------------------------------------
+
+def run_rate(rate, args, net):
+    prefix = []
+    if net is not None:
+        net.shape(rate)
+        prefix = net.prefix()
+    probe = subprocess.run(prefix + [sys.executable, str(HERE / "e2e.py"), "--probe"],
+                           capture_output=True, text=True, check=True)
+    measured = float(probe.stdout.strip().splitlines()[-1])
+    print(f"{rate or 'unshaped loopback'}: single TCP stream measured {measured:.2f} Gbit/s",
+          flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "worker.json"
+        cmd = prefix + [sys.executable, __file__, "--worker", "--worker-out", str(out),
+                        "--steps", str(args.steps), "--rounds", str(args.rounds),
+                        "--warmup", str(args.warmup), "--start-iter", str(args.start_iter),
+                        "--hidden", str(args.hidden), "--layers", str(args.layers),
+                        "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+                        "--seed", str(args.seed), "--ranks", str(args.ranks)]
+        if args.schemes:
+            cmd += ["--schemes", *args.schemes]
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        data = json.loads(out.read_text())
+    data.update(rate=rate if net is not None else "unshaped loopback", measured_gbit=measured,
+                load=os.getloadavg()[0])
+    for r in data["results"]:
+        print(f"  {r['scheme']}: {r['step_ms_median']:.1f} ms/step, "
+              f"{r['bytes_sent'] / 1e6:.3f} MB sent per rank", flush=True)
+    return data
+
+
+def targets(run):
+    by_label = {r["scheme"]: r for r in run["results"]}
+    ours = by_label.get(DEEPREDUCE)
+    dense = next((r for r in run["results"] if r["kind"] == "dense"), None)
+    power1 = next((r for r in run["results"] if "rank 1" in r["scheme"]), None)
+    if ours is None:
+        return {}
+    out = {}
+    if dense:
+        out["vs_dense"] = dense["step_ms_median"] / ours["step_ms_median"]
+    if power1:
+        out["vs_powersgd_rank1"] = power1["step_ms_median"] / ours["step_ms_median"]
+    return out
+
+
+def report(runs, args):
+    params = runs[0]["results"][0]["params"]
+    lines = ["# End to end with PyTorch DDP over a shaped network", "",
+             f"{args.ranks} gloo ranks (spawned processes) on one machine "
+             f"({platform.machine()}, {os.cpu_count()} cores shared with other jobs), one "
+             "intra-op thread per rank, torch DDP. Model: MLP "
+             f"64-{'-'.join([str(args.hidden)] * args.layers)}-10 on scikit-learn's digits, "
+             f"{params:,} parameters ({4 * params / 1e6:.1f} MB of float32 gradients), batch "
+             f"{args.batch_size} per rank, SGD with momentum. Every scheme trains its own copy "
+             f"of the model on the same batches: {args.warmup} warm-up steps (deepreduce and "
+             f"PowerSGD compress from step {args.start_iter}, and DDP rebuilds its buckets "
+             f"after the first), then {args.steps} timed steps in {args.rounds} turns, the "
+             "schemes alternating. Step time: median on rank 0 (quartiles in the JSON "
+             "file). MB sent: what one rank contributes to the collectives per step. Wire "
+             "MB: everything that crossed the namespace's loopback per step, both ranks, "
+             "TCP framing included. Loss: mean training loss over the last turn.", ""]
+    for run in runs:
+        lines += [f"## {run['rate']} (single TCP stream measured {run['measured_gbit']:.2f} "
+                  f"Gbit/s; load average {run['load']:.1f})", "",
+                  "| scheme | step ms (median) | x faster than DDP allreduce | MB sent per rank "
+                  "| wire MB per step | loss after the timed steps |",
+                  "|---|---|---|---|---|---|"]
+        dense = next((r for r in run["results"] if r["kind"] == "dense"), None)
+        for r in run["results"]:
+            speedup = f"{dense['step_ms_median'] / r['step_ms_median']:.2f}" if dense else ""
+            wire = (f"{r['wire_bytes_per_step'] / 1e6:.2f}"
+                    if r.get("wire_bytes_per_step") is not None else "n/a")
+            lines.append(f"| {r['scheme']} | {r['step_ms_median']:.1f} | {speedup} | "
+                         f"{r['bytes_sent'] / 1e6:.3f} | {wire} | {r['final_loss']:.3f} |")
+        t = run["targets"] = targets(run)
+        if t:
+            lines += ["", f"`{DEEPREDUCE}` against the others, as step-time ratios: DDP "
+                          f"allreduce / deepreduce = {t.get('vs_dense', float('nan')):.2f}, "
+                          "PowerSGD rank 1 / deepreduce = "
+                          f"{t.get('vs_powersgd_rank1', float('nan')):.2f}."]
+            if run["rate"] == "1gbit":
+                lines[-1] += (" Targets at 1 Gbit/s: at least 5x shorter than DDP allreduce: "
+                              f"{'PASS' if t.get('vs_dense', 0) >= 5 else 'FAIL'}; at least 2x "
+                              "shorter than PowerSGD rank 1: "
+                              f"{'PASS' if t.get('vs_powersgd_rank1', 0) >= 2 else 'FAIL'}.")
+        lines.append("")
+    lines += ["## Notes", "",
+              "* PowerSGD runs with one bucket: with several, it aborted on gloo with a "
+              "collective size mismatch on this torch build. Its bytes count the P and Q "
+              "factors of every matrix it compresses and the tensors it sends dense.",
+              "* The raw Top-k pairs hook pays `torch.topk` over each bucket (a full "
+              "selection); deepreduce's Top-k samples a threshold and scans once.",
+              "* deepreduce's MB sent is its bundle (or, for sparse_allreduce and block, every "
+              "frame it hands to both of their collectives); TorchTransport pads frames to "
+              "the longest rank's, which the wire column includes.", "",
+              "![step time per scheme](torch_e2e.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(runs, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 5), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        rows = run["results"]
+        ax.barh([r["scheme"] for r in rows], [r["step_ms_median"] for r in rows],
+                color=["tab:green" if r["kind"] == "deepreduce" else "tab:gray" for r in rows])
+        ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_xlabel("median step time, ms (log)")
+        ax.set_title(f"{run['rate']} ({run['measured_gbit']:.2f} Gbit/s measured)")
+        if ax is not axes[0][0]:
+            ax.set_yticklabels([])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit", "100mbit"],
+                        choices=sorted(BURST))
+    parser.add_argument("--no-netns", action="store_true",
+                        help="unshaped loopback, no root needed")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per scheme")
+    parser.add_argument("--rounds", type=int, default=4, help="turns the steps are taken in")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--start-iter", type=int, default=4,
+                        help="deepreduce's start_iter and PowerSGD's start_powerSGD_iter")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--schemes", nargs="*", default=None,
+                        help="only the schemes whose label contains one of these words")
+    parser.add_argument("--out", default=str(RESULTS / "torch_e2e.md"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        spawn_workers(args)
+        return 0
+    runs = []
+    if args.no_netns:
+        runs.append(run_rate(None, args, None))
+    else:
+        try:
+            with ShapedLoopback(NAMESPACE) as net:
+                for rate in args.rates:
+                    runs.append(run_rate(rate, args, net))
+        except NetnsError as exc:
+            print(f"torch_e2e: cannot shape the network: {exc}", file=sys.stderr)
+            return 2
+    text = report(runs, args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot(runs, out.with_suffix(".png"))
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(dict(runs=runs, args=vars(args)), indent=1)
+                                        + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
