@@ -290,6 +290,10 @@ class BloomFilter:
         words = _words_of(np.frombuffer(data, dtype=np.uint8, offset=offset))
         return cls(words, nbytes, k, blocked_hashes(k), seed, n)
 
+    def popcount(self) -> int:
+        """Set bits of the filter: at most ``k`` per inserted position."""
+        return int(np.unpackbits(self.words.view(np.uint8)).sum(dtype=np.int64))
+
     # ------------------------------------------------------------ hashing
 
     def _hashes(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -590,7 +594,13 @@ class BloomIndices(IndexCodec):
         if self.policy == "p0":
             return filt.positives()
         leftmost = self.policy in ("leftmost", "naive")
-        positives = filt.positives(limit=r) if leftmost else filt.positives()
+        # the others choose among all positives: never hold more than the declared
+        # false-positive rate allows, however the filter was crafted
+        allowed = r if leftmost else self.positives_allowed(filt.n, r)
+        positives = filt.positives(limit=allowed)
+        if not leftmost and positives.size > allowed:
+            raise DecodeError(f"{what}: filter has more than {allowed} positives, more than "
+                              f"{r} true ones and fpr={self.fpr} allow")
         if positives.size < r:
             raise DecodeError(f"{what}: filter has {positives.size} positives, fewer than "
                               f"nnz={r}")
@@ -599,6 +609,16 @@ class BloomIndices(IndexCodec):
         if self.policy == "random":
             return _random_selection(filt, positives, r)
         return _conflict_set_selection(filt, positives, r)
+
+    def positives_allowed(self, n: int, r: int) -> int:
+        """Most positives a filter of ``r`` positions of ``[0, n)`` at this ``fpr`` may show.
+
+        The expected false positives, ``fpr * n``, four times over plus ten
+        standard deviations and a constant: an honest filter stays far below,
+        and decoding never holds more positions than this.
+        """
+        expected = self.fpr * max(0, n - r)
+        return min(n, r + int(4 * expected + 10 * math.sqrt(expected)) + 1024)
 
     def encode(self, indices, n):
         return self.build_filter(indices, n).to_bytes()
@@ -629,6 +649,11 @@ class BloomIndices(IndexCodec):
         what = f"bloom indices ({self.policy})"
         n, nnz = _bits.check_counts(n, nnz, what)
         filt = BloomFilter.from_bytes(data, n, what)
+        # checked before the scan, whose cost grows with the universe: a filter of
+        # nnz positions (p0: at most nnz) sets at most k bits for each
+        if filt.popcount() > filt.k * nnz:
+            raise DecodeError(f"{what}: filter sets {filt.popcount()} bits, more than "
+                              f"k={filt.k} for each of the nnz={nnz} positives it may hold")
         if self.policy == "p0":
             positives = filt.positives(limit=nnz)
             if positives.size != nnz:

@@ -23,6 +23,10 @@ def _check_level(level) -> int:
     return int(level)
 
 
+#: The largest ratio of output to input a raw DEFLATE stream can reach.
+MAX_EXPANSION = 1032
+
+
 def deflate(data: bytes, level: int) -> bytes:
     """Raw DEFLATE stream of ``data``."""
     compressor = zlib.compressobj(level, zlib.DEFLATED, -15)
@@ -35,6 +39,9 @@ def inflate(data, limit: int, what: str) -> bytes:
     Raises DecodeError if the stream is corrupt, truncated, would produce
     more than ``limit`` bytes, or is followed by trailing bytes.
     """
+    # DEFLATE expands at most 1032:1 (258-byte matches in 2-bit codes): a larger
+    # declared output cannot be real, and zlib takes no limit beyond 2**63 - 1
+    limit = min(limit, MAX_EXPANSION * len(data) + 1024)
     decompressor = zlib.decompressobj(-15)
     try:
         # One byte beyond the limit tells "too long" apart from "exactly full".

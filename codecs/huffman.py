@@ -262,6 +262,10 @@ class HuffmanIndices(IndexCodec):
         if nnz == 0:
             expect_length(data, 0, what)
             return np.zeros(0, dtype=np.int64)
+        # Every code takes at least one bit: refuse counts the stream cannot hold
+        # before reading tables whose size follows from them.
+        if 8 * len(data) < nnz:
+            raise DecodeError(f"{what}: {len(data)} bytes cannot hold {nnz} codes")
         alphabet = _entropy.bucket_count(self.precision)
         lengths, offset = _entropy.unpack_code_lengths(data, 0, alphabet, what)
         if lengths[0]:

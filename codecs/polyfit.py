@@ -177,7 +177,9 @@ class PolyFitValues(ValueCodec):
         if pieces > min(nnz, self.segments) or (nnz and not pieces):
             raise DecodeError(f"{what}: {pieces} pieces for {nnz} values")
         lengths, offset = _bits.varint_decode_prefix(data, pieces, what, offset)
+        # each length is at most nnz < 2**63, so a float64 sum tells a wrapped uint64 sum
         if np.any(lengths == 0) or (pieces and np.any(lengths > nnz)) \
+                or float(lengths.sum(dtype=np.float64)) > 2.0 * nnz + 1 \
                 or int(lengths.sum()) != nnz:
             raise DecodeError(f"{what}: piece lengths do not cover the {nnz} values")
         lengths = lengths.astype(np.int64)

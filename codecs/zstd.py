@@ -33,6 +33,11 @@ def zstd_compress(data: bytes, level: int) -> bytes:
     return zstandard.ZstdCompressor(compression_params=params).compress(data)
 
 
+#: The largest ratio of content to frame size zstd can reach (an RLE block holds
+#: 128 KiB in 4 bytes); a frame declaring more is refused before any allocation.
+MAX_EXPANSION = 32768
+
+
 def zstd_decompress(data, limit: int, what: str) -> bytes:
     """Decompress one frame made by :func:`zstd_compress`, of at most ``limit`` bytes.
 
@@ -47,9 +52,10 @@ def zstd_decompress(data, limit: int, what: str) -> bytes:
         raise DecodeError(f"{what}: bad zstd frame header ({exc})") from None
     if declared == zstandard.CONTENTSIZE_UNKNOWN:
         raise DecodeError(f"{what}: zstd frame does not declare its content size")
-    if declared > limit:
-        raise DecodeError(f"{what}: zstd frame declares {declared} bytes, "
-                          f"more than the {limit} possible")
+    if declared > min(limit, MAX_EXPANSION * len(data)):
+        raise DecodeError(f"{what}: zstd frame of {len(data)} bytes declares {declared} "
+                          f"bytes, more than the {min(limit, MAX_EXPANSION * len(data))} "
+                          "possible")
     # One output buffer of the declared size: bounded, and much faster than
     # the default 128 KiB chunks for large streams.
     decompressor = zstandard.ZstdDecompressor(format=_FORMAT).decompressobj(

@@ -15,7 +15,8 @@ import numpy as np
 
 import deepreduce as dr
 from deepreduce import container
-from deepreduce.pipeline import DEFAULT_INDEX, DEFAULT_VALUE, Pipeline, index_entropy_bits
+from deepreduce.pipeline import (DEFAULT_INDEX, DEFAULT_MAX_ELEMENTS, DEFAULT_VALUE, Pipeline,
+                                 index_entropy_bits)
 from deepreduce.registry import registered_codecs
 
 
@@ -84,7 +85,7 @@ def _cmd_compress(args) -> int:
 
 
 def _cmd_decompress(args) -> int:
-    st = dr.decompress(Path(args.input).read_bytes())
+    st = dr.decompress(Path(args.input).read_bytes(), max_elements=args.max_elements or None)
     output = Path(args.output or Path(args.input).with_suffix(".npy"))
     if args.sparse:
         np.savez(output, values=st.values, indices=st.indices, shape=np.array(st.shape))
@@ -118,7 +119,7 @@ def _cmd_inspect(args) -> int:
         "dense_bytes": header.size * header.dtype.itemsize,
     }
     if args.check:
-        dr.decompress(payload)
+        dr.decompress(payload, max_elements=args.max_elements or None)
         info["decodes"] = True
     if args.json:
         print(json.dumps(info, indent=2))
@@ -238,12 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="output file (default: INPUT with suffix .npy)")
     p.add_argument("--sparse", action="store_true",
                    help="write an .npz with values, indices and shape instead of the dense array")
+    _max_elements_option(p)
 
     p = add("inspect", "print a payload's header: shape, dtype, nnz, codecs, stream sizes, "
             "bits per nnz", _cmd_inspect)
     p.add_argument("input")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--check", action="store_true", help="also decode the streams")
+    _max_elements_option(p)
 
     p = add("bench", "compare every registered codec on the arrays of a .npy/.npz file",
             _cmd_bench)
@@ -255,11 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _max_elements_option(parser) -> None:
+    parser.add_argument("--max-elements", type=int, default=DEFAULT_MAX_ELEMENTS,
+                        help="refuse payloads declaring a larger tensor, before decoding "
+                             f"(default {DEFAULT_MAX_ELEMENTS:,}; 0 for no bound)")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, OSError) as exc:  # DecodeError is a ValueError
+    except (ValueError, OSError, MemoryError) as exc:  # DecodeError is a ValueError
         print(f"deepreduce {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 

@@ -110,8 +110,25 @@ class Pipeline:
         return payload, received
 
 
-def decode(payload) -> SparseTensor:
-    """Decode any payload; the codecs are named inside it."""
+#: The largest tensor :func:`decompress` decodes unless told otherwise: 2**28 elements
+#: (1 GiB of float32). Every cost of decoding (the output, a Bloom filter's scan of
+#: its universe) is bounded by the declared shape, so this bound protects a process
+#: that decodes bytes it does not trust.
+DEFAULT_MAX_ELEMENTS = 1 << 28
+
+
+def decode(payload, max_elements: int | None = None) -> SparseTensor:
+    """Decode any payload; the codecs are named inside it.
+
+    ``max_elements`` (None: no bound) refuses, before any work, a payload whose
+    declared shape holds more elements.
+    """
+    if max_elements is not None:
+        declared = container.read_header(payload)
+        if declared.size > max_elements:
+            raise DecodeError(f"the payload declares shape {declared.shape} "
+                              f"({declared.size:,} elements), more than max_elements="
+                              f"{max_elements:,}: pass a larger max_elements to decode it")
     header, index_stream, value_stream = container.unpack(payload)
     n, nnz = header.size, header.nnz
     try:
@@ -121,6 +138,10 @@ def decode(payload) -> SparseTensor:
         raise DecodeError(f"payload names a codec this library cannot build: {exc}") from None
     if header.value_order != value_codec.sorts_values:
         raise DecodeError(f"value codec {header.value_spec!r} and the value-order flag disagree")
+    if header.value_order and len(index_stream) * 8 < nnz * _order_width(n):
+        # checked before the values are decoded: their work grows with nnz
+        raise DecodeError(f"value-ordered index stream of {len(index_stream)} bytes cannot "
+                          f"hold {nnz} indices of {_order_width(n)} bits")
     values = value_codec.decode(bytes(value_stream), nnz, header.dtype)
     if values.shape != (nnz,) or values.dtype != header.dtype:
         raise DecodeError(f"value codec {header.value_spec!r} returned {values.shape} "
@@ -176,15 +197,25 @@ def compress(x, sparsifier=None, index=DEFAULT_INDEX, value=DEFAULT_VALUE) -> by
     return Pipeline(sparsifier, index, value).encode(x)[0]
 
 
-def decompress(payload) -> SparseTensor:
+def decompress(payload, max_elements: int | None = DEFAULT_MAX_ELEMENTS) -> SparseTensor:
     """Decode a payload made by :func:`compress` (or any deepreduce encoder).
+
+    Parameters
+    ----------
+    payload : bytes-like
+    max_elements : int or None, default 2**28
+        Refuse payloads whose declared shape holds more elements, before
+        anything is allocated. Decoding costs at most a constant times the
+        payload's length plus the declared tensor (a Bloom-filter index stream
+        tests every position of it), so this bounds the time and memory a
+        crafted payload can take. None removes the bound (trusted data only).
 
     Raises
     ------
     DecodeError
         For every malformed payload, with a message naming the problem.
     """
-    return decode(payload)
+    return decode(payload, max_elements)
 
 
 def index_entropy_bits(n: int, k: int) -> float:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import os
+
 import numpy as np
 
 try:  # bfloat16 comes with TensorFlow and JAX; the core works without it
@@ -38,6 +40,23 @@ def check_dtype(dtype) -> np.dtype:
 #: array aligned to its ``EIGEN_MAX_ALIGN_BYTES`` (64 with AVX-512) as a tensor
 #: without copying it; a less aligned one (numpy guarantees 16) it copies.
 ALIGNMENT = 64
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX
+        return None
+
+
+def _check_allocation(nbytes: int, shape, dtype) -> None:
+    """Refuse, with a message instead of a MemoryError or the OOM killer, a dense
+    array larger than this machine's memory."""
+    memory = _physical_memory()
+    if memory is not None and nbytes > memory:
+        raise MemoryError(f"a dense {dtype} tensor of shape {shape} needs {nbytes / 2**30:,.1f} "
+                          f"GiB, more than this machine's {memory / 2**30:,.1f} GiB of memory; "
+                          "use the sparse form (values, indices) instead")
 
 
 def zeros(size: int, dtype) -> np.ndarray:
@@ -189,6 +208,7 @@ class SparseTensor:
     def to_dense(self, out=None) -> np.ndarray:
         """The dense tensor, zeros where no index is. ``out`` may be a buffer to fill."""
         if out is None:
+            _check_allocation(self.size * self.dtype.itemsize, self.shape, self.dtype)
             out = zeros(self.size, self.dtype)
         else:
             if out.size != self.size or out.dtype != self.dtype:
