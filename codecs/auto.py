@@ -11,15 +11,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepreduce.codecs import _bits, golomb, huffman, runs
+from deepreduce.codecs import (_bits, bitmap, bitpack, deflate, eliasfano, golomb, huffman, raw,
+                               rle, runs, varint, zstd)
 from deepreduce.codecs.base import IndexCodec, expect_length
 from deepreduce.errors import DecodeError
-from deepreduce.registry import registered_codecs, register_codec
+from deepreduce.registry import register_codec
 
 #: Sub-codec of each tag value, always in its default configuration. The
 #: order is part of the stream format: append new codecs, never reorder.
 TAGS = ("bitmap", "golomb", "huffman", "runs", "eliasfano", "bitpack", "varint",
         "deflate", "zstd", "rle", "raw")
+
+#: The class behind each tag: bound here, in the format, not looked up in the
+#: registry, so registering another codec under one of these names (``replace=True``)
+#: never changes how an existing ``auto`` stream decodes.
+TAG_CODECS = (bitmap.BitmapIndices, golomb.GolombIndices, huffman.HuffmanIndices,
+              runs.RunsIndices, eliasfano.EliasFanoIndices, bitpack.BitpackIndices,
+              varint.VarintIndices, deflate.DeflateIndices, zstd.ZstdIndices,
+              rle.RleIndices, raw.RawIndices)
+assert tuple(cls.codec_id for cls in TAG_CODECS) == TAGS
 
 #: Order of the trials: on equal sizes the first (fastest to decode) wins;
 #: the bitmap comes last so that it is only built when it is the smallest.
@@ -59,9 +69,8 @@ _LZ = ("deflate", "zstd")
 
 
 def _sub_codec(tag: int):
-    """Default-configured codec of a tag, or None when its module is not loaded."""
-    cls = registered_codecs("index").get(TAGS[tag])
-    return cls() if cls is not None else None
+    """The default-configured codec of a tag."""
+    return TAG_CODECS[tag]()
 
 
 def _size_floor(codec_id: str, indices: np.ndarray, n: int, run_count: int) -> int:
@@ -94,9 +103,9 @@ def _size_floor(codec_id: str, indices: np.ndarray, n: int, run_count: int) -> i
 
 
 def _lz_codecs():
-    """``(tag, codec)`` of the LZ codecs whose modules are loaded."""
+    """``(tag, codec)`` of the LZ codecs."""
     tags = [TAGS.index(name) for name in _LZ]
-    return [(tag, codec) for tag, codec in zip(tags, map(_sub_codec, tags)) if codec is not None]
+    return [(tag, _sub_codec(tag)) for tag in tags]
 
 
 def _estimated_size(tag: int, indices: np.ndarray) -> int:
@@ -180,7 +189,7 @@ class AutoIndices(IndexCodec):
         split = golomb.Split(gaps, golomb.choose_parameter(golomb.mean_gap(indices)),
                              consume=True)
         sizes = {TAGS.index("golomb"): golomb.stream_size(split)}
-        if clustered and _sub_codec(TAGS.index("runs")) is not None:
+        if clustered:
             sizes[TAGS.index("runs")] = runs.stream_size(indices)
         tag = min(sizes, key=sizes.get)  # on a tie Golomb, the faster to decode
         if sizes[tag] >= SMALL_STREAM:
@@ -200,8 +209,8 @@ class AutoIndices(IndexCodec):
                 codec = _sub_codec(tag)
                 # Skip codecs whose stream cannot be smaller than the best
                 # so far: saves most trials on small tensors.
-                if codec is None or (best is not None and _size_floor(
-                        TAGS[tag], members, n, run_count) >= len(best[1])):
+                if best is not None and _size_floor(
+                        TAGS[tag], members, n, run_count) >= len(best[1]):
                     continue
                 data = codec.encode(members, n)
                 if best is None or len(data) < len(best[1]):
@@ -210,9 +219,7 @@ class AutoIndices(IndexCodec):
 
     def _estimate(self, indices, n):
         gaps = golomb.index_gaps(indices)
-        sizes = {}
-        if _sub_codec(TAGS.index("bitmap")) is not None:
-            sizes[TAGS.index("bitmap")] = _bits.packed_bytes(n)
+        sizes = {TAGS.index("bitmap"): _bits.packed_bytes(n)}
         # Runs only pay when many neighbours are adjacent (gap 0).
         if 4 * np.count_nonzero(gaps == 0) > indices.size:
             sizes[TAGS.index("runs")] = runs.stream_size(indices)
@@ -290,8 +297,6 @@ class AutoIndices(IndexCodec):
         if tag >= len(TAGS):
             raise DecodeError(f"{what}: unknown codec tag {tag}")
         codec = _sub_codec(tag)
-        if codec is None:
-            raise DecodeError(f"{what}: codec {TAGS[tag]!r} is not available")
         if not flag:
             if TAGS[tag] == "golomb":
                 # The hot path: skip copying the stream past the tag.
