@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepreduce.codecs import _bits
+from deepreduce import bits as _bits
 from deepreduce.codecs.base import IndexCodec, ValueCodec, expect_length
 from deepreduce.codecs.floats import (check_nnz, check_values, shuffle_bytes, unshuffle_bytes,
                                       value_dtype)

@@ -15,7 +15,7 @@ API
 ---
 Fixed-width fields
     :func:`pack_planes` / :func:`unpack_planes`: the bits of
-    :func:`deepreduce.codecs._bits.pack_fixed` (which writes fixed-width
+    :func:`deepreduce.bits.pack_fixed` (which writes fixed-width
     fields in this same MSB-first order) cut into byte-aligned planes of 8,
     4, 2 and 1 bits, decoded by table lookups.
 Variable-width fields
@@ -58,7 +58,7 @@ import math
 
 import numpy as np
 
-from deepreduce.codecs._bits import pack_fixed, packed_bytes, unpack_fixed
+from deepreduce.bits import pack_fixed, packed_bytes, unpack_fixed
 from deepreduce.errors import DecodeError
 
 try:

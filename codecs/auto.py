@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepreduce.codecs import (_bits, bitmap, bitpack, deflate, eliasfano, golomb, huffman, raw,
-                               rle, runs, varint, zstd)
+from deepreduce import bits as _bits
+from deepreduce.codecs import (bitmap, bitpack, deflate, eliasfano, golomb, huffman, raw, rle,
+                               runs, varint, zstd)
 from deepreduce.codecs.base import IndexCodec, expect_length
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec

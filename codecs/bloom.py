@@ -90,7 +90,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from deepreduce.codecs import _bits
+from deepreduce import bits as _bits
 from deepreduce.codecs._murmur import RangeHasher, key_bytes_for, murmur3_32
 from deepreduce.codecs.base import IndexCodec
 from deepreduce.errors import DecodeError

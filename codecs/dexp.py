@@ -42,7 +42,7 @@ import warnings
 import numpy as np
 from scipy.optimize import OptimizeWarning, curve_fit
 
-from deepreduce.codecs import _bits
+from deepreduce import bits as _bits
 from deepreduce.codecs.base import ValueCodec
 from deepreduce.codecs.floats import check_nnz, check_values, value_dtype
 from deepreduce.codecs.qsgd import cast_back, working_copy

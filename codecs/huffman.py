@@ -28,7 +28,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from deepreduce.codecs import _bits, _entropy
+from deepreduce import bits as _bits
+from deepreduce.codecs import _entropy
 from deepreduce.codecs.base import IndexCodec, expect_length
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec

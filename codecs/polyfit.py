@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.polynomial import chebyshev
 
-from deepreduce.codecs import _bits
+from deepreduce import bits as _bits
 from deepreduce.codecs.base import ValueCodec
 from deepreduce.codecs.floats import check_nnz, check_values, value_dtype
 from deepreduce.codecs.qsgd import cast_back, working_copy

@@ -21,7 +21,7 @@ Stream: ``seed u32`` (the generator seed of this call: the codec's
 ``seed`` mixed with a per-call counter, so calls differ but a run is
 reproducible), the ``ceil(nnz / bucket)`` norms as little-endian float32,
 then one ``bits``-bit code per value, ``2 * l + negative``, packed most
-significant bit first (:func:`deepreduce.codecs._bits.pack_fixed`). A code
+significant bit first (:func:`deepreduce.bits.pack_fixed`). A code
 with ``l = 0`` has its sign bit clear (every ``bits``-bit code holds a
 level ``<= s``, so no other code is invalid). A bucket holding an infinity or NaN
 has a non-finite norm and decodes to NaN.
@@ -44,7 +44,7 @@ import struct
 
 import numpy as np
 
-from deepreduce.codecs import _bits
+from deepreduce import bits as _bits
 from deepreduce.codecs._murmur import murmur3_32
 from deepreduce.codecs.base import ValueCodec
 from deepreduce.codecs.floats import (check_nnz, check_values, from_float32, to_float32,

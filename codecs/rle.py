@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepreduce.codecs import _bits
+from deepreduce import bits as _bits
 from deepreduce.codecs.base import IndexCodec
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec

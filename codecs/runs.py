@@ -15,7 +15,8 @@ import math
 
 import numpy as np
 
-from deepreduce.codecs import _bits, golomb
+from deepreduce import bits as _bits
+from deepreduce.codecs import golomb
 from deepreduce.codecs.base import IndexCodec, expect_length
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec

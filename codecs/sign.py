@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepreduce.codecs import _bits
+from deepreduce import bits as _bits
 from deepreduce.codecs.base import ValueCodec
 from deepreduce.codecs.floats import check_nnz, check_values, value_dtype
 from deepreduce.codecs.qsgd import bucket_matrix, cast_back, check_bucket, working_copy

@@ -18,7 +18,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from deepreduce.codecs._bits import read_varint, write_varint
+from deepreduce.bits import read_varint, write_varint
 from deepreduce.errors import DecodeError
 from deepreduce.sparse import CODE_DTYPES, DTYPE_CODES, MAX_SIZE
 

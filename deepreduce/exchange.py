@@ -47,8 +47,7 @@ from deepreduce import collectives
 from deepreduce.collectives.base import (fail_collectively, signed_allgather, sum_into,
                                          sum_sparse)
 from deepreduce.collectives.transport import Traffic
-from deepreduce.codecs._bits import read_varint, varint_decode_prefix, varint_encode, write_varint
-from deepreduce.codecs.base import Codec
+from deepreduce.bits import read_varint, varint_decode_prefix, varint_encode, write_varint
 from deepreduce.errors import DecodeError
 from deepreduce.memory import ResidualMemory
 from deepreduce.pipeline import DEFAULT_INDEX, DEFAULT_VALUE, Pipeline, decode
@@ -727,9 +726,9 @@ def _with_seed(part, name):
     if seed is None:
         return part
     seed = zlib.crc32(str(name).encode(), seed)
-    if isinstance(part, Codec):
-        return type(part).from_config({**part.get_config(), "seed": seed})
-    return part.with_seed(seed)
+    if hasattr(part, "with_seed"):  # a sparsifier
+        return part.with_seed(seed)
+    return type(part).from_config({**part.get_config(), "seed": seed})
 
 
 def _random_parts(pipeline):

@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from deepreduce import container
-from deepreduce.codecs._bits import pack_fixed, unpack_fixed
+from deepreduce.bits import pack_fixed, unpack_fixed
 from deepreduce.errors import DecodeError
 from deepreduce.registry import get_codec
 from deepreduce.sparse import SparseTensor, check_dtype

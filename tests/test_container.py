@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import deepreduce as dr
-from deepreduce.codecs._bits import write_varint
+from deepreduce.bits import write_varint
 from deepreduce.sparse import BFLOAT16
 
 FLOAT_DTYPES = [np.float16, np.float32, np.float64] + ([BFLOAT16] if BFLOAT16 is not None else [])

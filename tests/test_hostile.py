@@ -15,7 +15,7 @@ import pytest
 
 import deepreduce as dr
 from deepreduce import cli, container
-from deepreduce.codecs import _bits
+from deepreduce import bits as _bits
 from deepreduce.codecs.bloom import BloomFilter, BloomIndices
 from deepreduce.codecs.huffman import HuffmanIndices
 from deepreduce.codecs.polyfit import PolyFitValues

@@ -1,4 +1,4 @@
-"""Exact index codecs and the bit-level helpers they share (codecs/_bits.py)."""
+"""Exact index codecs and the bit-level helpers they share (deepreduce/bits.py)."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepreduce.codecs import _bits
+from deepreduce import bits as _bits
 from deepreduce.codecs.deflate import DeflateIndices, deflate
 from deepreduce.codecs.zstd import ZstdIndices, zstd_compress
 from deepreduce.errors import DecodeError

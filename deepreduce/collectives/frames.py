@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deepreduce import container
-from deepreduce.codecs._bits import read_varint, write_varint
+from deepreduce.bits import read_varint, write_varint
 from deepreduce.errors import DecodeError
 from deepreduce.pipeline import decode as decode_payload
 from deepreduce.registry import get_codec

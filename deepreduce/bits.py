@@ -33,7 +33,7 @@ Fixed-width bit packing, most significant bit first
 Examples
 --------
 >>> import numpy as np
->>> from deepreduce.codecs import _bits
+>>> from deepreduce import bits as _bits
 >>> data = _bits.varint_encode(np.array([1, 300], dtype=np.uint64))
 >>> data.hex()
 '01ac02'
