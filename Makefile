@@ -4,6 +4,7 @@
 #                (BACKEND=torch: on two PyTorch DDP ranks)
 #   make bench   set up (if needed), capture real gradients, compare every codec on them
 #   make test    set up (if needed), run the test suite
+#   make test-core  the core's tests on a newer Python with numpy 2, no frameworks
 #   make venv    only set up: .venv in this checkout with TensorFlow, Horovod, torch and deepreduce
 #
 # Needs python3 (3.9 to 3.11: TensorFlow 2.15 has no wheels for newer ones) with its
@@ -35,13 +36,21 @@ export PIP_PROGRESS_BAR := off
 endif
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: venv test demo bench clean help
+# The core (everything but the Horovod and torch integrations) on a current Python and
+# numpy 2, without TensorFlow, Horovod, torch or ml_dtypes: a second, lighter venv.
+# Python 3.12 (through pyenv where it provides it); else the default Python, with a note.
+CORE_PYTHON ?= PYENV_VERSION=3.12.1 python3.12
+CORE_VENV := .venv-core
+CORE_STAMP := $(CORE_VENV)/.deepreduce-installed
+
+.PHONY: venv test test-core demo bench clean help
 
 help:
 	@echo "make demo    set up (if needed), train on two Horovod ranks: dense versus deepreduce"
 	@echo "             (make demo BACKEND=torch: PyTorch DDP with deepreduce's hook)"
 	@echo "make bench   set up (if needed), capture real gradients, compare every codec on them"
 	@echo "make test    set up (if needed), run the test suite"
+	@echo "make test-core  the core's tests on Python 3.12+ with numpy 2, without the frameworks"
 	@echo "make venv    only set up .venv (TensorFlow, Horovod, torch, deepreduce with its extras)"
 	@echo "make clean   remove .venv, the gradient cache and build leftovers"
 
@@ -81,6 +90,20 @@ RUN := PATH="$(CURDIR)/$(BIN):$$PATH"
 test: $(STAMP)
 	$(RUN) $(BIN)/python -m pytest -q
 
+$(CORE_STAMP): setup.cfg setup.py pyproject.toml Makefile
+	test -x $(CORE_VENV)/bin/python || $(CORE_PYTHON) -m venv $(CORE_VENV) 2>/dev/null || { \
+		echo "make: $(CORE_PYTHON) not found; the core leg runs on $$($(PYTHON) -V)" \
+		     "with numpy 2"; $(PYTHON) -m venv $(CORE_VENV); }
+	$(CORE_VENV)/bin/python -m pip install --upgrade pip setuptools wheel
+	$(CORE_VENV)/bin/python -m pip install "numpy>=2" -e ".[dev]"
+	touch $@
+
+# The integrations' tests skip themselves there (no TensorFlow, Horovod or torch).
+test-core: $(CORE_STAMP)
+	@$(CORE_VENV)/bin/python -c 'import sys, numpy; print("core tests on Python", \
+		sys.version.split()[0], "and numpy", numpy.__version__)'
+	$(CORE_VENV)/bin/python -m pytest -q -p no:cacheprovider
+
 # The main job: two Horovod ranks train the same model with dense allreduce and
 # with deepreduce, and print bytes per step, step time and accuracy side by side.
 # BACKEND=torch: the same comparison with PyTorch DDP and deepreduce's communication
@@ -108,4 +131,4 @@ $(GRADIENTS): benchmarks/gradients.py | $(STAMP)
 	mv $(GRADIENTS:.npz=.partial.npz) $@
 
 clean:
-	rm -rf $(VENV) benchmarks/cache build *.egg-info .pytest_cache .hypothesis deepreduce/*.so
+	rm -rf $(VENV) $(CORE_VENV) benchmarks/cache build *.egg-info .pytest_cache .hypothesis deepreduce/*.so
