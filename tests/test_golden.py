@@ -1,7 +1,14 @@
-"""Golden payloads pin format version 1: the bytes of tests/fixtures/*.drz must not change.
+"""Golden payloads pin the wire format: every fixture is decoded, never re-encoded.
 
-Regenerate (only together with a format version bump) with
-``python tests/test_golden.py --write``.
+Each ``tests/fixtures/NAME.drz`` (a payload, a Horovod bundle or a collectives
+frame, written by some earlier version of deepreduce) sits next to
+``NAME.npz``, the arrays it decodes to. The test decodes the old bytes with
+today's code and compares, as numcodecs' ``check_backwards_compatibility``
+does: a better encoder changes nothing here, a decoder that reads a released
+layout differently fails. The policy is in docs/format.md.
+
+``python tests/test_golden.py --write`` adds the fixtures of new cases; it
+never rewrites an existing one.
 """
 
 import sys
@@ -11,10 +18,14 @@ import numpy as np
 import pytest
 
 import deepreduce as dr
+from deepreduce.collectives import frames
+from deepreduce.exchange import pack_bundle, split_bundles
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CASES = {
-    # name: (shape, dtype, sparsifier, index spec, value spec)
+
+#: name: (shape, dtype, sparsifier, index spec, value spec). Every codec, and every
+#: parameter that changes a layout (bit widths, norms, Bloom policies, value order).
+PAYLOADS = {
     "varint_raw_f32": ((20, 50), np.float32, dr.TopK(k=40), "varint", "raw"),
     "eliasfano_fp16_f32": ((1000,), np.float32, dr.TopK(k=40), "eliasfano", "fp16"),
     "bitmap_bf16_f32": ((1000,), np.float32, dr.TopK(k=300), "bitmap", "bf16"),
@@ -30,34 +41,126 @@ CASES = {
     "golomb_raw_f32": ((1000,), np.float32, dr.TopK(k=40), "golomb", "raw"),
     "huffman_raw_f32": ((5000,), np.float32, dr.TopK(k=500), "huffman", "raw"),
     "runs_raw_f32": ((4096,), np.float32, dr.BlockTopK(0.25, block=64), "runs", "raw"),
+    "raw_qsgd2_f32": ((2000,), np.float32, dr.TopK(k=300), "raw", "qsgd:bits=2"),
+    "varint_qsgd4_f32": ((2000,), np.float32, dr.TopK(k=300), "varint", "qsgd"),
+    "varint_qsgd8_l2_f64": ((2000,), np.float64, dr.TopK(k=300), "varint",
+                            "qsgd:bits=8,norm=l2,bucket=64"),
+    "varint_sign_f32": ((2000,), np.float32, dr.TopK(k=300), "varint", "sign"),
+    "valueorder_polyfit_f32": ((3000,), np.float32, dr.TopK(k=400), "auto", "polyfit"),
+    "valueorder_dexp_f32": ((3000,), np.float32, dr.TopK(k=400), "auto", "dexp"),
+    "bloom_p0_f32": ((4000,), np.float32, dr.TopK(k=200), "bloom:fpr=0.01", "raw"),
+    "bloom_leftmost_f32": ((4000,), np.float32, dr.TopK(k=200),
+                           "bloom:fpr=0.01,policy=leftmost", "raw"),
+    "bloom_random_f32": ((4000,), np.float32, dr.TopK(k=200),
+                         "bloom:fpr=0.01,policy=random", "raw"),
+    "bloom_conflict_sets_f32": ((4000,), np.float32, dr.TopK(k=200),
+                                "bloom:fpr=0.01,policy=conflict_sets", "raw"),
+    "bloom_naive_f32": ((4000,), np.float32, dr.TopK(k=200),
+                        "bloom:fpr=0.01,policy=naive", "raw"),
 }
 
+#: Framings around payloads: the Horovod bundle and the collectives' frames.
+FRAMINGS = ("bundle_two_tensors", "frame_sparse", "frame_dense", "frame_blocks",
+            "frame_counts")
 
-def case_input(shape, dtype):
+
+def case_input(shape, dtype, seed=2026):
     # PCG64 streams are stable across numpy versions, so the input is reproducible
-    x = np.random.default_rng(2026).standard_normal(int(np.prod(shape))).astype(dtype)
+    x = np.random.default_rng(seed).standard_normal(int(np.prod(shape))).astype(dtype)
     return x.reshape(shape)
 
 
-def encode_case(name):
-    shape, dtype, sparsifier, index, value = CASES[name]
-    return dr.Pipeline(sparsifier, index, value).encode(case_input(shape, dtype))
+def encode_payload(name):
+    shape, dtype, sparsifier, index, value = PAYLOADS[name]
+    return dr.Pipeline(sparsifier, index, value).encode(case_input(shape, dtype))[0]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_golden_payload_decodes_to_the_pinned_tensor(name):
-    payload = (FIXTURES / f"{name}.drz").read_bytes()
-    fresh, received = encode_case(name)
+def encode_framing(name) -> bytes:
+    """The bytes of a framing case (written once, then only decoded)."""
+    first = dr.compress(case_input((300,), np.float32), dr.TopK(k=30), "varint", "fp16")
+    if name == "bundle_two_tensors":
+        second = dr.compress(case_input((40, 5), np.float64, 7), None, "bitmap", "raw")
+        return pack_bundle([first, second])
+    if name == "frame_sparse":
+        return frames.sparse_frame(first)
+    if name == "frame_dense":
+        values = case_input((64,), np.float32)
+        return frames.dense_frame(values.tobytes(), np.dtype(np.float32), 64, "raw")
+    if name == "frame_blocks":
+        rows = case_input((3, 8), np.float32)
+        ids = dr.get_codec("varint", family="index").encode(np.array([0, 2, 5]), 6)
+        return frames.blocks_frame(ids, rows.tobytes(), np.dtype(np.float32), 6, 8, 3,
+                                   "varint", "raw")
+    if name == "frame_counts":
+        return frames.counts_frame(30, 40, 60)
+    raise KeyError(name)
+
+
+def decode_case(name, data) -> dict:
+    """Every array the bytes of case ``name`` decode to, by name."""
+    if name in PAYLOADS:
+        st = dr.decompress(data)
+        return {"values": st.values, "indices": st.indices, "shape": np.array(st.shape)}
+    if name == "bundle_two_tensors":
+        out = {}
+        for i, payload in enumerate(split_bundles(data, 1)[0]):
+            st = dr.decompress(payload)
+            out.update({f"values{i}": st.values, f"indices{i}": st.indices,
+                        f"shape{i}": np.array(st.shape)})
+        return out
+    if name == "frame_sparse":
+        st = frames.read_frame(data, 300, np.dtype(np.float32))
+        return {"values": st.values, "indices": st.indices}
+    if name == "frame_dense":
+        return {"values": frames.read_frame(data, 64, np.dtype(np.float32))}
+    if name == "frame_blocks":
+        blocks = frames.read_frame(data, 48, np.dtype(np.float32), block_size=8)
+        return {"ids": blocks.ids, "rows": blocks.rows}
+    if name == "frame_counts":
+        return {"counts": np.array(frames.read_counts(data, 300))}
+    raise KeyError(name)
+
+
+CASES = sorted(PAYLOADS) + list(FRAMINGS)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fixture_decodes_to_its_pinned_arrays(name):
+    data = (FIXTURES / f"{name}.drz").read_bytes()
+    with np.load(FIXTURES / f"{name}.npz") as pinned:
+        expected = {key: pinned[key] for key in pinned.files}
+    decoded = decode_case(name, data)
+    assert sorted(decoded) == sorted(expected)
+    for key, array in decoded.items():
+        assert array.dtype == expected[key].dtype, key
+        assert np.array_equal(array, expected[key], equal_nan=True), key
+
+
+@pytest.mark.parametrize("name", sorted(PAYLOADS))
+def test_encoders_are_deterministic_and_decodable(name):
+    # separate from the fixtures: the encoder may improve, its output must still
+    # be the same twice over and decode to what it says it sends
+    shape, dtype, sparsifier, index, value = PAYLOADS[name]
+    pipeline = dr.Pipeline(sparsifier, index, value)
+    again = dr.Pipeline(sparsifier, index, value)
+    payload, received = pipeline.encode(case_input(shape, dtype))
+    assert again.encode(case_input(shape, dtype))[0] == payload
     assert dr.decompress(payload) == received
-    assert payload == fresh, "the encoder no longer writes format version 1 byte for byte"
 
 
 def test_every_fixture_has_a_case():
     assert sorted(p.stem for p in FIXTURES.glob("*.drz")) == sorted(CASES)
+    assert sorted(p.stem for p in FIXTURES.glob("*.npz")) == sorted(CASES)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     FIXTURES.mkdir(exist_ok=True)
     for case in CASES:
-        (FIXTURES / f"{case}.drz").write_bytes(encode_case(case)[0])
-        print("wrote", case)
+        bytes_path, arrays_path = FIXTURES / f"{case}.drz", FIXTURES / f"{case}.npz"
+        if not bytes_path.exists():   # released bytes are never rewritten
+            bytes_path.write_bytes(encode_payload(case) if case in PAYLOADS
+                                   else encode_framing(case))
+            print("wrote", bytes_path.name)
+        if not arrays_path.exists():
+            np.savez(arrays_path, **decode_case(case, bytes_path.read_bytes()))
+            print("wrote", arrays_path.name)
