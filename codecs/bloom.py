@@ -46,10 +46,9 @@ which one runs.
 Stream: ``version u8 | k u8 | seed u32`` (little endian), ``nbytes`` as
 a LEB128 varint, then the filter's ``nbytes`` bytes (bit ``b`` is bit
 ``b % 8`` of byte ``b // 8``, the little-endian view of the words). The
-seed is the codec's
-``seed`` parameter mixed with a per-call counter, so every call hashes
-differently (false positives do not repeat from step to step) yet a run is
-reproducible; ``random`` and ``conflict_sets`` derive their choices from it.
+seed is the codec's ``seed`` parameter mixed with its ``step`` (its earlier
+encodes), so every call hashes differently (false positives do not repeat from
+step to step) yet a run is reproducible; ``random`` and ``conflict_sets`` derive their choices from it.
 
 Policies (``policy=``)
 ----------------------
@@ -542,7 +541,7 @@ class BloomIndices(IndexCodec):
     policy : {"p0", "leftmost", "random", "conflict_sets", "naive"}
         Which positives receive values (see the module docstring).
     seed : int
-        Hash seed in ``[0, 2**32)``, mixed with a per-call counter.
+        Hash seed in ``[0, 2**32)``, mixed with ``step``, the encodes made so far.
 
     Examples
     --------
@@ -573,11 +572,13 @@ class BloomIndices(IndexCodec):
         self.fpr = float(fpr)
         self.policy = policy
         self.seed = seed
-        self._calls = 0
+        #: Encodes made so far: the next one draws from ``seed`` and ``step``. Save
+        #: it to continue a sequence, set it to replay one (checkpoints store it).
+        self.step = 0
 
     def _next_seed(self) -> int:
-        seed = int(murmur3_32(np.array([self._calls], dtype=np.uint64), self.seed, 8)[0])
-        self._calls += 1
+        seed = int(murmur3_32(np.array([self.step], dtype=np.uint64), self.seed, 8)[0])
+        self.step += 1
         return seed
 
     def build_filter(self, indices, n: int) -> BloomFilter:

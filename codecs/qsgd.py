@@ -18,8 +18,8 @@ scaling (at 4 bits and 512-value buckets of Gaussian values the relative
 L2 error is about 0.19 against 1.26).
 
 Stream: ``seed u32`` (the generator seed of this call: the codec's
-``seed`` mixed with a per-call counter, so calls differ but a run is
-reproducible), the ``ceil(nnz / bucket)`` norms as little-endian float32,
+``seed`` mixed with its ``step``, the count of its earlier encodes, so calls
+differ but a run is reproducible), the ``ceil(nnz / bucket)`` norms as little-endian float32,
 then one ``bits``-bit code per value, ``2 * l + negative``, packed most
 significant bit first (:func:`deepreduce.bits.pack_fixed`). A code
 with ``l = 0`` has its sign bit clear (every ``bits``-bit code holds a
@@ -141,7 +141,8 @@ class QSGDValues(ValueCodec):
         Values per norm, in ``[1, 2**24]``.
     seed : int
         Seed of the stochastic rounding, in ``[0, 2**32)``; mixed with a
-        per-call counter, the result written into the stream.
+        ``step`` (the encodes made so far: save and restore it to continue a
+        sequence), the result written into the stream.
     norm : {"max", "l2"}
         Bucket scale: the largest magnitude (default: at 4 bits and buckets of
         512 its error is about 0.19 against 1.26 with the paper's L2 norm), or
@@ -173,7 +174,9 @@ class QSGDValues(ValueCodec):
         self.bucket = check_bucket(bucket)
         self.seed = check_seed(seed)
         self.norm = norm
-        self._calls = 0
+        #: Encodes made so far: the next one draws from ``seed`` and ``step``. Save
+        #: it to continue a sequence, set it to replay one (checkpoints store it).
+        self.step = 0
 
     @property
     def levels(self) -> int:
@@ -181,8 +184,8 @@ class QSGDValues(ValueCodec):
         return 2 ** (self.bits - 1) - 1
 
     def _next_seed(self) -> int:
-        seed = int(murmur3_32(np.array([self._calls], dtype=np.uint64), self.seed, 8)[0])
-        self._calls += 1
+        seed = int(murmur3_32(np.array([self.step], dtype=np.uint64), self.seed, 8)[0])
+        self.step += 1
         return seed
 
     def _quantize(self, values):

@@ -311,8 +311,8 @@ class GradientExchange:
         state = {}
         for name, pipeline in self._pipelines.items():
             for role, part in _random_parts(pipeline):
-                if hasattr(part, "_calls"):
-                    state[f"{name}/{role}.calls"] = int(part._calls)
+                if hasattr(part, "step"):
+                    state[f"{name}/{role}.step"] = int(part.step)
                 rng = getattr(part, "_rng", None)
                 if isinstance(rng, np.random.Generator):
                     state[f"{name}/{role}.rng"] = rng.bit_generator.state
@@ -323,8 +323,8 @@ class GradientExchange:
         names = {key.split("/", 1)[0] for key in state}
         for name in names:
             for role, part in _random_parts(self._pipeline_of(name)):
-                if f"{name}/{role}.calls" in state:
-                    part._calls = int(state[f"{name}/{role}.calls"])
+                if f"{name}/{role}.step" in state:
+                    part.step = int(state[f"{name}/{role}.step"])
                 if f"{name}/{role}.rng" in state:
                     part._rng.bit_generator.state = state[f"{name}/{role}.rng"]
 
