@@ -94,6 +94,12 @@ class IndexCodec(Codec):
         """Encode ``indices`` (int64, strictly increasing, all in ``[0, n)``)."""
         raise NotImplementedError
 
+    #: True for codecs whose decoding tests every position of the universe (Bloom
+    #: filters): their cost grows with ``n`` whatever the stream, so callers bound
+    #: ``n`` (``dr.decompress(max_elements=)``). Every other codec's decoding costs
+    #: at most a constant times its stream plus its output.
+    scans_universe: bool = False
+
     def decode(self, data: bytes, n: int, nnz: int) -> np.ndarray:
         """Return the ``nnz`` indices as int64, strictly increasing, in ``[0, n)``."""
         raise NotImplementedError

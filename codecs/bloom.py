@@ -560,6 +560,7 @@ class BloomIndices(IndexCodec):
 
     codec_id = "bloom"
     lossless = False
+    scans_universe = True
 
     def __init__(self, fpr: float = 0.001, policy: str = "p0", seed: int = 0):
         if isinstance(fpr, bool) or not isinstance(fpr, (int, float)) \
