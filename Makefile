@@ -87,7 +87,9 @@ $(STAMP): setup.cfg setup.py pyproject.toml Makefile deepreduce/_bloomscan.c \
 # deepreduce, notebook kernels) are the environment's own.
 RUN := PATH="$(CURDIR)/$(BIN):$$PATH"
 
+# ruff first (the rule set is in pyproject.toml): a lint error fails the run early.
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(RUN) $(BIN)/python -m pytest -q
 
 $(CORE_STAMP): setup.cfg setup.py pyproject.toml Makefile

@@ -6,7 +6,8 @@ Measures, against the targets of the project's issue 4:
   within 5%), the false-positive rate measured over 100 tensors against the
   requested one (target within 20%), the decoder's universe scan speed
   (target >= 200 M positions per second on one core, a 25M universe in
-  <= 125 ms) with the compiled scan and with its numpy fallback, and which share of the positions each policy gives values to
+  <= 125 ms) with the compiled scan and with its numpy fallback, and which share of the
+  positions each policy gives values to
   are true indices;
 * Fit-Poly and Fit-DExp: relative L2 error of the (sorted) values and
   encode time;

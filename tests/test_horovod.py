@@ -397,9 +397,9 @@ def test_block_threshold_spares_small_tensors():
     def rank_main(member):
         return c[member.rank].reduce_tensors(["s", "l"], [small, large], transport=member)
 
-    s, l = on_threads(2, rank_main)[0]
-    assert np.array_equal(s, 2 * small)             # below min_size: no threshold
-    assert np.array_equal(l, [0, 0, 0, 0, 6, 0, 0, 0])  # first block left behind
+    reduced_small, reduced_large = on_threads(2, rank_main)[0]
+    assert np.array_equal(reduced_small, 2 * small)      # below min_size: no threshold
+    assert np.array_equal(reduced_large, [0, 0, 0, 0, 6, 0, 0, 0])  # first block left behind
     assert np.array_equal(c[0].memory.residual("l"), [0.25, 0, 0, 0, 0, 0, 0, 0])
 
 
