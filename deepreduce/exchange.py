@@ -285,6 +285,23 @@ class GradientExchange:
                 f"min_size={self.min_size}, seed={self.seed}, "
                 f"communicator={self.communicator!r}{options})")
 
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to continue exactly: every residual (copies) and
+        :meth:`random_state`. Plain numpy arrays and ints: ``pickle`` or ``torch.save``
+        it."""
+        memory = self.memory
+        residuals = {} if memory is None else {name: memory.residual(name).copy()
+                                               for name in memory.names()}
+        return {"residuals": residuals, "random_state": self.random_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` (of an exchange with the same settings)."""
+        if self.memory is not None:
+            self.memory.reset()
+            for name, residual in state["residuals"].items():
+                self.memory.restore(name, residual)
+        self.set_random_state(state["random_state"])
+
     def _pipeline_of(self, name):
         """The pipeline of tensor ``name``: the configured one, with every random stream
         (RandomK, stochastic rounding, Bloom hashing) seeded from ``seed`` and the name.

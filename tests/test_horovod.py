@@ -6,6 +6,7 @@ below assert on what every rank recorded.
 """
 
 import doctest
+import pickle
 import json
 import os
 import shutil
@@ -668,3 +669,21 @@ def test_random_streams_are_per_tensor_and_checkpointable(settings):
     restored = GradientExchange(index="varint", memory=None, **settings)
     restored.set_random_state(state)
     assert payloads(restored, ["a", "b"], [a, b]) == later
+
+
+def test_exchange_state_dict_continues_exactly():
+    rng = np.random.default_rng(2)
+    grads = [rng.standard_normal(4000).astype(np.float32) for _ in range(4)]
+
+    def run(exchange, steps):
+        return [exchange.encode_bundle(["w"], [g]) for g in steps]
+
+    settings = dict(sparsifier=dr.TopK(0.02), value="qsgd:bits=4", min_size=0)
+    through = GradientExchange(**settings)
+    uninterrupted = run(through, grads)
+    first = GradientExchange(**settings)
+    run(first, grads[:2])
+    saved = pickle.loads(pickle.dumps(first.state_dict()))
+    resumed = GradientExchange(**settings)
+    resumed.load_state_dict(saved)
+    assert run(resumed, grads[2:]) == uninterrupted[2:]

@@ -187,11 +187,10 @@ class DeepReduceState:
     # -- checkpointing ------------------------------------------------------------
     def state_dict(self) -> dict:
         """The iteration, the residuals (per parameter) and the random state."""
-        memory = self.exchange.memory
-        residuals = {} if memory is None else {
-            name: torch.from_numpy(memory.residual(name).copy()) for name in memory.names()}
-        return {"iter": self.iter, "residuals": residuals,
-                "random_state": self.exchange.random_state(), "settings": dict(self._settings)}
+        state = self.exchange.state_dict()
+        state["residuals"] = {name: from_host(residual)
+                              for name, residual in state["residuals"].items()}
+        return {"iter": self.iter, "settings": dict(self._settings), **state}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Continue from :meth:`state_dict` (of a state with the same settings)."""
@@ -202,12 +201,10 @@ class DeepReduceState:
                              + ", ".join(f"{k} {theirs.get(k)!r} there, {self._settings[k]!r} "
                                          "here" for k in differ))
         self.iter = int(state_dict["iter"])
-        memory = self.exchange.memory
-        if memory is not None:
-            memory.reset()
-            for name, residual in state_dict["residuals"].items():
-                memory.restore(name, residual.detach().cpu().numpy())
-        self.exchange.set_random_state(state_dict["random_state"])
+        self.exchange.load_state_dict({
+            "residuals": {name: host_array(residual.detach().cpu())
+                          for name, residual in state_dict["residuals"].items()},
+            "random_state": state_dict["random_state"]})
 
     def __getstate__(self):
         state = dict(self.__dict__)
