@@ -118,15 +118,27 @@ def bucket_peaks(rows: np.ndarray) -> np.ndarray:
     return np.max(np.abs(rows), axis=1)
 
 
-def dequantize(levels: np.ndarray, negative: np.ndarray, norms: np.ndarray, bucket: int,
-               s: int, dtype: np.dtype) -> np.ndarray:
-    """``(-1)**negative * norm * level / s`` per value, in ``dtype`` (shared by encoder and decoder)."""
-    nnz = levels.size
+def dequantize(codes: np.ndarray, norms: np.ndarray, bucket: int, s: int,
+               dtype: np.dtype) -> np.ndarray:
+    """``(-1)**negative * level * (norm / s)`` per code ``2 * level + negative``, in
+    ``dtype`` (shared by encoder and decoder, so the sender knows exactly what arrives).
+
+    The signed levels are made in int16 (two's complement: ``(l ^ -b) + b`` is
+    ``-l`` when the sign bit ``b`` is set), then one multiplication by each
+    bucket's ``norm / s``, broadcast over whole buckets; ``(-l) * scale`` has the
+    bits of ``-(l * scale)``.
+    """
+    nnz, buckets = codes.size, norms.size
+    negative = (codes & 1).astype(np.int16)
+    signed = (codes >> 1).astype(np.int16)
+    signed ^= -negative
+    signed += negative
+    x = np.zeros(buckets * bucket, dtype=np.float64)
+    x[:nnz] = signed
     # Corrupt streams may hold signalling NaNs, which warn when widened.
     with np.errstate(invalid="ignore"):
-        x = levels * np.repeat(norms.astype(np.float64) / s, bucket)[:nnz]
-    np.negative(x, out=x, where=negative)
-    return cast_back(x, dtype)
+        x.reshape(buckets, bucket)[...] *= (norms.astype(np.float64) / s)[:, None]
+    return cast_back(x[:nnz], dtype)
 
 
 @register_codec
@@ -190,32 +202,38 @@ class QSGDValues(ValueCodec):
 
     def _quantize(self, values):
         values = check_values(values)
-        x = working_copy(values)
         seed = self._next_seed()
-        s = self.levels
-        rows = bucket_matrix(x, self.bucket)
+        s, nnz = self.levels, values.size
+        rows = bucket_matrix(working_copy(values), self.bucket)
         norms = float32_at_least(bucket_l2_norms(rows) if self.norm == "l2" else
                                  bucket_peaks(rows))
-        scale = np.repeat(norms.astype(np.float64), self.bucket)[:x.size]
+        scale = norms.astype(np.float64)
         usable = np.isfinite(scale) & (scale > 0)
+        # a = |x| / norm * s in place; a bucket with a zero or non-finite norm codes 0
+        a = np.abs(rows)
         with np.errstate(invalid="ignore", divide="ignore"):
-            a = np.where(usable, np.abs(x) / np.where(usable, scale, 1.0) * s, 0.0)
-        low = np.floor(a)
-        draws = np.random.default_rng(seed).random(x.size)
-        levels = np.minimum(low + (draws < a - low), s).astype(np.uint64)
-        negative = (x < 0) & (levels > 0)
-        codes = levels * np.uint64(2) + negative
+            a /= np.where(usable, scale, 1.0)[:, None]
+        a *= s
+        if not usable.all():
+            a[~usable] = 0.0
+        # stochastic rounding, unbiased: floor(a + u) is floor(a) + 1 with probability
+        # a - floor(a)
+        a += np.random.default_rng(seed).random(a.shape)
+        np.floor(a, out=a)
+        np.minimum(a, s, out=a)
+        levels = a.reshape(-1)[:nnz].astype(np.uint8)
+        codes = levels << 1
+        codes |= (rows.reshape(-1)[:nnz] < 0) & (levels > 0)
         data = (_SEED.pack(seed) + norms.astype("<f4").tobytes()
                 + _bits.pack_fixed(codes, self.bits))
-        return data, levels, negative, norms, values.dtype
+        return data, codes, norms, values.dtype
 
     def encode(self, values):
         return self._quantize(values)[0]
 
     def encode_and_receive(self, values):
-        data, levels, negative, norms, dtype = self._quantize(values)
-        return data, dequantize(levels.astype(np.float64), negative, norms, self.bucket,
-                                self.levels, dtype)
+        data, codes, norms, dtype = self._quantize(values)
+        return data, dequantize(codes, norms, self.bucket, self.levels, dtype)
 
     def decode(self, data, nnz, dtype):
         dtype = value_dtype(dtype, DecodeError)
@@ -230,9 +248,7 @@ class QSGDValues(ValueCodec):
         if np.any(norms < 0):
             raise DecodeError(f"{what}: negative bucket norm")
         codes = _bits.unpack_fixed(data[_SEED.size + 4 * buckets:], nnz, self.bits, what)
-        levels, negative = codes >> np.uint64(1), (codes & np.uint64(1)).astype(bool)
-        if np.any(negative & (levels == 0)):
+        if np.any(codes == 1):
             raise DecodeError(f"{what}: level 0 with the sign bit set")
-        return dequantize(levels.astype(np.float64), negative, norms.astype(np.float32),
-                          self.bucket, self.levels, dtype)
+        return dequantize(codes, norms, self.bucket, self.levels, dtype)
 

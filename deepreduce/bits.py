@@ -325,6 +325,8 @@ def pack_fixed(values: np.ndarray, width: int) -> bytes:
         raise ValueError(f"values do not fit in {width} bits (max {int(values.max())})")
     if width == 0:
         return b""
+    if width == 8:  # checked above: every value fits in a byte
+        return values.astype(np.uint8).tobytes()
     groups = -(-count // 8)
     if width <= 8:
         return _pack_narrow(values, width, groups)[:packed_bytes(count * width)]
@@ -386,6 +388,8 @@ def unpack_fixed(data, count: int, width: int, what: str) -> np.ndarray:
                           f"for {count} values of {width} bits")
     if width == 0 or count == 0:
         return np.zeros(count, dtype=np.uint16 if width <= 8 else np.uint64)
+    if width == 8:  # one value a byte, no padding: the bytes are the values
+        return np.frombuffer(data, dtype=np.uint8, count=count).astype(np.uint16)
     padding = 8 * nbytes - count * width
     if padding and data[nbytes - 1] & ((1 << padding) - 1):
         raise DecodeError(f"{what}: padding bits of the last byte are not zero")
