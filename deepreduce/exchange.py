@@ -152,7 +152,12 @@ def _seeded_codec(spec, family: str, seed: int):
 
 
 class GradientExchange:
-    """How gradients are compressed for the allgather communicator (numpy side).
+    """One step's gradients across ranks: error feedback, sparsifier, codecs, transport, sums.
+
+    The framework integrations hand it numpy arrays (or SparseTensors) and a
+    transport: :meth:`reduce_async` does the rest over any communicator;
+    Horovod's graph path calls its halves, :meth:`encode_bundle` and
+    :meth:`decode_bundles`, around an in-graph allgather.
 
     Parameters
     ----------
