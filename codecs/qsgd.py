@@ -77,10 +77,11 @@ def working_copy(values: np.ndarray) -> np.ndarray:
         to_float32(values).astype(np.float64)
 
 
-def bucket_matrix(x: np.ndarray, bucket: int) -> np.ndarray:
-    """``x`` zero-padded to whole buckets, shape ``(ceil(len/bucket), bucket)``."""
+def bucket_matrix(x: np.ndarray, bucket: int, dtype=None) -> np.ndarray:
+    """``x`` (as ``dtype``, its own by default) zero-padded to whole buckets, shape
+    ``(ceil(len/bucket), bucket)``."""
     rows = -(-x.size // bucket)
-    padded = np.zeros(rows * bucket, dtype=x.dtype)
+    padded = np.zeros(rows * bucket, dtype=x.dtype if dtype is None else dtype)
     padded[:x.size] = x
     return padded.reshape(rows, bucket)
 
@@ -204,7 +205,10 @@ class QSGDValues(ValueCodec):
         values = check_values(values)
         seed = self._next_seed()
         s, nnz = self.levels, values.size
-        rows = bucket_matrix(working_copy(values), self.bucket)
+        if values.dtype in (np.float32, np.float64):  # widened exactly by the copy itself
+            rows = bucket_matrix(values, self.bucket, np.float64)
+        else:
+            rows = bucket_matrix(working_copy(values), self.bucket)
         norms = float32_at_least(bucket_l2_norms(rows) if self.norm == "l2" else
                                  bucket_peaks(rows))
         scale = norms.astype(np.float64)
@@ -212,13 +216,12 @@ class QSGDValues(ValueCodec):
         # a = |x| / norm * s in place; a bucket with a zero or non-finite norm codes 0
         a = np.abs(rows)
         with np.errstate(invalid="ignore", divide="ignore"):
-            a /= np.where(usable, scale, 1.0)[:, None]
-        a *= s
+            a *= np.where(usable, s / scale, 0.0)[:, None]
         if not usable.all():
             a[~usable] = 0.0
         # stochastic rounding, unbiased: floor(a + u) is floor(a) + 1 with probability
-        # a - floor(a)
-        a += np.random.default_rng(seed).random(a.shape)
+        # a - floor(a) (float32 draws: 24 random bits are plenty for 8-bit levels)
+        a += np.random.default_rng(seed).random(a.shape, dtype=np.float32)
         np.floor(a, out=a)
         np.minimum(a, s, out=a)
         levels = a.reshape(-1)[:nnz].astype(np.uint8)
