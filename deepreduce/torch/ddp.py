@@ -324,7 +324,9 @@ def deepreduce_hook(state: DeepReduceState,
                         f"{bucket.index()} holds {buffer.dtype}")
     state._agree()
     keys, shapes = state._parameters(bucket)
-    host = buffer.detach().cpu() if buffer.device.type != "cpu" else buffer.detach()
+    # the codecs work on host memory: a CPU bucket is used in place, another is copied
+    on_host = buffer.device.type == "cpu"
+    host = buffer.detach() if on_host else buffer.detach().cpu()
     array = host_array(host)
     size = state.transport.size
     sizes = [math.prod(s) for s in shapes]
@@ -332,18 +334,19 @@ def deepreduce_hook(state: DeepReduceState,
         keys, shapes, sizes = [f"bucket{bucket.index()}"], [(array.size,)], [array.size]
     ends = np.cumsum(sizes).tolist()
     views = [array[end - n:end].reshape(shape) for end, n, shape in zip(ends, sizes, shapes)]
+    compressed = state._compresses(shapes, array.dtype)
     result = torch.futures.Future()
 
     def deliver(future):
         try:
             future.result()
-            if host is not buffer:
+            if compressed and not on_host:  # decoded into the host copy
                 buffer.copy_(host)
             result.set_result(buffer)
         except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
             result.set_exception(exc)
 
-    if state._compresses(shapes, array.dtype):
+    if compressed:
         started = state.exchange.reduce_async(keys, views, state._guarded, "average",
                                               out=views)
     else:
@@ -352,20 +355,18 @@ def deepreduce_hook(state: DeepReduceState,
             if memory is not None and key in memory:
                 view += memory.residual(key).astype(view.dtype, copy=False)
                 memory.reset(key)
-        started = state._submit(lambda: _allreduce_average(state, buffer, host, size))
+        started = state._submit(lambda: _allreduce_average(state, buffer, host, on_host, size))
     started.add_done_callback(deliver)
     if bucket.is_last():
         state.iter += 1
     return result
 
 
-def _allreduce_average(state, buffer, host, size):
-    if host is not buffer:
+def _allreduce_average(state, buffer, host, on_host, size):
+    if not on_host:  # the residuals owed were added on the host copy
         buffer.copy_(host)
     buffer.div_(size)
     dist.all_reduce(buffer, group=state.transport.group)
-    if host is not buffer:
-        host.copy_(buffer)
     nbytes = buffer.numel() * buffer.element_size()
     state.stats.record_step(StepStats(steps=1, tensors=1, bytes_sent=nbytes,
                                       bytes_received=nbytes, dense_bytes=nbytes))
