@@ -710,7 +710,8 @@ def main(argv=None):
     return write_results(runs, args)
 
 
-def write_results(runs, args):
+def write_results(runs, args, report=report, plot=plot):
+    """Write the markdown table, the plot and the JSON of ``runs`` next to ``args.out``."""
     text = report(runs, args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

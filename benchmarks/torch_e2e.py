@@ -50,7 +50,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from e2e import BURST, NetnsError, ShapedLoopback, loopback_tx_bytes  # noqa: E402
+from e2e import (BURST, NetnsError, ShapedLoopback, loopback_tx_bytes,  # noqa: E402
+                 write_results)
 
 RESULTS = HERE / "results"
 NAMESPACE = "drtorch"
@@ -414,15 +415,7 @@ def main(argv=None):
         except NetnsError as exc:
             print(f"torch_e2e: cannot shape the network: {exc}", file=sys.stderr)
             return 2
-    text = report(runs, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    plot(runs, out.with_suffix(".png"))
-    out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(dict(runs=runs, args=vars(args)), indent=1)
-                                        + "\n")
-    print(text)
-    return 0
+    return write_results(runs, args, report, plot)
 
 
 if __name__ == "__main__":
