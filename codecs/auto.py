@@ -258,10 +258,9 @@ class AutoIndices(IndexCodec):
         codecs = [codec for _, codec in _lz_codecs()]
         if not codecs:
             return False
-        if indices.size <= 4 * LZ_SLICES[1]:
-            return True
 
         def piece(size):
+            size = min(size, indices.size)
             start = (indices.size - size) // 2
             return indices[start:start + size] - indices[start]
 
@@ -269,9 +268,13 @@ class AutoIndices(IndexCodec):
             varints = _bits.varint_encode(_bits.gaps(members))
             return min(len(codec.encode_varints(varints)) for codec in candidates)
 
-        short, long = piece(LZ_SLICES[0]), piece(LZ_SLICES[1])
-        return (lz_size(short, codecs[-1:]) <= LZ_MARGIN * _estimated_size(best_tag, short)
-                and lz_size(long, codecs) <= _estimated_size(best_tag, long))
+        short = piece(LZ_SLICES[0])
+        if lz_size(short, codecs[-1:]) > LZ_MARGIN * _estimated_size(best_tag, short):
+            return False  # the usual verdict on uniform sets, for the price of one slice
+        if indices.size <= 4 * LZ_SLICES[1]:
+            return True   # small enough to try the LZ codecs on the whole set
+        long = piece(LZ_SLICES[1])
+        return lz_size(long, codecs) <= _estimated_size(best_tag, long)
 
     @staticmethod
     def _encode_with(tag, indices, n, split) -> bytes:
