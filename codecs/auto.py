@@ -185,17 +185,15 @@ class AutoIndices(IndexCodec):
 
     def _small_stream(self, indices, n):
         """The Golomb or run stream when the smaller is below :data:`SMALL_STREAM` bytes."""
-        gaps = golomb.index_gaps(indices)
-        clustered = 4 * np.count_nonzero(gaps == 0) > indices.size  # as in _estimate
-        split = golomb.Split(gaps, golomb.choose_parameter(golomb.mean_gap(indices)),
-                             consume=True)
-        sizes = {TAGS.index("golomb"): golomb.stream_size(split)}
-        if clustered:
+        coded = golomb.IndexStream(indices, golomb.choose_parameter(golomb.mean_gap(indices)),
+                                   count_adjacent=True)
+        sizes = {TAGS.index("golomb"): coded.size}
+        if 4 * coded.adjacent > indices.size:  # clustered, as in _estimate
             sizes[TAGS.index("runs")] = runs.stream_size(indices)
         tag = min(sizes, key=sizes.get)  # on a tie Golomb, the faster to decode
         if sizes[tag] >= SMALL_STREAM:
             return None
-        return tag, self._encode_with(tag, indices, n, split)
+        return tag, self._encode_with(tag, indices, n, coded)
 
     def _try_all(self, indices, n):
         best = None
@@ -219,21 +217,21 @@ class AutoIndices(IndexCodec):
         return best
 
     def _estimate(self, indices, n):
-        gaps = golomb.index_gaps(indices)
-        sizes = {TAGS.index("bitmap"): _bits.packed_bytes(n)}
+        coded = golomb.IndexStream(indices, golomb.choose_parameter(golomb.mean_gap(indices)),
+                                   count_adjacent=True)
+        sizes = {TAGS.index("bitmap"): _bits.packed_bytes(n),
+                 TAGS.index("golomb"): coded.size}
         # Runs only pay when many neighbours are adjacent (gap 0).
-        if 4 * np.count_nonzero(gaps == 0) > indices.size:
+        if 4 * coded.adjacent > indices.size:
             sizes[TAGS.index("runs")] = runs.stream_size(indices)
-        sample = gaps[::-(-gaps.size // HUFFMAN_SAMPLE)] + 1
+        # Every step-th gap plus one: the index less the one before it (-1 before the first).
+        step = -(-indices.size // HUFFMAN_SAMPLE)
+        sample = indices[::step] - np.concatenate(([-1], indices[step - 1:-1:step]))
         codec = huffman.HuffmanIndices()
         sample_bits = huffman.estimate_bits(sample, codec.precision, codec.block)
-        sizes[TAGS.index("huffman")] = int(sample_bits * gaps.size / sample.size) // 8
-        # Last use of the gaps: the Golomb split reuses their memory.
-        split = golomb.Split(gaps, golomb.choose_parameter(golomb.mean_gap(indices)),
-                             consume=True)
-        sizes[TAGS.index("golomb")] = golomb.stream_size(split)
+        sizes[TAGS.index("huffman")] = int(sample_bits * indices.size / sample.size) // 8
         ranked = sorted(sizes, key=sizes.get)
-        best = (ranked[0], self._encode_with(ranked[0], indices, n, split))
+        best = (ranked[0], self._encode_with(ranked[0], indices, n, coded))
         if self._lz_worth_trying(indices, ranked[0]):
             varints = _bits.varint_encode(_bits.gaps(indices))  # what every LZ codec packs
             for tag, codec in _lz_codecs():
@@ -243,7 +241,7 @@ class AutoIndices(IndexCodec):
         for tag in ranked[1:]:
             if sizes[tag] > (1 + CLOSE_CALL) * len(best[1]):
                 break
-            data = self._encode_with(tag, indices, n, split)
+            data = self._encode_with(tag, indices, n, coded)
             if len(data) < len(best[1]):
                 best = (tag, data)
         if 2 * indices.size > n:
@@ -277,9 +275,9 @@ class AutoIndices(IndexCodec):
         return lz_size(long, codecs) <= _estimated_size(best_tag, long)
 
     @staticmethod
-    def _encode_with(tag, indices, n, split) -> bytes:
+    def _encode_with(tag, indices, n, coded) -> bytes:
         if TAGS[tag] == "golomb":
-            return golomb.encode_index_gaps(split)
+            return coded.data()
         return _sub_codec(tag).encode(indices, n)
 
     def encode(self, indices, n):

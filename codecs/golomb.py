@@ -130,6 +130,12 @@ def encode_fields(values: np.ndarray, m: int, split: Split | None = None) -> byt
     return head_bytes + np.packbits(tail).tobytes()
 
 
+def _check_room(data, count: int, width: int, what: str) -> None:
+    if 8 * len(data) < count * (width + 1):
+        raise DecodeError(f"{what}: {len(data)} bytes cannot hold {count} Golomb codes "
+                          f"of at least {width + 1} bits")
+
+
 def decode_fields(data, count: int, m: int, what: str) -> tuple[np.ndarray, np.ndarray]:
     """Parse :func:`encode_fields` output of ``count >= 1`` values.
 
@@ -142,9 +148,7 @@ def decode_fields(data, count: int, m: int, what: str) -> tuple[np.ndarray, np.n
     terminators, or bytes follow the last one.
     """
     width, threshold = _layout(m)
-    if 8 * len(data) < count * (width + 1):
-        raise DecodeError(f"{what}: {len(data)} bytes cannot hold {count} Golomb codes "
-                          f"of at least {width + 1} bits")
+    _check_room(data, count, width, what)
     aligned = count & ~7
     plane_bytes = aligned * width // 8
     remainders = np.empty(count, dtype=np.int16 if width <= 8 else np.int64)
@@ -228,6 +232,44 @@ def mean_gap(indices: np.ndarray) -> float:
     return (int(indices[-1]) - indices.size + 1) / indices.size
 
 
+#: Indices from here on take the numpy path: the compiled loops work in 64-bit
+#: arithmetic with room for a dozen times ``n``.
+COMPILED_LIMIT = 1 << 58
+
+
+class IndexStream:
+    """The Golomb stream of a non-empty, valid index set with parameter ``m``.
+
+    :attr:`size` is its exact length in bytes and :meth:`data` the stream
+    (:func:`encode_index_gaps`). With the compiled loops
+    (``deepreduce._entropyc``) the stream is written at once, in one pass
+    over the indices that also counts the zero gaps; the numpy path splits
+    the gaps and writes the stream only when :meth:`data` asks, so a caller
+    that only weighs sizes pays for the split alone. :attr:`adjacent` (the
+    number of zero gaps, i.e. of adjacent indices) is counted only with
+    ``count_adjacent=True`` (else None) on the numpy path.
+    """
+
+    def __init__(self, indices: np.ndarray, m: int, count_adjacent: bool = False):
+        self.m = m
+        compiled = _entropy._entropyc
+        if compiled is not None and int(indices[-1]) < COMPILED_LIMIT:
+            self._data, self.adjacent = compiled.golomb_encode(
+                np.ascontiguousarray(indices, dtype=np.int64), m, _bits.write_varint(m))
+            self.size = len(self._data)
+            return
+        gaps = index_gaps(indices)
+        self.adjacent = int(np.count_nonzero(gaps == 0)) if count_adjacent else None
+        self._split = Split(gaps, m, consume=True)
+        self.size = stream_size(self._split)
+        self._data = None
+
+    def data(self) -> bytes:
+        if self._data is None:
+            self._data = encode_index_gaps(self._split)
+        return self._data
+
+
 def stream_size(split: Split) -> int:
     """Exact byte length of :func:`encode_index_gaps` output."""
     return len(_bits.write_varint(split.m)) + _bits.packed_bytes(split.bits())
@@ -241,6 +283,15 @@ def encode_index_gaps(split: Split) -> bytes:
 def decode_index_gaps(data, n: int, nnz: int, what: str) -> np.ndarray:
     """Inverse of :func:`encode_index_gaps` for ``nnz >= 1``."""
     m, offset = read_parameter(data, n, what)
+    compiled = _entropy._entropyc
+    if compiled is not None and n < COMPILED_LIMIT:
+        fields = data[offset:]
+        _check_room(fields, nnz, m.bit_length() - 1, what)
+        indices = np.empty(nnz, dtype=np.int64)
+        problem = compiled.golomb_decode(fields, m, n, indices)
+        if problem is not None:
+            raise DecodeError(f"{what}: {problem}")
+        return indices
     terminators, remainders = decode_fields(data[offset:], nnz, m, what)
     # Index i = m * (quotients up to i) + (remainders up to i) + i, where the
     # quotients up to i are terminators[i] - i; folding "- m*i + i" into the
@@ -311,14 +362,13 @@ class GolombIndices(IndexCodec):
         """Exact length in bytes of ``encode(indices, n)``."""
         if indices.size == 0:
             return 0
-        return stream_size(Split(index_gaps(indices), self.parameter(indices)))
+        return IndexStream(indices, self.parameter(indices)).size
 
     def encode(self, indices, n):
         indices = _bits.check_indices(indices, n)
         if indices.size == 0:
             return b""
-        return encode_index_gaps(Split(index_gaps(indices), self.parameter(indices),
-                                       consume=True))
+        return IndexStream(indices, self.parameter(indices)).data()
 
     def decode(self, data, n, nnz):
         what = "golomb indices"

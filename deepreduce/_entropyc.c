@@ -1,5 +1,6 @@
 /*
- * Compiled loops of deepreduce's Huffman index codec (deepreduce.codecs.huffman).
+ * Compiled loops of deepreduce's Huffman and Golomb index codecs (deepreduce.codecs.huffman,
+ * deepreduce.codecs.golomb).
  *
  * A prefix code is sequential by nature: numpy decodes it in lockstep lanes, a dozen
  * whole-array operations per three symbols, and packs variable-width fields with
@@ -23,6 +24,11 @@
  *   read_indices(data, bit_offset, symbols, base, offset_bits, out) -> int
  *       _entropy.unpack_varlen of the offsets, _entropy.bucket_values and the running
  *       sum of huffman._cumulate in one pass; returns the exact sum of the gaps.
+ *   golomb_encode(indices, m, prefix) -> (data, adjacent)
+ *   golomb_decode(data, m, n, out) -> None or str
+ *       golomb.encode_index_gaps and decode_index_gaps in one pass each (two for true
+ *       Golomb codes, whose extra bits precede the unary part): the index gaps, split,
+ *       planes and unary codes without intermediate arrays.
  *
  * Decoders are handed untrusted streams: every read is bounded by the buffer's size
  * (bits past the end read as zeros, as numpy's zero padding does), and every write by
@@ -897,6 +903,391 @@ static PyObject *huffman_depths(PyObject *module, PyObject *args)
     return result;
 }
 
+/* ------------------------------------------------------------ golomb */
+
+/* The Golomb code of deepreduce.codecs.golomb.encode_fields for parameter m: quotient
+ * q = gap / m in unary (q zeros and a one), remainder r = gap % m in truncated binary,
+ * `width` bits below `threshold`, else width + 1 bits of r + threshold, sent as a
+ * width-bit head and one extra bit. The heads of the first `aligned` (count rounded down
+ * to 8) values lie in byte planes of `part` bits (8s, then 4, 2, 1:
+ * _entropy.plane_widths): a group of 8 values fills `part` bytes of each plane. The
+ * tail bitstream holds the heads of the last count % 8 values, the extra bits, then the
+ * unary codes.
+ *
+ * Value i's terminator is unary bit t[i] = (q[0] + ... + q[i]) + i, so index i =
+ * m * (t[i] - i) + (r[0] + ... + r[i]) + i: the decoder first lists the terminators'
+ * positions (two instructions a bit, no dependency between values) and then adds. The
+ * encoder writes the unary part, and the extra bits, in scratch buffers a word at a
+ * time without reading memory back, and moves them behind the heads at the end. */
+typedef struct {
+    uint64_t m, threshold;
+    double inverse;
+    unsigned width, parts[16], planes;
+    int rice;
+} golomb_t;
+
+static void golomb_layout(golomb_t *g, uint64_t m)
+{
+    g->m = m;
+    g->width = (unsigned)LOG2_64(m);
+    g->threshold = (2ull << g->width) - m;   /* m itself for a power of two */
+    g->rice = (m & (m - 1)) == 0;
+    g->inverse = 1.0 / (double)m;
+    g->planes = 0;
+    for (unsigned i = 0; i < g->width / 8; i++)
+        g->parts[g->planes++] = 8;
+    for (unsigned part = 4; part; part >>= 1)
+        if (g->width & part)
+            g->parts[g->planes++] = part;
+}
+
+/* value / m, and the remainder. Below 2**52 a double reciprocal is at most one off and
+ * much cheaper than a 64-bit division. */
+static inline uint64_t golomb_divide(const golomb_t *g, uint64_t value, uint64_t *remainder)
+{
+    uint64_t q;
+    if (g->rice)
+        q = value >> g->width;
+    else if (value < (1ull << 52)) {
+        q = (uint64_t)((double)value * g->inverse);
+        if (q * g->m > value)
+            q--;
+        else if (value - q * g->m >= g->m)
+            q++;
+    } else
+        q = value / g->m;
+    *remainder = value - q * g->m;
+    return q;
+}
+
+/* Writes a group's 8 heads into the planes (each groups * part bytes). An 8-byte store
+ * spills into the bytes of later groups, written after it; the last groups, whose
+ * spill would reach the next plane, are copied exactly. */
+static inline void write_group(const golomb_t *g, const uint64_t *head, uint8_t *planes,
+                               Py_ssize_t group, Py_ssize_t groups)
+{
+    unsigned shift = g->width;
+    for (unsigned p = 0; p < g->planes; p++) {
+        unsigned part = g->parts[p];
+        uint64_t mask = (1ull << part) - 1, word = 0;
+        shift -= part;
+        for (unsigned j = 0; j < 8; j++)
+            word |= ((head[j] >> shift) & mask) << (part * (7 - j));
+        word <<= 64 - 8 * part;
+        if (group + 8 / part <= groups)
+            store_be64(planes + group * part, word);
+        else
+            for (unsigned b = 0; b < part; b++)
+                planes[group * part + b] = (uint8_t)(word >> (56 - 8 * b));
+        planes += groups * part;
+    }
+}
+
+static inline void read_group(const golomb_t *g, const uint8_t *data, uint64_t size,
+                              Py_ssize_t group, Py_ssize_t groups, uint64_t *head)
+{
+    uint64_t plane = 0;
+    for (unsigned j = 0; j < 8; j++)
+        head[j] = 0;
+    for (unsigned p = 0; p < g->planes; p++) {
+        unsigned part = g->parts[p];
+        uint64_t mask = (1ull << part) - 1;
+        uint64_t word = window_at(data, size, plane + (uint64_t)group * part) >> (64 - 8 * part);
+        for (unsigned j = 0; j < 8; j++)
+            head[j] = (head[j] << part) | ((word >> (part * (7 - j))) & mask);
+        plane += (uint64_t)groups * part;
+    }
+}
+
+/* ORs the first `bits` bits of src (whose bits past them are zero) into dst from bit
+ * `at` on; dst needs a byte of slack past the last one. */
+static void or_bits_at(uint8_t *dst, uint64_t at, const uint8_t *src, uint64_t bits)
+{
+    uint8_t *d = dst + (at >> 3);
+    unsigned shift = (unsigned)(at & 7);
+    uint64_t size = (bits + 7) / 8, b = 0, carry = 0;
+    for (; b + 8 <= size; b += 8) {
+        uint64_t word = load_be64(src + b);
+        store_be64(d + b, load_be64(d + b) | carry | (word >> shift));
+        carry = shift ? word << (64 - shift) : 0;
+    }
+    d[b] |= (uint8_t)(carry >> 56);
+    for (; b < size; b++) {
+        d[b] |= (uint8_t)(src[b] >> shift);
+        d[b + 1] |= (uint8_t)(src[b] << (8 - shift));
+    }
+}
+
+typedef struct {
+    uint64_t quotients, long_codes, adjacent;
+} golomb_totals_t;
+
+/* The fields of strictly increasing indices: the heads' planes (and, for the last
+ * count % 8 values, tail bits) into `out`, zero past the planes; the unary codes into
+ * `unary` and the extra bits into `extras`, both zeroed, word-aligned and long enough
+ * (with a word of slack). Returns -1, before writing out of bounds, for indices that
+ * do not increase from 0. */
+static int golomb_write(const golomb_t *g, const int64_t *indices, Py_ssize_t count,
+                        uint8_t *out, uint8_t *unary, uint8_t *extras,
+                        golomb_totals_t *totals)
+{
+    Py_ssize_t aligned = count & ~(Py_ssize_t)7, groups = aligned / 8;
+    uint8_t *tail = out + groups * g->width;
+    uint64_t previous = (uint64_t)-1, position = 0, adjacent = 0, long_codes = 0, head[8];
+    uint64_t word = 0, at = 0, extra_word = 0, extra_at = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (indices[i] <= (int64_t)previous)
+            return -1;
+        uint64_t r, gap = (uint64_t)indices[i] - previous - 1;
+        previous = (uint64_t)indices[i];
+        adjacent += gap == 0;
+        position += golomb_divide(g, gap, &r);
+        /* The word holding this terminator is stored after every change: no branch,
+         * and words skipped by a long quotient stay zero. */
+        uint64_t next = position >> 6;
+        word = next == at ? word : 0;
+        at = next;
+        word |= 0x8000000000000000ull >> (position & 63);
+        store_be64(unary + 8 * at, word);
+        position++;
+        if (r >= g->threshold) {
+            r += g->threshold;
+            uint64_t next_extra = long_codes >> 6;
+            extra_word = next_extra == extra_at ? extra_word : 0;
+            extra_at = next_extra;
+            extra_word |= (r & 1) << (63 - (long_codes & 63));
+            store_be64(extras + 8 * extra_at, extra_word);
+            long_codes++;
+            r >>= 1;
+        }
+        if (i < aligned) {
+            head[i & 7] = r;
+            if ((i & 7) == 7)
+                write_group(g, head, out, i / 8, groups);
+        } else {
+            uint64_t bit = (uint64_t)(i - aligned) * g->width;
+            for (unsigned b = 0; b < g->width; b++, bit++)
+                tail[bit >> 3] |= (uint8_t)(((r >> (g->width - 1 - b)) & 1) << (7 - (bit & 7)));
+        }
+    }
+    totals->quotients = position - (uint64_t)count;
+    totals->long_codes = long_codes;
+    totals->adjacent = adjacent;
+    return 0;
+}
+
+static PyObject *golomb_encode(PyObject *module, PyObject *args)
+{
+    PyObject *object;
+    unsigned long long m;
+    Py_buffer prefix;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OKy*:golomb_encode", &object, &m, &prefix))
+        return NULL;
+    Py_buffer view;
+    if (get_array(object, &view, "indices", INT64, 0) < 0) {
+        PyBuffer_Release(&prefix);
+        return NULL;
+    }
+    Py_ssize_t count = view.len / 8;
+    const int64_t *indices = view.buf;
+    PyObject *data = NULL, *result = NULL;
+    uint8_t *unary = NULL, *extras = NULL;
+    if (m < 1 || count < 1 || indices[count - 1] >= (1ll << 58)) {
+        PyErr_SetString(PyExc_ValueError, "golomb_encode needs m >= 1 and 1 or more indices "
+                        "below 2**58");
+        goto done;
+    }
+    golomb_t g;
+    golomb_totals_t totals;
+    golomb_layout(&g, m);
+    /* The quotients add up to at most (sum of the gaps) / m. */
+    uint64_t most = ((uint64_t)indices[count - 1] - (uint64_t)(count - 1)) / m;
+    Py_ssize_t aligned = count & ~(Py_ssize_t)7, head_bytes = aligned / 8 * g.width;
+    uint64_t lead = (uint64_t)(count - aligned) * g.width;
+    uint64_t unary_words = (most + count) / 64 + 2, extra_words = (uint64_t)count / 64 + 2;
+    Py_ssize_t reserve = prefix.len + head_bytes
+                         + (Py_ssize_t)((lead + 2 * (uint64_t)count + most + 7) / 8) + 16;
+    unary = PyMem_Calloc(unary_words, 8);
+    extras = PyMem_Calloc(extra_words, 8);
+    data = unary && extras ? PyBytes_FromStringAndSize(NULL, reserve) : PyErr_NoMemory();
+    if (data == NULL)
+        goto done;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(data);
+    int bad;
+    memcpy(out, prefix.buf, prefix.len);
+    out += prefix.len;
+    Py_BEGIN_ALLOW_THREADS
+    memset(out + head_bytes, 0, reserve - prefix.len - head_bytes);
+    bad = golomb_write(&g, indices, count, out, unary, extras, &totals);
+    if (!bad) {
+        or_bits_at(out + head_bytes, lead, extras, totals.long_codes);
+        or_bits_at(out + head_bytes, lead + totals.long_codes, unary,
+                   totals.quotients + (uint64_t)count);
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        Py_CLEAR(data);
+        PyErr_SetString(PyExc_ValueError, "indices must be strictly increasing from 0");
+        goto done;
+    }
+    uint64_t tail_bits = lead + totals.long_codes + totals.quotients + (uint64_t)count;
+    if (_PyBytes_Resize(&data, prefix.len + head_bytes + (Py_ssize_t)((tail_bits + 7) / 8)) == 0)
+        result = Py_BuildValue("NK", data, (unsigned long long)totals.adjacent);
+done:
+    PyMem_Free(unary);
+    PyMem_Free(extras);
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&prefix);
+    return result;
+}
+
+/* The stream's 64 bits from byte `byte` with bit b of the stream at bit b of the word
+ * (each byte's bits reversed), zeros past the end: set bits come out in stream order
+ * from the bottom. */
+static inline uint64_t reversed_window(const uint8_t *data, uint64_t size, uint64_t byte)
+{
+    uint64_t x = BSWAP64(window_at(data, size, byte));   /* stream byte k at bits 8k.. */
+    x = ((x >> 1) & 0x5555555555555555ull) | ((x & 0x5555555555555555ull) << 1);
+    x = ((x >> 2) & 0x3333333333333333ull) | ((x & 0x3333333333333333ull) << 2);
+    return ((x >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((x & 0x0F0F0F0F0F0F0F0Full) << 4);
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+#define LOWEST_BIT(x) ((unsigned)__builtin_ctzll(x))
+#else
+static inline unsigned LOWEST_BIT(uint64_t x)
+{
+    unsigned bit = 0;
+    while (!(x & 1)) {
+        x >>= 1;
+        bit++;
+    }
+    return bit;
+}
+#endif
+
+/* Decodes `count` indices below n into out; returns NULL or what is wrong. */
+static const char *golomb_read(const golomb_t *g, const uint8_t *data, uint64_t size,
+                               Py_ssize_t count, uint64_t n, int64_t *out)
+{
+    Py_ssize_t aligned = count & ~(Py_ssize_t)7, groups = aligned / 8;
+    const uint8_t *tail = data + groups * g->width;
+    uint64_t tail_size = size - (uint64_t)groups * g->width, tail_bits = 8 * tail_size;
+    uint64_t lead = (uint64_t)(count - aligned) * g->width, long_codes = 0, head[8];
+    if (!g->rice) {
+        for (Py_ssize_t group = 0; group < groups; group++) {
+            read_group(g, data, size, group, groups, head);
+            for (unsigned j = 0; j < 8; j++)
+                long_codes += head[j] >= g->threshold;
+        }
+        for (Py_ssize_t i = aligned; i < count; i++)
+            long_codes += read_bits(tail, tail_size, (uint64_t)(i - aligned) * g->width,
+                                    g->width) >= g->threshold;
+    }
+    uint64_t start = lead + long_codes;
+    if (start > tail_bits)
+        return "stream ends inside the remainder bits";
+    /* The terminators' positions (from `start`) into out. */
+    Py_ssize_t found = 0;
+    uint64_t byte = start >> 3, base = 8 * byte - start;
+    uint64_t word = reversed_window(tail, tail_size, byte) & (~0ull << (start & 7));
+    for (;;) {
+        int64_t *at = out + found;
+        Py_ssize_t room = count - found;
+        for (; word; word &= word - 1, at++) {
+            if (room-- == 0)
+                return "unary part holds more terminators than codes (corrupt)";
+            *at = (int64_t)(base + LOWEST_BIT(word));
+        }
+        found = at - out;
+        byte += 8;
+        base += 64;
+        if (byte >= tail_size)
+            break;
+        word = reversed_window(tail, tail_size, byte);
+    }
+    if (found < count)
+        return "unary part holds fewer terminators than codes (truncated or corrupt)";
+    uint64_t end = start + (uint64_t)out[count - 1] + 1;
+    if (tail_bits - end > 7)
+        return "trailing bytes after the last code";
+    if ((uint64_t)out[count - 1] - (uint64_t)(count - 1) > n / g->m)
+        return "quotients alone pass n";
+    /* Every m * (t[i] - i) is now at most n and the indices increase: with n below
+     * 2**58 no sum below wraps while a group starts below n. */
+    uint64_t m = g->m, threshold = g->threshold, remainders = 0, extra_at = lead;
+    for (Py_ssize_t group = 0; group < groups; group++) {
+        read_group(g, data, size, group, groups, head);
+        if (!g->rice)
+            for (unsigned j = 0; j < 8; j++)
+                if (head[j] >= threshold) {
+                    head[j] = 2 * head[j] - threshold
+                              + ((tail[extra_at >> 3] >> (7 - (extra_at & 7))) & 1);
+                    extra_at++;
+                }
+        int64_t *terminator = out + 8 * group;
+        uint64_t i = 8 * (uint64_t)group;
+        for (unsigned j = 0; j < 8; j++) {
+            remainders += head[j];
+            terminator[j] = (int64_t)(m * ((uint64_t)terminator[j] - i - j) + remainders + i + j);
+        }
+        if ((uint64_t)terminator[7] >= n)
+            return "gaps add up to an index past n";
+    }
+    for (Py_ssize_t i = aligned; i < count; i++) {
+        uint64_t r = read_bits(tail, tail_size, (uint64_t)(i - aligned) * g->width, g->width);
+        if (r >= threshold) {
+            r = 2 * r - threshold + ((tail[extra_at >> 3] >> (7 - (extra_at & 7))) & 1);
+            extra_at++;
+        }
+        remainders += r;
+        out[i] = (int64_t)(m * ((uint64_t)out[i] - (uint64_t)i) + remainders + (uint64_t)i);
+    }
+    if ((uint64_t)out[count - 1] >= n)
+        return "gaps add up to an index past n";
+    return NULL;
+}
+
+static PyObject *golomb_decode(PyObject *module, PyObject *args)
+{
+    PyObject *objects[2];
+    unsigned long long m, n;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OKKO:golomb_decode", &objects[0], &m, &n, &objects[1]))
+        return NULL;
+    static const char *const names[2] = {"data", "out"};
+    static const kind_t kinds[2] = {BYTES, INT64};
+    static const int writable[2] = {0, 1};
+    Py_buffer storage[2], *views[2] = {&storage[0], &storage[1]};
+    if (get_arrays(objects, views, names, kinds, writable, NULL, 2) < 0)
+        return NULL;
+    Py_ssize_t count = views[1]->len / 8;
+    PyObject *result = NULL;
+    golomb_t g;
+    if (m < 1 || m > n || n >= (1ull << 58) || count < 1)
+        PyErr_SetString(PyExc_ValueError, "golomb_decode needs 1 <= m <= n < 2**58 and "
+                        "1 or more outputs");
+    else if ((uint64_t)views[0]->len * 8 < (uint64_t)count * (LOG2_64(m) + 1))
+        PyErr_SetString(PyExc_ValueError, "data is shorter than count codes");
+    else {
+        const char *problem;
+        golomb_layout(&g, m);
+        Py_BEGIN_ALLOW_THREADS
+        problem = golomb_read(&g, views[0]->buf, (uint64_t)views[0]->len, count, n,
+                              views[1]->buf);
+        Py_END_ALLOW_THREADS
+        if (problem)
+            result = PyUnicode_FromString(problem);
+        else {
+            Py_INCREF(Py_None);
+            result = Py_None;
+        }
+    }
+    release_all(views, 2);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"bucket_symbols", bucket_symbols, METH_VARARGS,
      "bucket_symbols(values, precision, symbols, offset_bits, counts) -> None\n\n"
@@ -934,12 +1325,22 @@ static PyMethodDef methods[] = {
      "symbol s of symbols, summed: out[i] (int64) = gap[0] + ... + gap[i] - 1, modulo\n"
      "2**64. Returns the exact sum of the gaps. ValueError unless data holds every\n"
      "offset. Tables: one entry per symbol, base int64, offset_bits uint8 (0..64)."},
+    {"golomb_encode", golomb_encode, METH_VARARGS,
+     "golomb_encode(indices, m, prefix) -> (data, adjacent)\n\n"
+     "prefix (bytes) followed by deepreduce.codecs.golomb.encode_fields of the gaps of\n"
+     "indices (int64, strictly increasing from 0, at least one, all below 2**58)\n"
+     "with parameter m, and the number of zero gaps (adjacent indices)."},
+    {"golomb_decode", golomb_decode, METH_VARARGS,
+     "golomb_decode(data, m, n, out) -> None or str\n\n"
+     "The inverse of golomb_encode (without the prefix) into out (int64, one entry\n"
+     "per index), for 1 <= m <= n < 2**58: None, or what is wrong with the stream\n"
+     "(too few or too many codes, an index at or past n); out is then unspecified."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "deepreduce._entropyc",
-    "Compiled loops of the Huffman index codec (see deepreduce.codecs.huffman).",
+    "Compiled loops of the Huffman and Golomb index codecs (deepreduce.codecs.huffman, golomb).",
     -1, methods,
 };
 

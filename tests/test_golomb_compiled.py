@@ -1,0 +1,157 @@
+"""The Golomb codec's C loops (deepreduce._entropyc) write and read the numpy code's bits exactly.
+
+Both implementations must give the same stream for every set and parameter,
+decode every stream to the same indices, and refuse the same corrupt
+streams (each with its own message).
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deepreduce.codecs import _entropy, golomb
+from deepreduce.codecs.golomb import GolombIndices
+from deepreduce.errors import DecodeError
+import extensions
+from index_sets import random_set, round_trip
+
+SETTINGS = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow,
+                                           HealthCheck.function_scoped_fixture])
+MODES = list(golomb.MODES)
+compiled_only = pytest.mark.skipif(_entropy._entropyc is None,
+                                   reason="deepreduce._entropyc is not built")
+implementation = extensions.fixture(_entropy, "_entropyc", "implementation")
+
+
+def both(function, *args):
+    """``function(*args)`` with the C loops and with numpy: each result, or "DecodeError"."""
+    def outcome():
+        try:
+            return function(*args)
+        except DecodeError:
+            return "DecodeError"
+    return extensions.both(_entropy, "_entropyc", outcome)
+
+
+def same(outcomes):
+    compiled, numpy = outcomes
+    if isinstance(compiled, np.ndarray):
+        assert isinstance(numpy, np.ndarray), numpy
+        np.testing.assert_array_equal(compiled, numpy)
+        assert compiled.dtype == numpy.dtype == np.int64
+    else:
+        assert compiled == numpy
+    return compiled
+
+
+EDGE_CASES = [([0], 1), ([0], 1000), ([999], 1000), ([0, 999], 1000), (range(777), 777),
+              (range(5, 21), 21), ([2**32 - 1], 2**32), ([5, 2**32 + 7, 2**33], 2**34),
+              ([0, 2**57, 2**58 - 1], 2**58), ([3, 2**58 + 1], 2**60)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", range(len(EDGE_CASES)))
+def test_edge_cases_round_trip(implementation, mode, case):
+    indices, n = EDGE_CASES[case]
+    round_trip(GolombIndices(mode), list(indices), n)
+
+
+@compiled_only
+@pytest.mark.parametrize("mode", MODES)
+@SETTINGS
+@given(n=st.integers(1, 30_000), seed=st.integers(0, 2**32 - 1),
+       kind=st.sampled_from(["uniform", "sparse", "runs", "blocks"]))
+def test_streams_and_decodes_are_identical(mode, n, seed, kind):
+    codec = GolombIndices(mode)
+    indices = random_set(np.random.default_rng(seed), n, kind)
+    data = same(both(codec.encode, indices, n))
+    np.testing.assert_array_equal(same(both(codec.decode, data, n, indices.size)), indices)
+
+
+@compiled_only
+@SETTINGS
+@given(m=st.integers(1, 5000), data=st.data())
+def test_every_parameter_gives_the_same_stream(m, data):
+    """Parameters auto would never pick: long quotients, every remainder layout."""
+    n = data.draw(st.integers(1, 200_000))
+    chosen = data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=90))
+    indices = np.array(sorted(chosen), dtype=np.int64)
+    prefix = b"\x07"
+    compiled, adjacent = _entropy._entropyc.golomb_encode(indices, m, prefix)
+    assert compiled == prefix + golomb.encode_fields(golomb.index_gaps(indices), m)
+    assert adjacent == int(np.count_nonzero(golomb.index_gaps(indices) == 0))
+    if m <= n:
+        out = np.empty(indices.size, dtype=np.int64)
+        assert _entropy._entropyc.golomb_decode(compiled[1:], m, n, out) is None
+        np.testing.assert_array_equal(out, indices)
+
+
+@compiled_only
+@pytest.mark.parametrize("mode", MODES)
+def test_every_truncation_and_extension_fails_alike(mode):
+    rng = np.random.default_rng(7)
+    codec = GolombIndices(mode)
+    for n, indices in [(5000, np.sort(rng.choice(5000, 300, replace=False))),
+                       (2**40, np.array([1, 2**35, 2**40 - 1]))]:
+        data = codec.encode(indices, n)
+        for cut in range(len(data)):
+            assert same(both(codec.decode, data[:cut], n, indices.size)) == "DecodeError"
+        for extra in (b"\0", b"\x80", b"\0" * 9):
+            assert same(both(codec.decode, data + extra, n, indices.size)) == "DecodeError"
+
+
+@compiled_only
+@pytest.mark.parametrize("mode", MODES)
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["uniform", "sparse", "runs"]))
+def test_bit_flips_and_wrong_counts_fail_alike(mode, seed, kind):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 6000))
+    indices = random_set(rng, n, kind)
+    codec = GolombIndices(mode)
+    data = codec.encode(indices, n)
+    for nnz in {max(indices.size - 1, 1), indices.size + 1, 2 * indices.size + 3}:
+        if nnz <= n:
+            same(both(codec.decode, data, n, nnz))
+    for smaller_n in {max(n // 2, 1), max(int(indices[-1]), 1) if indices.size else 1}:
+        if indices.size <= smaller_n:
+            same(both(codec.decode, data, smaller_n, indices.size))
+    if not data:
+        return
+    for _ in range(8):
+        flipped = bytearray(data)
+        for position in rng.integers(0, 8 * len(data), size=int(rng.integers(1, 4))):
+            flipped[position // 8] ^= 1 << (position % 8)
+        same(both(codec.decode, bytes(flipped), n, indices.size))
+
+
+@compiled_only
+@SETTINGS
+@given(data=st.binary(max_size=80), n=st.integers(1, 2**40), nnz=st.integers(1, 300))
+def test_random_streams_fail_alike(data, n, nnz):
+    if nnz <= n:
+        same(both(GolombIndices().decode, data, n, nnz))
+
+
+@compiled_only
+def test_bad_arguments_raise_instead_of_writing_out_of_bounds():
+    compiled = _entropy._entropyc
+    with pytest.raises(ValueError, match="strictly increasing"):
+        compiled.golomb_encode(np.array([5, 3], dtype=np.int64), 4, b"")
+    with pytest.raises(ValueError, match="strictly increasing"):
+        compiled.golomb_encode(np.array([-1, 3], dtype=np.int64), 3, b"")
+    with pytest.raises(ValueError):
+        compiled.golomb_encode(np.array([1], dtype=np.int64), 0, b"")
+    with pytest.raises(ValueError):
+        compiled.golomb_encode(np.zeros(0, dtype=np.int64), 4, b"")
+    with pytest.raises(TypeError):
+        compiled.golomb_encode(np.array([1, 2], dtype=np.int32), 4, b"")
+    out = np.empty(2, dtype=np.int64)
+    with pytest.raises(ValueError):
+        compiled.golomb_decode(b"\xff" * 4, 0, 100, out)
+    with pytest.raises(ValueError):
+        compiled.golomb_decode(b"\xff" * 4, 200, 100, out)
+    with pytest.raises(ValueError):
+        compiled.golomb_decode(b"", 4, 100, out)
