@@ -983,10 +983,41 @@ static inline void write_group(const golomb_t *g, const uint64_t *head, uint8_t 
     }
 }
 
+/* Per byte of a plane of 4, 2 or 1-bit digits: its digits, one per byte, in order. */
+static uint64_t spread_digits[3][256];
+
+static void fill_spread_digits(void)
+{
+    for (unsigned byte = 0; byte < 256; byte++)
+        for (unsigned level = 0, part = 4; level < 3; level++, part >>= 1)
+            for (unsigned j = 0; j < 8 / part; j++)
+                spread_digits[level][byte] |= (uint64_t)((byte >> (8 - part * (j + 1)))
+                                                         & ((1u << part) - 1)) << (8 * j);
+}
+
 static inline void read_group(const golomb_t *g, const uint8_t *data, uint64_t size,
                               Py_ssize_t group, Py_ssize_t groups, uint64_t *head)
 {
     uint64_t plane = 0;
+    if (g->width <= 8) {
+        /* The 8 heads as the bytes of one word, a table lookup per plane byte. */
+        uint64_t lanes = 0;
+        for (unsigned p = 0; p < g->planes; p++) {
+            unsigned part = g->parts[p];
+            uint64_t word = window_at(data, size, plane + (uint64_t)group * part), digits = 0;
+            if (part == 8)
+                digits = BSWAP64(word);
+            else
+                for (unsigned b = 0, level = part == 4 ? 0 : part == 2 ? 1 : 2; b < part; b++)
+                    digits |= spread_digits[level][(word >> (56 - 8 * b)) & 0xFF]
+                              << (64 / part * b);
+            lanes = (lanes << part) | digits;
+            plane += (uint64_t)groups * part;
+        }
+        for (unsigned j = 0; j < 8; j++)
+            head[j] = (lanes >> (8 * j)) & 0xFF;
+        return;
+    }
     for (unsigned j = 0; j < 8; j++)
         head[j] = 0;
     for (unsigned p = 0; p < g->planes; p++) {
@@ -1022,58 +1053,90 @@ typedef struct {
     uint64_t quotients, long_codes, adjacent;
 } golomb_totals_t;
 
+#if defined(__GNUC__) || defined(__clang__)
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE inline
+#endif
+
+/* Appends one set bit at `position` of a zeroed, word-aligned stream. The word holding
+ * it is stored after every change: no branch, no read back, and words a long quotient
+ * skips stay zero. */
+static ALWAYS_INLINE void set_stream_bit(uint8_t *stream, uint64_t position, uint64_t *word,
+                                         uint64_t *at)
+{
+    uint64_t next = position >> 6;
+    *word = next == *at ? *word : 0;
+    *at = next;
+    *word |= 0x8000000000000000ull >> (position & 63);
+    store_be64(stream + 8 * next, *word);
+}
+
 /* The fields of strictly increasing indices: the heads' planes (and, for the last
  * count % 8 values, tail bits) into `out`, zero past the planes; the unary codes into
  * `unary` and the extra bits into `extras`, both zeroed, word-aligned and long enough
  * (with a word of slack). Returns -1, before writing out of bounds, for indices that
- * do not increase from 0. */
-static int golomb_write(const golomb_t *g, const int64_t *indices, Py_ssize_t count,
-                        uint8_t *out, uint8_t *unary, uint8_t *extras,
-                        golomb_totals_t *totals)
+ * do not increase from 0. `rice` is a constant where this is inlined: the Rice loop
+ * has no division and no extra bits. */
+static ALWAYS_INLINE int golomb_write_with(const golomb_t *g, int rice, const int64_t *indices,
+                                           Py_ssize_t count, uint8_t *out, uint8_t *unary,
+                                           uint8_t *extras, golomb_totals_t *totals)
 {
     Py_ssize_t aligned = count & ~(Py_ssize_t)7, groups = aligned / 8;
     uint8_t *tail = out + groups * g->width;
-    uint64_t previous = (uint64_t)-1, position = 0, adjacent = 0, long_codes = 0, head[8];
-    uint64_t word = 0, at = 0, extra_word = 0, extra_at = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (indices[i] <= (int64_t)previous)
+    const uint64_t threshold = g->threshold, low = g->m - 1;
+    const unsigned width = g->width;
+    int64_t previous = -1;
+    uint64_t position = 0, adjacent = 0, long_codes = 0, word = 0, at = 0;
+    uint64_t extra_word = 0, extra_at = 0, head[8], quotient[8];
+    for (Py_ssize_t i = 0; i < count; i += 8) {
+        unsigned size = i < aligned ? 8 : (unsigned)(count - i);
+        int64_t order = 0;
+        for (unsigned j = 0; j < size; j++) {
+            int64_t gap = indices[i + j] - previous - 1;
+            previous = indices[i + j];
+            order |= gap;
+            adjacent += gap == 0;
+            if (rice) {
+                quotient[j] = (uint64_t)gap >> width;
+                head[j] = (uint64_t)gap & low;
+            } else
+                quotient[j] = golomb_divide(g, (uint64_t)gap, &head[j]);
+        }
+        if (order < 0)
             return -1;
-        uint64_t r, gap = (uint64_t)indices[i] - previous - 1;
-        previous = (uint64_t)indices[i];
-        adjacent += gap == 0;
-        position += golomb_divide(g, gap, &r);
-        /* The word holding this terminator is stored after every change: no branch,
-         * and words skipped by a long quotient stay zero. */
-        uint64_t next = position >> 6;
-        word = next == at ? word : 0;
-        at = next;
-        word |= 0x8000000000000000ull >> (position & 63);
-        store_be64(unary + 8 * at, word);
-        position++;
-        if (r >= g->threshold) {
-            r += g->threshold;
-            uint64_t next_extra = long_codes >> 6;
-            extra_word = next_extra == extra_at ? extra_word : 0;
-            extra_at = next_extra;
-            extra_word |= (r & 1) << (63 - (long_codes & 63));
-            store_be64(extras + 8 * extra_at, extra_word);
-            long_codes++;
-            r >>= 1;
+        for (unsigned j = 0; j < size; j++) {
+            position += quotient[j];
+            set_stream_bit(unary, position++, &word, &at);
+            if (!rice && head[j] >= threshold) {
+                uint64_t r = head[j] + threshold;
+                if (r & 1)
+                    set_stream_bit(extras, long_codes, &extra_word, &extra_at);
+                long_codes++;
+                head[j] = r >> 1;
+            }
         }
-        if (i < aligned) {
-            head[i & 7] = r;
-            if ((i & 7) == 7)
-                write_group(g, head, out, i / 8, groups);
-        } else {
-            uint64_t bit = (uint64_t)(i - aligned) * g->width;
-            for (unsigned b = 0; b < g->width; b++, bit++)
-                tail[bit >> 3] |= (uint8_t)(((r >> (g->width - 1 - b)) & 1) << (7 - (bit & 7)));
-        }
+        if (size == 8)
+            write_group(g, head, out, i / 8, groups);
+        else
+            for (unsigned j = 0; j < size; j++)
+                for (unsigned b = 0, bit = j * width; b < width; b++, bit++)
+                    tail[bit >> 3] |= (uint8_t)(((head[j] >> (width - 1 - b)) & 1)
+                                                << (7 - (bit & 7)));
     }
     totals->quotients = position - (uint64_t)count;
     totals->long_codes = long_codes;
     totals->adjacent = adjacent;
     return 0;
+}
+
+static int golomb_write(const golomb_t *g, const int64_t *indices, Py_ssize_t count,
+                        uint8_t *out, uint8_t *unary, uint8_t *extras,
+                        golomb_totals_t *totals)
+{
+    if (g->rice)
+        return golomb_write_with(g, 1, indices, count, out, unary, extras, totals);
+    return golomb_write_with(g, 0, indices, count, out, unary, extras, totals);
 }
 
 static PyObject *golomb_encode(PyObject *module, PyObject *args)
@@ -1128,7 +1191,7 @@ static PyObject *golomb_encode(PyObject *module, PyObject *args)
     Py_END_ALLOW_THREADS
     if (bad) {
         Py_CLEAR(data);
-        PyErr_SetString(PyExc_ValueError, "indices must be strictly increasing from 0");
+        PyErr_SetString(PyExc_ValueError, "indices must be strictly increasing (sorted, unique) from 0");
         goto done;
     }
     uint64_t tail_bits = lead + totals.long_codes + totals.quotients + (uint64_t)count;
@@ -1167,7 +1230,7 @@ static inline unsigned LOWEST_BIT(uint64_t x)
 }
 #endif
 
-/* Decodes `count` indices below n into out; returns NULL or what is wrong. */
+/* Decodes `count` indices below n < 2**58 into out; returns NULL or what is wrong. */
 static const char *golomb_read(const golomb_t *g, const uint8_t *data, uint64_t size,
                                Py_ssize_t count, uint64_t n, int64_t *out)
 {
@@ -1175,20 +1238,22 @@ static const char *golomb_read(const golomb_t *g, const uint8_t *data, uint64_t 
     const uint8_t *tail = data + groups * g->width;
     uint64_t tail_size = size - (uint64_t)groups * g->width, tail_bits = 8 * tail_size;
     uint64_t lead = (uint64_t)(count - aligned) * g->width, long_codes = 0, head[8];
+    const uint64_t m = g->m, threshold = g->threshold;
     if (!g->rice) {
         for (Py_ssize_t group = 0; group < groups; group++) {
             read_group(g, data, size, group, groups, head);
             for (unsigned j = 0; j < 8; j++)
-                long_codes += head[j] >= g->threshold;
+                long_codes += head[j] >= threshold;
         }
         for (Py_ssize_t i = aligned; i < count; i++)
             long_codes += read_bits(tail, tail_size, (uint64_t)(i - aligned) * g->width,
-                                    g->width) >= g->threshold;
+                                    g->width) >= threshold;
     }
     uint64_t start = lead + long_codes;
     if (start > tail_bits)
         return "stream ends inside the remainder bits";
-    /* The terminators' positions (from `start`) into out. */
+    /* First the terminators' positions (from `start`) into out: bit b of the stream is
+     * bit b of `word`, the bits before `start` cleared. */
     Py_ssize_t found = 0;
     uint64_t byte = start >> 3, base = 8 * byte - start;
     uint64_t word = reversed_window(tail, tail_size, byte) & (~0ull << (start & 7));
@@ -1209,43 +1274,39 @@ static const char *golomb_read(const golomb_t *g, const uint8_t *data, uint64_t 
     }
     if (found < count)
         return "unary part holds fewer terminators than codes (truncated or corrupt)";
-    uint64_t end = start + (uint64_t)out[count - 1] + 1;
-    if (tail_bits - end > 7)
+    /* Only zero padding, less than a byte of it, may follow the last code. */
+    if (tail_bits - (start + (uint64_t)out[count - 1] + 1) > 7)
         return "trailing bytes after the last code";
-    if ((uint64_t)out[count - 1] - (uint64_t)(count - 1) > n / g->m)
+    if ((uint64_t)out[count - 1] - (uint64_t)(count - 1) > n / m)
         return "quotients alone pass n";
-    /* Every m * (t[i] - i) is now at most n and the indices increase: with n below
-     * 2**58 no sum below wraps while a group starts below n. */
-    uint64_t m = g->m, threshold = g->threshold, remainders = 0, extra_at = lead;
-    for (Py_ssize_t group = 0; group < groups; group++) {
-        read_group(g, data, size, group, groups, head);
+    /* Then index i = m * (t[i] - i) + (r[0] + ... + r[i]) + i. Every m * (t[i] - i) is
+     * at most n (t[i] - i grows with i) and the indices increase: with n below 2**58 no
+     * sum wraps while a group starts below n. */
+    uint64_t remainders = 0, extra_at = lead;
+    for (Py_ssize_t i = 0; i < count; i += 8) {
+        unsigned size_group = count - i < 8 ? (unsigned)(count - i) : 8;
+        if (i < aligned)
+            read_group(g, data, size, i / 8, groups, head);
+        else
+            for (unsigned j = 0; j < size_group; j++)
+                head[j] = read_bits(tail, tail_size, (uint64_t)(i + j - aligned) * g->width,
+                                    g->width);
         if (!g->rice)
-            for (unsigned j = 0; j < 8; j++)
+            for (unsigned j = 0; j < size_group; j++)
                 if (head[j] >= threshold) {
                     head[j] = 2 * head[j] - threshold
                               + ((tail[extra_at >> 3] >> (7 - (extra_at & 7))) & 1);
                     extra_at++;
                 }
-        int64_t *terminator = out + 8 * group;
-        uint64_t i = 8 * (uint64_t)group;
-        for (unsigned j = 0; j < 8; j++) {
+        int64_t *index = out + i;
+        for (unsigned j = 0; j < size_group; j++) {
             remainders += head[j];
-            terminator[j] = (int64_t)(m * ((uint64_t)terminator[j] - i - j) + remainders + i + j);
+            index[j] = (int64_t)(m * ((uint64_t)index[j] - (uint64_t)(i + j)) + remainders
+                                 + (uint64_t)(i + j));
         }
-        if ((uint64_t)terminator[7] >= n)
+        if ((uint64_t)index[size_group - 1] >= n)
             return "gaps add up to an index past n";
     }
-    for (Py_ssize_t i = aligned; i < count; i++) {
-        uint64_t r = read_bits(tail, tail_size, (uint64_t)(i - aligned) * g->width, g->width);
-        if (r >= threshold) {
-            r = 2 * r - threshold + ((tail[extra_at >> 3] >> (7 - (extra_at & 7))) & 1);
-            extra_at++;
-        }
-        remainders += r;
-        out[i] = (int64_t)(m * ((uint64_t)out[i] - (uint64_t)i) + remainders + (uint64_t)i);
-    }
-    if ((uint64_t)out[count - 1] >= n)
-        return "gaps add up to an index past n";
     return NULL;
 }
 
@@ -1344,4 +1405,8 @@ static struct PyModuleDef module = {
     -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__entropyc(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__entropyc(void)
+{
+    fill_spread_digits();
+    return PyModule_Create(&module);
+}
