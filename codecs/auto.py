@@ -174,13 +174,19 @@ class AutoIndices(IndexCodec):
     codec_id = "auto"
 
     def choose(self, indices: np.ndarray, n: int) -> tuple[int, bytes]:
-        """``(tag byte, sub-codec stream)`` for a valid, non-empty index set."""
+        """``(tag byte, sub-codec stream)`` for a non-empty index set.
+
+        The set must pass :func:`deepreduce.bits.check_indices` but for its
+        order, which is checked here (the Golomb stream, written first, checks it).
+        """
         if indices.size > TRIAL_LIMIT:
             return self._estimate(indices, n)
         if 0 < 2 * indices.size <= n:  # (the empty complement of a full set is tried)
             small = self._small_stream(indices, n)
             if small is not None:
                 return small
+        else:
+            _bits.check_order_of(indices)
         return self._try_all(indices, n)
 
     def _small_stream(self, indices, n):
@@ -281,7 +287,7 @@ class AutoIndices(IndexCodec):
         return _sub_codec(tag).encode(indices, n)
 
     def encode(self, indices, n):
-        indices = _bits.check_indices(indices, n)
+        indices = _bits.check_indices(indices, n, check_order=False)  # choose checks
         if indices.size == 0:
             return b""
         tag, data = self.choose(indices, n)

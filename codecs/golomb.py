@@ -238,7 +238,11 @@ COMPILED_LIMIT = 1 << 58
 
 
 class IndexStream:
-    """The Golomb stream of a non-empty, valid index set with parameter ``m``.
+    """The Golomb stream of a non-empty index set with parameter ``m``.
+
+    The indices must be int64 and within their universe (see
+    :func:`deepreduce.bits.check_indices`); their order is checked here, with a
+    ``ValueError`` for a set that is not strictly increasing.
 
     :attr:`size` is its exact length in bytes and :meth:`data` the stream
     (:func:`encode_index_gaps`). With the compiled loops
@@ -258,6 +262,7 @@ class IndexStream:
                 np.ascontiguousarray(indices, dtype=np.int64), m, _bits.write_varint(m))
             self.size = len(self._data)
             return
+        _bits.check_order_of(indices)
         gaps = index_gaps(indices)
         self.adjacent = int(np.count_nonzero(gaps == 0)) if count_adjacent else None
         self._split = Split(gaps, m, consume=True)
@@ -365,7 +370,7 @@ class GolombIndices(IndexCodec):
         return IndexStream(indices, self.parameter(indices)).size
 
     def encode(self, indices, n):
-        indices = _bits.check_indices(indices, n)
+        indices = _bits.check_indices(indices, n, check_order=False)  # IndexStream checks
         if indices.size == 0:
             return b""
         return IndexStream(indices, self.parameter(indices)).data()

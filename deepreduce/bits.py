@@ -54,6 +54,11 @@ import numpy as np
 
 from deepreduce.errors import DecodeError
 
+try:
+    from deepreduce import _entropyc
+except ImportError:  # not compiled (the extension is optional): numpy serves
+    _entropyc = None
+
 #: Universe sizes must stay below this so every index and every partial sum
 #: of gaps fits in int64 without wrapping.
 MAX_UNIVERSE = 2**62
@@ -67,12 +72,14 @@ _BE64 = np.dtype(">u8")
 
 # ----------------------------------------------------------------- checks
 
-def check_indices(indices, n: int) -> np.ndarray:
+def check_indices(indices, n: int, check_order: bool = True) -> np.ndarray:
     """Validate encoder input; return it as a contiguous int64 array.
 
     Raises ``ValueError`` (not DecodeError: this is the caller's mistake)
     unless ``indices`` is 1-D, integral, strictly increasing and within
-    ``[0, n)``, and ``0 <= n <= MAX_UNIVERSE``.
+    ``[0, n)``, and ``0 <= n <= MAX_UNIVERSE``. ``check_order=False`` skips
+    the pass that checks the order, for encoders that check it on their
+    way (with :func:`check_order_of` or as the compiled Golomb loop does).
     """
     n = _as_int(n, "n", ValueError)
     if not 0 <= n <= MAX_UNIVERSE:
@@ -88,9 +95,15 @@ def check_indices(indices, n: int) -> np.ndarray:
         if indices[0] < 0 or indices[-1] >= n:
             raise ValueError(f"indices must lie in [0, {n}), got range "
                              f"[{indices[0]}, {indices[-1]}]")
-        if indices.size > 1 and not np.all(indices[1:] > indices[:-1]):
-            raise ValueError("indices must be strictly increasing (sorted, unique)")
+        if check_order:
+            check_order_of(indices)
     return indices
+
+
+def check_order_of(indices: np.ndarray) -> None:
+    """Raise ``ValueError`` unless the int64 ``indices`` are strictly increasing."""
+    if indices.size > 1 and not np.all(indices[1:] > indices[:-1]):
+        raise ValueError("indices must be strictly increasing (sorted, unique)")
 
 
 def check_counts(n: int, nnz: int, what: str) -> tuple[int, int]:
@@ -175,6 +188,8 @@ def varint_encode(values: np.ndarray) -> bytes:
     values = np.ascontiguousarray(values, dtype=np.uint64)
     if values.size == 0:
         return b""
+    if _entropyc is not None:
+        return _entropyc.varint_encode(values)
     groups = max(1, -(-int(values.max()).bit_length() // 7))
     # One row of candidate bytes per value, all flagged "more follows"; the
     # last real byte of each row is then unflagged, and a row-major boolean

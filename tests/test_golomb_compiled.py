@@ -1,4 +1,4 @@
-"""The Golomb codec's C loops (deepreduce._entropyc) write and read the numpy code's bits exactly.
+"""The Golomb codec's and the varints' C loops (deepreduce._entropyc) give numpy's bits exactly.
 
 Both implementations must give the same stream for every set and parameter,
 decode every stream to the same indices, and refuse the same corrupt
@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from deepreduce import bits as _bits
 from deepreduce.codecs import _entropy, golomb
 from deepreduce.codecs.golomb import GolombIndices
 from deepreduce.errors import DecodeError
@@ -155,3 +156,17 @@ def test_bad_arguments_raise_instead_of_writing_out_of_bounds():
         compiled.golomb_decode(b"\xff" * 4, 200, 100, out)
     with pytest.raises(ValueError):
         compiled.golomb_decode(b"", 4, 100, out)
+
+
+@pytest.mark.skipif(_bits._entropyc is None, reason="deepreduce._entropyc is not built")
+@SETTINGS
+@given(values=st.lists(st.integers(0, 2**64 - 1), max_size=200),
+       small=st.lists(st.integers(0, 300), max_size=50))
+def test_varints_are_identical(values, small):
+    for chosen in (values, small, values + small):
+        array = np.array(chosen, dtype=np.uint64)
+        compiled, numpy = extensions.both(_bits, "_entropyc", _bits.varint_encode, array)
+        assert compiled == numpy
+        decoded, end = _bits.varint_decode_prefix(compiled, array.size, "test")
+        np.testing.assert_array_equal(decoded, array)
+        assert end == len(compiled)
