@@ -53,6 +53,7 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 
@@ -370,14 +371,20 @@ def bucket_histogram(values: np.ndarray, precision: int) -> tuple[np.ndarray, np
     return symbols, np.bincount(symbols, minlength=bucket_count(precision))
 
 
+@functools.lru_cache(maxsize=None)
 def bucket_base(precision: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per symbol: the smallest value it stands for and its number of offset bits."""
+    """Per symbol: the smallest value it stands for and its number of offset bits.
+
+    Computed once per precision; the arrays are read-only.
+    """
     symbols = np.arange(bucket_count(precision), dtype=np.int64)
     small = 1 << (precision + 1)
     offset_bits = np.maximum((symbols - small) >> precision, -1) + 1
     mantissa = (symbols - small) & ((1 << precision) - 1)
     base = np.where(symbols < small, symbols,
                     ((1 << precision) + mantissa) << np.maximum(offset_bits, 0))
+    base.setflags(write=False)
+    offset_bits.setflags(write=False)
     return base, offset_bits
 
 

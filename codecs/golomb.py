@@ -33,14 +33,16 @@ MODES = ("auto", "rice", "golomb")
 def choose_parameter(mean: float, mode: str = "auto") -> int:
     """Golomb parameter ``m`` for values of the given mean (geometric model)."""
     golomb = _entropy.golomb_parameter(mean)
-    if mode == "golomb":
+    low = 1 << (golomb.bit_length() - 1)
+    if mode == "golomb" or low == golomb:
         return golomb
-    rice = _entropy.golomb_rice_parameter(mean)
-    if mode == "rice" or golomb == rice:
+    # The Rice parameter: the better power of two around the optimum
+    # (_entropy.golomb_rice_parameter, whose model this shares).
+    bits = {m: _entropy.golomb_expected_bits(mean, m) for m in (low, 2 * low, golomb)}
+    rice = min((low, 2 * low), key=bits.get)
+    if mode == "rice":
         return rice
-    gain = 1 - (_entropy.golomb_expected_bits(mean, golomb)
-                / _entropy.golomb_expected_bits(mean, rice))
-    return golomb if gain > RICE_TOLERANCE else rice
+    return golomb if 1 - bits[golomb] / bits[rice] > RICE_TOLERANCE else rice
 
 
 def _layout(m: int) -> tuple[int, int]:
