@@ -613,7 +613,7 @@ def report(runs, args):
                               f"{t['non_codec_vs_floor']:.2f}x (target <= 2).")
             lines += ["", *reading(run, t)]
         lines.append("")
-    lines += NOTES + ["![step time per scheme](e2e.png)", ""]
+    lines += NOTES + [f"![step time per scheme]({Path(args.out).with_suffix('.png').name})", ""]
     return "\n".join(lines)
 
 

@@ -350,7 +350,7 @@ def report(runs, args):
               "* deepreduce's MB sent is its bundle (or, for sparse_allreduce and block, every "
               "frame it hands to both of their collectives); TorchTransport pads frames to "
               "the longest rank's, which the wire column includes.", "",
-              "![step time per scheme](torch_e2e.png)", ""]
+              f"![step time per scheme]({Path(args.out).with_suffix('.png').name})", ""]
     return "\n".join(lines)
 
 

@@ -282,3 +282,67 @@ def codec_index_bytes(index_codec, universe: int, seed: int = 0, run: int = 1):
         return len(index_codec.encode(indices, universe)) / indices.size
 
     return rate
+
+
+# ----------------------------------------------------------------- whole steps
+
+#: The schemes :func:`received_per_rank` and :func:`step_time` model: dense ring
+#: allreduce of float32, raw Top-k pairs (int32 + float32) allgathered, and
+#: deepreduce's payloads over the allgather, sparse_allreduce and block communicators.
+SCHEMES = ("dense", "pairs", "allgather", "sparse_allreduce", "block")
+
+
+def received_per_rank(scheme: str, P: int, n: int, k: float, pair_bytes: float,
+                      block_size: int = 256) -> float:
+    """Bytes one rank receives per step under ``scheme`` (see :data:`SCHEMES`).
+
+    ``n`` gradient elements of which each rank sends ``k`` (Top-k, or ``k /
+    block_size`` whole blocks for ``"block"``), at ``pair_bytes`` per sent
+    element on the wire (index and value codecs together; ignored by
+    ``"dense"`` and ``"pairs"``, which send 4 and 8). Supports are taken as
+    independent and uniformly random, as everywhere in this module.
+    """
+    if scheme == "dense":
+        return dense_allreduce(P, n, 4).received
+    if scheme == "pairs":
+        return allgather(P, n, k, 4, 4, overhead=0).received
+    if scheme == "allgather":
+        return allgather(P, n, k, pair_bytes, 0).received
+    if scheme == "sparse_allreduce":
+        return sparse_allreduce(P, n, k, union_size(n, k, P), pair_bytes, 0,
+                                others=union_size(n, k, P - 1)).received
+    if scheme == "block":
+        total, blocks = -(-n // block_size), k / block_size
+        # a block's index is a few bits: its values carry the bytes
+        return block(P, n, block_size, blocks, union_size(total, blocks, P), 0, pair_bytes,
+                     others_blocks=union_size(total, blocks, P - 1)).received
+    raise ValueError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
+
+
+def step_time(compute: float, cpu_fixed: float, cpu_per_peer: float, received: float,
+              P: int, bandwidth: float, shared_link: bool = False, cpu_share: float = 1.0,
+              overlap: bool = True) -> float:
+    """Seconds of one training step: compute, then the exchange's CPU work and the wire.
+
+    ``compute`` is the step without communication; ``cpu_fixed + (P - 1) *
+    cpu_per_peer`` the CPU work of the exchange (error feedback, selection,
+    encoding and sums, then decoding and adding each other rank's part);
+    ``received`` the bytes one rank receives (:func:`received_per_rank`) at
+    ``bandwidth`` bytes per second. With ``overlap`` the wire runs while the
+    CPU works (a DDP hook encodes one bucket while the collectives move the
+    last on their own thread), so the step takes the longer of the two after
+    the compute; without, both add up (a ring allreduce, whose CPU work is
+    its reduction). With ``shared_link`` all ranks' traffic crosses one link
+    (ranks on one machine, as in the benchmarks here), so it carries ``P *
+    received``; otherwise every rank has a full-duplex link of its own.
+    ``cpu_share`` stretches the CPU work when ranks share cores (the
+    compute-only step at ``P`` over that at 2, where each rank has a core).
+
+    >>> step_time(0.010, 0.020, 0.001, 1e6, P=4, bandwidth=125e6)  # 1 Gbit/s
+    0.033
+    >>> round(step_time(0.010, 0.020, 0.001, 1e6, P=4, bandwidth=125e6, overlap=False), 3)
+    0.041
+    """
+    wire = received * (P if shared_link else 1) / bandwidth
+    cpu = cpu_share * (cpu_fixed + (P - 1) * cpu_per_peer)
+    return compute + (max(cpu, wire) if overlap else cpu + wire)

@@ -1,0 +1,265 @@
+"""Where compression pays as ranks grow: a step-time model, checked against runs here.
+
+The model (:func:`deepreduce.collectives.cost.step_time`) adds to the compute-only
+step the longer of two parts that overlap (for the dense ring allreduce,
+their sum): the exchange's CPU work,
+``cpu_fixed + (P - 1) * cpu_per_peer`` (error feedback, selection, encoding,
+then decoding and adding each other rank's part), and the wire time of the
+bytes one rank receives (:func:`~deepreduce.collectives.cost.received_per_rank`: ring
+allreduce, allgather, SparCML's split-allgather, OmniReduce's blocks, over
+random supports).
+
+Its inputs come from two runs of ``benchmarks/torch_e2e.py`` (PyTorch DDP,
+gloo, the e2e MLP with 1024-wide layers, 2.2M parameters, Top-k 1%), at
+P = 2 and P = 4 ranks and three rates each, as root::
+
+    for P in 2 4; do python benchmarks/torch_e2e.py --ranks $P --hidden 1024 \\
+        --steps 8 --rounds 2 --warmup 6 --start-iter 4 --schemes "allreduce fp32" \\
+        "raw Top-k" "fp16 (allgather)" "(sparse_allreduce)" "(block)" \\
+        --out benchmarks/results/scale/torch_p$P.md; done
+    python benchmarks/scale.py
+
+- bytes per sent element of each scheme: what a rank sent per step at P = 2;
+- the CPU terms: from the 10 Gbit/s runs (where the hooks' CPU work hides
+  the wire it overlaps), the step less the compute-only step (and, for the
+  dense allreduce, whose reduction adds to its wire, less the modelled wire
+  time), at P = 2 and P = 4 (two equations, two unknowns);
+- the machine: all ranks share one shaped loopback (it carries ``P`` times
+  what one rank receives) and 2 cores (the compute-only step at P over that
+  at P = 2 stretches the CPU terms).
+
+The 1 Gbit/s and 100 Mbit/s runs, which the fit never sees, check the model:
+the target is every prediction within 25% of the measured median step. Then
+the model predicts a cluster: one rank per node, each with its own
+full-duplex link and its own cores, for P = 2 ... 256 and 0.1 ... 100 Gbit/s,
+and names the fastest scheme in each cell and the crossovers.
+
+Writes ``benchmarks/results/scale.md`` and ``scale.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from deepreduce.collectives import cost  # noqa: E402
+
+RESULTS = HERE / "results"
+RUNS = RESULTS / "scale"
+RATIO = 0.01
+TARGET = 0.25
+FIT_RATE = "10gbit"
+#: The torch_e2e label of each scheme of the model.
+LABELS = {
+    "dense": "DDP allreduce fp32",
+    "pairs": "raw Top-k pairs hook (torch.topk, int32 + fp32)",
+    "allgather": "deepreduce Top-k 1% + auto + fp16 (allgather)",
+    "sparse_allreduce": "deepreduce Top-k 1% + auto + fp16 (sparse_allreduce)",
+    "block": "deepreduce block Top-k 1% of 256 + fp16 (block)",
+}
+NAMES = {"dense": "dense allreduce", "pairs": "raw Top-k pairs",
+         "allgather": "deepreduce allgather", "sparse_allreduce": "deepreduce sparse_allreduce",
+         "block": "deepreduce block"}
+#: Whether the scheme's wire time overlaps its CPU work (see cost.step_time).
+OVERLAP = {scheme: scheme != "dense" for scheme in LABELS}
+CLUSTER_P = [2, 4, 8, 16, 32, 64, 128, 256]
+CLUSTER_GBIT = [0.1, 1, 10, 25, 100]
+
+
+def load(P: int) -> dict:
+    """``{rate: {"gbit": measured, "steps": {scheme: seconds}, "sent": {...}, "compute": s}}``."""
+    data = json.loads((RUNS / f"torch_p{P}.json").read_text())
+    out = {}
+    for run in data["runs"]:
+        by_label = {r["scheme"]: r for r in run["results"]}
+        compute = next(r for r in run["results"] if r["kind"] == "none")
+        out[run["rate"]] = dict(
+            gbit=run["measured_gbit"], compute=compute["step_ms_median"] / 1e3,
+            params=compute["params"],
+            steps={s: by_label[label]["step_ms_median"] / 1e3 for s, label in LABELS.items()},
+            spread={s: (by_label[label]["step_ms_q1"] / 1e3, by_label[label]["step_ms_q3"] / 1e3)
+                    for s, label in LABELS.items()},
+            sent={s: by_label[label]["bytes_sent"] for s, label in LABELS.items()})
+    return out
+
+
+def bandwidth(gbit: float) -> float:
+    return gbit * 1e9 / 8
+
+
+def calibrate(runs: dict) -> dict:
+    """Per scheme: bytes per sent element, ``cpu_fixed`` and ``cpu_per_peer`` (seconds)."""
+    two = runs[2]
+    n = two[FIT_RATE]["params"]
+    k = RATIO * n
+    out = {}
+    for scheme in cost.SCHEMES:
+        pair_bytes = two[FIT_RATE]["sent"][scheme] / k
+        cpu = {}
+        for P, by_rate in runs.items():
+            fit = by_rate[FIT_RATE]
+            share = fit["compute"] / two[FIT_RATE]["compute"]
+            # at 10 Gbit/s the hooks' CPU work outlasts the wire it overlaps; the ring
+            # allreduce's reduction adds to its wire
+            wire = 0.0 if OVERLAP[scheme] else \
+                cost.received_per_rank(scheme, P, n, k, pair_bytes) * P / bandwidth(fit["gbit"])
+            cpu[P] = (fit["steps"][scheme] - fit["compute"] - wire) / share
+        per_peer = (cpu[4] - cpu[2]) / 2
+        out[scheme] = dict(pair_bytes=pair_bytes, cpu_fixed=cpu[2] - per_peer,
+                           cpu_per_peer=per_peer)
+    return out
+
+
+def predict(scheme, model, P, n, compute, gbit, shared_link, cpu_share=1.0) -> float:
+    params = model[scheme]
+    received = cost.received_per_rank(scheme, P, n, RATIO * n, params["pair_bytes"])
+    return cost.step_time(compute, params["cpu_fixed"], max(params["cpu_per_peer"], 0.0),
+                          received, P, bandwidth(gbit), shared_link=shared_link,
+                          cpu_share=cpu_share, overlap=OVERLAP[scheme])
+
+
+def validation(runs, model):
+    rows, worst = [], 0.0
+    base_compute = runs[2][FIT_RATE]["compute"]
+    for P, by_rate in sorted(runs.items()):
+        for rate, run in by_rate.items():
+            if rate == FIT_RATE:
+                continue
+            for scheme in cost.SCHEMES:
+                measured = run["steps"][scheme]
+                predicted = predict(scheme, model, P, run["params"], run["compute"],
+                                    run["gbit"], shared_link=True,
+                                    cpu_share=run["compute"] / base_compute)
+                error = predicted / measured - 1
+                worst = max(worst, abs(error))
+                q1, q3 = run["spread"][scheme]
+                rows.append([str(P), rate, NAMES[scheme], f"{1e3 * measured:.1f}",
+                             f"{1e3 * q1:.1f}-{1e3 * q3:.1f}", f"{1e3 * predicted:.1f}",
+                             f"{100 * error:+.0f}%"])
+    return rows, worst
+
+
+def cluster(model, n, compute):
+    """``{gbit: {P: {scheme: seconds}}}`` for one rank per node, own link and cores."""
+    return {gbit: {P: {s: predict(s, model, P, n, compute, gbit, shared_link=False)
+                       for s in cost.SCHEMES} for P in CLUSTER_P} for gbit in CLUSTER_GBIT}
+
+
+def crossovers(table) -> list[str]:
+    """Where the fastest scheme changes as P grows, per rate."""
+    lines = []
+    for gbit, by_p in table.items():
+        winners = [(P, min(times, key=times.get)) for P, times in by_p.items()]
+        changes = [f"{NAMES[b]} from P = {p2}" for (p1, a), (p2, b) in zip(winners, winners[1:])
+                   if a != b]
+        first = NAMES[winners[0][1]]
+        lines.append(f"- {gbit:g} Gbit/s: {first} at P = {winners[0][0]}"
+                     + ("; " + "; ".join(changes) if changes else ", up to P = 256"))
+    return lines
+
+
+def table(header, rows):
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"] \
+        + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def plot(table_, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=False)
+    for ax, gbit in zip(axes, (1, 10, 100)):
+        for scheme in cost.SCHEMES:
+            ax.plot(CLUSTER_P, [1e3 * table_[gbit][P][scheme] for P in CLUSTER_P],
+                    marker="o", label=NAMES[scheme])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks P")
+        ax.set_ylabel("predicted step (ms)")
+        ax.set_title(f"{gbit:g} Gbit/s per node")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Predicted step time of the 2.2M-parameter MLP, Top-k 1%, one rank per node")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=RESULTS / "scale.md")
+    args = parser.parse_args(argv)
+    runs = {P: load(P) for P in (2, 4)}
+    model = calibrate(runs)
+    rows, worst = validation(runs, model)
+    n = runs[2][FIT_RATE]["params"]
+    compute = runs[2][FIT_RATE]["compute"]
+    predicted = cluster(model, n, compute)
+    verdict = "PASS" if worst <= TARGET else "FAIL"
+
+    lines = ["# Where compression pays as ranks grow", "",
+             "Written by `python benchmarks/scale.py` from `benchmarks/results/scale/"
+             "torch_p2.json` and `torch_p4.json` (PyTorch DDP on gloo, the e2e MLP with "
+             f"1024-wide layers: {n:,} parameters, Top-k 1%, fp16 values; see the script for "
+             "the commands). The model is `deepreduce.collectives.cost.step_time`.", "",
+             "## Calibration", "",
+             f"From the {FIT_RATE} runs at P = 2 and P = 4: bytes per sent element (at P = 2), "
+             "and the CPU work of the exchange per step, fixed and per other rank "
+             "(the step less the compute-only step: at this rate the hooks' CPU work hides the "
+             "wire it overlaps, and for the dense allreduce, whose reduction adds to its wire, "
+             "less the modelled wire time too; the P = 4 run divided by its core sharing: "
+             "compute-only "
+             f"{1e3 * runs[4][FIT_RATE]['compute']:.1f} ms at P = 4 against "
+             f"{1e3 * runs[2][FIT_RATE]['compute']:.1f} ms at P = 2 on 2 cores).", ""]
+    lines += table(["scheme", "bytes per sent element", "CPU fixed ms", "CPU per peer ms"],
+                   [[NAMES[s], f"{m['pair_bytes']:.2f}", f"{1e3 * m['cpu_fixed']:.1f}",
+                     f"{1e3 * m['cpu_per_peer']:.2f}"] for s, m in model.items()])
+    lines += ["", "A negative per-peer term (noise between two runs) would count as zero in "
+              "the predictions.", "",
+              "## Check: the runs the fit did not see", "",
+              "All ranks on this machine share one shaped loopback, which the model "
+              f"knows. Target: every prediction within {TARGET:.0%} of the measured median. "
+              f"Worst error {100 * worst:.0f}% ({verdict}). A first model that added the "
+              "hooks' wire time to their CPU work instead of overlapping them missed by up "
+              "to 50% (at 100 Mbit/s, where the wire is longest); the overlap was chosen "
+              "after seeing that, so these runs check the rest of the model, not that "
+              "choice.", ""]
+    lines += table(["P", "rate", "scheme", "measured ms", "quartiles ms", "predicted ms",
+                    "error"], rows)
+    lines += ["", "## Prediction: one rank per node, each with its own link and cores", "",
+              f"Compute-only step {1e3 * compute:.1f} ms (as at P = 2 here); predicted step in "
+              "ms, fastest in bold.", ""]
+    cluster_rows = []
+    for gbit, by_p in predicted.items():
+        for P, times in by_p.items():
+            best = min(times, key=times.get)
+            cluster_rows.append([f"{gbit:g}", str(P)] + [
+                (f"**{1e3 * t:.1f}**" if s == best else f"{1e3 * t:.1f}")
+                for s, t in times.items()])
+    lines += table(["Gbit/s", "P"] + [NAMES[s] for s in cost.SCHEMES], cluster_rows)
+    lines += ["", "Fastest scheme as P grows:", ""] + crossovers(predicted)
+    lines += ["", "![predicted step time against P](scale.png)", "",
+              "What the model leaves out: overlap of the exchange with backward (the model "
+              "adds it to the compute), tc's token bucket (bursts of 256 KB pass at once), "
+              "per-message latency (tiny beside these volumes until P is in the hundreds), "
+              "and correlated supports, whose unions are smaller than random ones (real "
+              "Top-k supports overlap more, which favours sparse_allreduce and block). The "
+              "per-peer CPU terms come from P = 2 and 4 alone and grow linearly in the "
+              "predictions; sparse_allreduce's and block's work per peer should shrink as "
+              "their ranges do (n / P), so beyond the measured P their curves are upper "
+              "bounds. This is a 2.2M-parameter model whose exchange costs about 20 ms of "
+              "CPU per step on this machine: a larger model, or faster codecs, move the "
+              "crossovers to faster links.", ""]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.write_text(text)
+    plot(predicted, args.out.with_suffix(".png"))
+    return 0 if worst <= TARGET else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
