@@ -5,7 +5,9 @@ the install goes on and deepreduce falls back to numpy, which gives the same
 results more slowly. deepreduce._bloomscan is the Bloom-filter scan and build
 (deepreduce.codecs.bloom, a quarter of the speed or less without it);
 deepreduce._entropyc the bit packing and prefix-code decoding of the Huffman index
-codec (deepreduce.codecs.huffman through deepreduce.codecs._entropy);
+codec (deepreduce.codecs.huffman through deepreduce.codecs._entropy), the Golomb
+code's encoder and decoder (deepreduce.codecs.golomb, about three times as fast
+as numpy) and varints (deepreduce.bits);
 deepreduce._topkscan the candidate scan of the Top-k sparsifier
 (deepreduce.sparsifiers.TopK).
 """
