@@ -1088,6 +1088,7 @@ static ALWAYS_INLINE int golomb_write_with(const golomb_t *g, int rice, const in
     uint8_t *tail = out + groups * g->width;
     const uint64_t threshold = g->threshold, low = g->m - 1;
     const unsigned width = g->width;
+    const int64_t last = indices[count - 1];
     int64_t previous = -1;
     uint64_t position = 0, adjacent = 0, long_codes = 0, word = 0, at = 0;
     uint64_t extra_word = 0, extra_at = 0, head[8], quotient[8];
@@ -1097,7 +1098,9 @@ static ALWAYS_INLINE int golomb_write_with(const golomb_t *g, int rice, const in
         for (unsigned j = 0; j < size; j++) {
             int64_t gap = indices[i + j] - previous - 1;
             previous = indices[i + j];
-            order |= gap;
+            /* negative unless the indices increase up to the last: that bounds what
+             * the unary part can reach (last / m + count bits) before anything is written */
+            order |= gap | (last - previous);
             adjacent += gap == 0;
             if (rice) {
                 quotient[j] = (uint64_t)gap >> width;
@@ -1166,11 +1169,15 @@ static PyObject *golomb_encode(PyObject *module, PyObject *args)
     golomb_t g;
     golomb_totals_t totals;
     golomb_layout(&g, m);
-    /* The quotients add up to at most (sum of the gaps) / m. */
+    if (indices[count - 1] < count - 1)
+        goto unordered;
+    /* The quotients add up to at most (sum of the gaps) / m; before the order is checked,
+     * the unary part can only be bounded by last / m + count bits. */
     uint64_t most = ((uint64_t)indices[count - 1] - (uint64_t)(count - 1)) / m;
     Py_ssize_t aligned = count & ~(Py_ssize_t)7, head_bytes = aligned / 8 * g.width;
     uint64_t lead = (uint64_t)(count - aligned) * g.width;
-    uint64_t unary_words = (most + count) / 64 + 2, extra_words = (uint64_t)count / 64 + 2;
+    uint64_t unary_words = ((uint64_t)indices[count - 1] / m + count) / 64 + 2;
+    uint64_t extra_words = (uint64_t)count / 64 + 2;
     Py_ssize_t reserve = prefix.len + head_bytes
                          + (Py_ssize_t)((lead + 2 * (uint64_t)count + most + 7) / 8) + 16;
     unary = PyMem_Calloc(unary_words, 8);
@@ -1193,12 +1200,15 @@ static PyObject *golomb_encode(PyObject *module, PyObject *args)
     Py_END_ALLOW_THREADS
     if (bad) {
         Py_CLEAR(data);
-        PyErr_SetString(PyExc_ValueError, "indices must be strictly increasing (sorted, unique) from 0");
-        goto done;
+        goto unordered;
     }
     uint64_t tail_bits = lead + totals.long_codes + totals.quotients + (uint64_t)count;
     if (_PyBytes_Resize(&data, prefix.len + head_bytes + (Py_ssize_t)((tail_bits + 7) / 8)) == 0)
         result = Py_BuildValue("NK", data, (unsigned long long)totals.adjacent);
+    goto done;
+unordered:
+    PyErr_SetString(PyExc_ValueError, "indices must be strictly increasing (sorted, unique) "
+                    "from 0");
 done:
     PyMem_Free(unary);
     PyMem_Free(extras);

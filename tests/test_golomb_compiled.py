@@ -141,8 +141,13 @@ def test_bad_arguments_raise_instead_of_writing_out_of_bounds():
     compiled = _entropy._entropyc
     with pytest.raises(ValueError, match="strictly increasing"):
         compiled.golomb_encode(np.array([5, 3], dtype=np.int64), 4, b"")
-    with pytest.raises(ValueError, match="strictly increasing"):
-        compiled.golomb_encode(np.array([-1, 3], dtype=np.int64), 3, b"")
+    # unordered sets of every shape: refused before anything is written out of bounds
+    for unordered in ([-1, 3], [1, 0], [-5, -3], [3, 3],
+                      list(range(0, 8000, 1000)) + [5] * 9,
+                      list(range(0, 2**40, 2**37)) + [10, 11]):
+        for m in (1, 3, 64):
+            with pytest.raises(ValueError, match="strictly increasing"):
+                compiled.golomb_encode(np.array(unordered, dtype=np.int64), m, b"")
     with pytest.raises(ValueError):
         compiled.golomb_encode(np.array([1], dtype=np.int64), 0, b"")
     with pytest.raises(ValueError):
