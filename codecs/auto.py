@@ -124,6 +124,12 @@ def _estimated_size(tag: int, indices: np.ndarray) -> int:
     return golomb.GolombIndices().encoded_size(indices)
 
 
+def _golomb_stream(indices: np.ndarray) -> golomb.IndexStream:
+    """The default Golomb code of the set, with its count of adjacent indices."""
+    return golomb.IndexStream(indices, golomb.choose_parameter(golomb.mean_gap(indices)),
+                              count_adjacent=True)
+
+
 def complement(indices: np.ndarray, n: int) -> np.ndarray:
     """The sorted indices of ``[0, n)`` not in ``indices`` (allocates ``n`` bytes)."""
     mask = np.ones(n, dtype=bool)
@@ -193,8 +199,7 @@ class AutoIndices(IndexCodec):
 
     def _small_stream(self, indices, n):
         """The Golomb or run stream when the smaller is below :data:`SMALL_STREAM` bytes."""
-        coded = golomb.IndexStream(indices, golomb.choose_parameter(golomb.mean_gap(indices)),
-                                   count_adjacent=True)
+        coded = _golomb_stream(indices)
         sizes = {TAGS.index("golomb"): coded.size}
         if 4 * coded.adjacent > indices.size:  # clustered, as in _estimate
             sizes[TAGS.index("runs")] = runs.stream_size(indices)
@@ -225,8 +230,7 @@ class AutoIndices(IndexCodec):
         return best
 
     def _estimate(self, indices, n):
-        coded = golomb.IndexStream(indices, golomb.choose_parameter(golomb.mean_gap(indices)),
-                                   count_adjacent=True)
+        coded = _golomb_stream(indices)
         sizes = {TAGS.index("bitmap"): _bits.packed_bytes(n),
                  TAGS.index("golomb"): coded.size}
         # Runs only pay when many neighbours are adjacent (gap 0).

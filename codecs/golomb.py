@@ -257,7 +257,6 @@ class IndexStream:
     """
 
     def __init__(self, indices: np.ndarray, m: int, count_adjacent: bool = False):
-        self.m = m
         compiled = _entropy._entropyc
         if compiled is not None and int(indices[-1]) < COMPILED_LIMIT:
             self._data, self.adjacent = compiled.golomb_encode(

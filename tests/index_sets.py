@@ -40,3 +40,12 @@ def random_set(rng, n, kind):
     for start in rng.integers(0, n, size=int(rng.integers(0, 12))):
         bits[start:start + int(rng.integers(1, 60))] = True
     return np.flatnonzero(bits)
+
+
+def bit_flipped(rng, data: bytes, copies: int = 8):
+    """``copies`` corrupt copies of ``data``, each with one to three of its bits flipped."""
+    for _ in range(copies):
+        flipped = bytearray(data)
+        for position in rng.integers(0, 8 * len(data), size=int(rng.integers(1, 4))):
+            flipped[position // 8] ^= 1 << (position % 8)
+        yield bytes(flipped)
