@@ -1,5 +1,6 @@
 /*
- * Compiled candidate scan of deepreduce's Top-k sparsifier (deepreduce.sparsifiers.TopK).
+ * Compiled candidate scan and selection of deepreduce's Top-k sparsifier
+ * (deepreduce.sparsifiers.TopK).
  *
  * TopK estimates a threshold from a sample and then needs every position whose
  * magnitude reaches it: about 1-2% of a gradient. numpy does that in three passes
@@ -9,7 +10,7 @@
  * when this module is not built; both give the same positions, and the tests
  * compare them.
  *
- *   at_least(values, low) -> numpy int64 array
+ *   at_least(values, low, addend=None) -> numpy int64 array
  *
  * the positions i, increasing, where fabs(values[i]) >= low, values a C-contiguous
  * one-dimensional float32 or float64 buffer. low is compared in the values' own
@@ -17,6 +18,23 @@
  * so nothing is rounded). NaN values never qualify, and a NaN low selects nothing,
  * as IEEE comparisons have it. The pass runs without the GIL, so other Python
  * threads (Horovod's) keep going.
+ *
+ * With an addend (same type and length, C-contiguous), values must be writable and
+ * the pass first adds it in, values[i] += addend[i], one IEEE addition in the
+ * values' type as numpy's add does, and tests the sums: error feedback adds the
+ * gradient into the residual and Top-k scans the result, and doing both block by
+ * block, while the block is in the L1 cache, reads the residual from memory once
+ * instead of twice.
+ *
+ *   largest_at_least(values, low, k, addend=None) -> numpy int64 array or None
+ *
+ * the same scan (and addition), then the k positions of largest fabs(values) among
+ * those found, increasing; ties at the k-th magnitude go to the lowest positions,
+ * as sparsifiers._largest has it. None when fewer than k values reach low. The
+ * scan keeps each hit's magnitude bits while the block is in the L1 cache, and a
+ * radix select on them finds the k-th: where numpy gathers the candidates from a
+ * gradient that has left the cache and partitions them, this costs two short
+ * passes over the hits.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -147,71 +165,179 @@ DEFINE_HITS(double_hits, double, fabs, int64_t)
 
 /* ------------------------------------------------------------ the scan */
 
-/* Room for `needed` positions in *out (raw memory: it is grown without the GIL),
- * doubling up to `limit`, the values' count, which no result exceeds; 0, or -1 when
- * the allocation fails (then *out is unchanged). Values are at least 4 bytes, so
- * 2 * limit positions cannot overflow a size. */
-static int reserve(int64_t **out, Py_ssize_t *capacity, Py_ssize_t needed, Py_ssize_t limit)
+/* Keys that order magnitudes: with the sign cleared, the bits of a float grow with
+ * its magnitude; NaN (bits above infinity's) gets 0, below every number, and the
+ * numbers their bits plus one. */
+static inline uint64_t float_key(float x)
 {
-    if (needed <= *capacity)
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits &= 0x7fffffffu;
+    return bits > 0x7f800000u ? 0 : (uint64_t)bits + 1;
+}
+
+static inline uint64_t double_key(double x)
+{
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits &= 0x7fffffffffffffffull;
+    return bits > 0x7ff0000000000000ull ? 0 : bits + 1;
+}
+
+/* What a scan found: the positions and, when key is not NULL, their values' keys
+ * (raw memory: it is grown without the GIL). */
+typedef struct {
+    int64_t *position;
+    uint64_t *key;
+    Py_ssize_t capacity;
+} Hits;
+
+/* Room for `needed` hits, doubling up to `limit`, the values' count, which no result
+ * exceeds; 0, or -1 when an allocation fails. Values are at least 4 bytes, so
+ * 2 * limit positions cannot overflow a size. */
+static int reserve(Hits *hits, Py_ssize_t needed, Py_ssize_t limit)
+{
+    if (needed <= hits->capacity)
         return 0;
-    Py_ssize_t grown = 2 * *capacity < limit ? 2 * *capacity : limit;
+    Py_ssize_t grown = 2 * hits->capacity < limit ? 2 * hits->capacity : limit;
     grown = grown > needed ? grown : needed;
-    int64_t *bigger = PyMem_RawRealloc(*out, (size_t)grown * sizeof **out);
-    if (bigger == NULL)
+    int64_t *position = PyMem_RawRealloc(hits->position, (size_t)grown * sizeof *position);
+    if (position == NULL)
         return -1;
-    *out = bigger;
-    *capacity = grown;
+    hits->position = position;
+    if (hits->key != NULL) {
+        uint64_t *key = PyMem_RawRealloc(hits->key, (size_t)grown * sizeof *key);
+        if (key == NULL)
+            return -1;
+        hits->key = key;
+    }
+    hits->capacity = grown;
     return 0;
 }
 
-/* Stores the position of the lowest hit of *mask (or junk when there is none) and
- * keeps it by advancing the count: no branch. ORing the top bit keeps the lowest
- * bit of a non-zero mask and gives LOWEST_BIT a defined input when it is zero. */
-static inline Py_ssize_t take_lowest(int64_t *out, Py_ssize_t found, Py_ssize_t base,
-                                     uint64_t *mask)
-{
-    out[found] = (int64_t)(base + LOWEST_BIT(*mask | (1ull << 63)));
-    found += *mask != 0;
-    *mask &= *mask - 1;
-    return found;
-}
+/* The scan for one value type. Each block's hits are written without a branch on
+ * whether there is one (the position of the lowest hit, or junk, is stored, and the
+ * count advances by one or zero): at Top-1% about half the blocks hold one and few
+ * hold three, and a branch on "any hit" would be mispredicted about once per
+ * candidate. ORing the top bit gives LOWEST_BIT a defined input when the mask is
+ * empty. The keys are taken while the block is in the L1 cache; reading them later
+ * from a gradient that has left it costs more than the scan (one cache miss each).
+ * The last values (fewer than a block) go one by one. Returns the number of hits,
+ * or -1 when the output could not grow. */
+#define TAKE_LOWEST(type, key_of)                                                      \
+    do {                                                                               \
+        int bit = LOWEST_BIT(mask | (1ull << 63));                                     \
+        hits->position[found] = (int64_t)(base + bit);                                 \
+        if (hits->key != NULL)                                                         \
+            hits->key[found] = key_of(value[base + bit]);                              \
+        found += mask != 0;                                                            \
+        mask &= mask - 1;                                                              \
+    } while (0)
 
-/* The scan for one value type. A block's first two hits are taken without a
- * branch: at Top-1% about half the blocks hold one and few hold three, and a
- * branch on "any hit" would be mispredicted about once per candidate. The last
- * values (fewer than a block) go one by one. Returns the number of positions
- * found, or -1 when the output could not grow. */
-#define DEFINE_SCAN(name, type, absolute, block_hits)                                  \
-    static Py_ssize_t name(const type *value, Py_ssize_t count, type low,              \
-                           int64_t **out, Py_ssize_t *capacity)                        \
+#define DEFINE_SCAN(name, type, absolute, block_hits, key_of)                          \
+    static Py_ssize_t name(type *value, const type *addend, Py_ssize_t count, type low, \
+                           Hits *hits)                                                 \
     {                                                                                  \
         const Py_ssize_t ahead = PREFETCH_BYTES / (Py_ssize_t)sizeof(type);            \
         Py_ssize_t found = 0, base = 0;                                                \
         for (; base + BLOCK <= count; base += BLOCK) {                                 \
             if (base + ahead + BLOCK <= count)                                         \
-                for (size_t line = 0; line < BLOCK * sizeof(type); line += CACHE_LINE) \
+                for (size_t line = 0; line < BLOCK * sizeof(type); line += CACHE_LINE) { \
                     PREFETCH((const char *)(value + base + ahead) + line);             \
+                    if (addend)                                                        \
+                        PREFETCH((const char *)(addend + base + ahead) + line);        \
+                }                                                                      \
+            if (addend)                                                                \
+                for (int i = 0; i < BLOCK; i++)                                        \
+                    value[base + i] += addend[base + i];                               \
             uint64_t mask = block_hits(value + base, low);                             \
-            if (reserve(out, capacity, found + BLOCK, count) < 0)                      \
+            if (reserve(hits, found + BLOCK, count) < 0)                               \
                 return -1;                                                             \
-            int64_t *position = *out;                                                  \
-            found = take_lowest(position, found, base, &mask);                         \
-            found = take_lowest(position, found, base, &mask);                         \
-            for (; mask; mask &= mask - 1)                                             \
-                position[found++] = (int64_t)(base + LOWEST_BIT(mask));                \
+            TAKE_LOWEST(type, key_of);                                                 \
+            TAKE_LOWEST(type, key_of);                                                 \
+            while (mask)                                                               \
+                TAKE_LOWEST(type, key_of);                                             \
         }                                                                              \
-        for (; base < count; base++)                                                   \
+        for (; base < count; base++) {                                                 \
+            if (addend)                                                                \
+                value[base] += addend[base];                                           \
             if (absolute(value[base]) >= low) {                                        \
-                if (reserve(out, capacity, found + 1, count) < 0)                      \
+                if (reserve(hits, found + 1, count) < 0)                               \
                     return -1;                                                         \
-                (*out)[found++] = (int64_t)base;                                       \
+                hits->position[found] = (int64_t)base;                                 \
+                if (hits->key != NULL)                                                 \
+                    hits->key[found] = key_of(value[base]);                            \
+                found++;                                                               \
             }                                                                          \
+        }                                                                              \
         return found;                                                                  \
     }
 
-DEFINE_SCAN(scan_float, float, fabsf, float_hits)
-DEFINE_SCAN(scan_double, double, fabs, double_hits)
+DEFINE_SCAN(scan_float, float, fabsf, float_hits, float_key)
+DEFINE_SCAN(scan_double, double, fabs, double_hits, double_key)
+
+/* ------------------------------------------------------------ the k largest hits */
+
+/* Bits of the keys the selection compares at a time. */
+#define DIGIT_BITS 11
+
+/* The key of the k-th largest of keys[0..count) (1 <= k <= count), and in *ties how
+ * many keys equal to it belong to the k largest.
+ *
+ * A radix select on the digits of key - smallest key: Top-k's candidates all lie a
+ * little above a threshold, so their keys share their top bits, and a first digit
+ * taken from the keys' own range spreads them over all its bins. Each digit counts
+ * the keys that share the digits found so far, rereading the keys (a few hundred KB,
+ * in the cache) rather than copying them. */
+static uint64_t kth_largest_key(const uint64_t *keys, Py_ssize_t count, Py_ssize_t k,
+                                Py_ssize_t *ties)
+{
+    uint64_t smallest = keys[0], largest = keys[0];
+    for (Py_ssize_t i = 1; i < count; i++) {
+        smallest = keys[i] < smallest ? keys[i] : smallest;
+        largest = keys[i] > largest ? keys[i] : largest;
+    }
+    int shift = 0;
+    while (shift < 64 && (largest - smallest) >> shift)
+        shift++;
+    Py_ssize_t rank = k;
+    uint64_t found = 0;  /* the digits found so far, of key - smallest */
+    while (shift > 0) {
+        int width = shift < DIGIT_BITS ? shift : DIGIT_BITS;
+        uint64_t above = shift == 64 ? 0 : ~0ull << shift;  /* the digits already found */
+        shift -= width;
+        uint64_t mask = (1ull << width) - 1;
+        Py_ssize_t histogram[1 << DIGIT_BITS] = {0};
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint64_t key = keys[i] - smallest;
+            if ((key & above) == found)
+                histogram[(key >> shift) & mask]++;
+        }
+        /* the digit of the rank-th largest, counting down from the top bin */
+        uint64_t digit = mask;
+        while (histogram[digit] < rank) {
+            rank -= histogram[digit];
+            digit--;
+        }
+        found |= digit << shift;
+    }
+    *ties = rank;
+    return found + smallest;
+}
+
+/* Writes to out, in order, the positions of the k hits of largest keys (ties: the
+ * first ones). */
+static void take_largest(const Hits *hits, Py_ssize_t count, Py_ssize_t k, int64_t *out)
+{
+    Py_ssize_t ties, taken = 0;
+    uint64_t threshold = kth_largest_key(hits->key, count, k, &ties);
+    for (Py_ssize_t i = 0; i < count && taken < k; i++) {
+        uint64_t key = hits->key[i];
+        out[taken] = hits->position[i];
+        taken += key > threshold || (key == threshold && ties > 0);
+        ties -= key == threshold;
+    }
+}
 
 /* ------------------------------------------------------------ argument checks */
 
@@ -232,12 +358,14 @@ static char float_format(const Py_buffer *view)
     return 0;
 }
 
-/* A C-contiguous one-dimensional float32 or float64 buffer, else TypeError. */
-static int get_values(PyObject *object, Py_buffer *view, char *format)
+/* A C-contiguous one-dimensional float32 or float64 buffer (writable when asked),
+ * else TypeError. */
+static int get_values(PyObject *object, Py_buffer *view, char *format, int writable)
 {
-    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyErr_SetString(PyExc_TypeError,
-                        "values must be a C-contiguous buffer of float32 or float64");
+    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
+                           | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Format(PyExc_TypeError, "values must be a C-contiguous%s buffer of float32 or "
+                     "float64", writable ? ", writable" : "");
         return -1;
     }
     *format = float_format(view);
@@ -268,43 +396,115 @@ static PyObject *as_array(const int64_t *positions, Py_ssize_t count)
     return array;
 }
 
-static PyObject *at_least(PyObject *module, PyObject *args)
+/* A new numpy int64 array holding the positions of the k largest of count hits. */
+static PyObject *largest_as_array(const Hits *hits, Py_ssize_t count, Py_ssize_t k)
 {
-    PyObject *values_object;
-    double low;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "Od:at_least", &values_object, &low))
+    PyObject *array = PyObject_CallFunction(numpy_empty, "ns", k, "int64");
+    if (array == NULL || k == 0)
+        return array;
+    Py_buffer view;
+    if (PyObject_GetBuffer(array, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        Py_DECREF(array);
         return NULL;
-    Py_buffer values;
-    char format;
-    if (get_values(values_object, &values, &format) < 0)
+    }
+    Py_BEGIN_ALLOW_THREADS
+    take_largest(hits, count, k, view.buf);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return array;
+}
+
+/* The scan of at_least and largest_at_least: k < 0 returns every hit, k >= 0 the k
+ * largest (None when fewer than k values reach low). */
+static PyObject *scan(PyObject *values_object, double low, Py_ssize_t k,
+                      PyObject *addend_object)
+{
+    int adding = addend_object != Py_None;
+    Py_buffer values, addend = {0};
+    char format, addend_format;
+    if (get_values(values_object, &values, &format, adding) < 0)
         return NULL;
     Py_ssize_t count = values.len / values.itemsize;
-    Py_ssize_t capacity = (count >> FIRST_CAPACITY_SHIFT) + MIN_CAPACITY, found;
-    capacity = capacity < count ? capacity : count;
-    int64_t *positions = PyMem_RawMalloc((size_t)capacity * sizeof *positions);
-    PyObject *result = NULL;
-    if (positions == NULL)
-        PyErr_NoMemory();
-    else {
-        Py_BEGIN_ALLOW_THREADS
-        found = format == 'f'
-            ? scan_float(values.buf, count, (float)low, &positions, &capacity)
-            : scan_double(values.buf, count, low, &positions, &capacity);
-        Py_END_ALLOW_THREADS
-        result = found < 0 ? PyErr_NoMemory() : as_array(positions, found);
+    if (adding) {
+        if (get_values(addend_object, &addend, &addend_format, 0) < 0) {
+            PyBuffer_Release(&values);
+            return NULL;
+        }
+        if (addend_format != format || addend.len != values.len) {
+            PyErr_SetString(PyExc_TypeError, "addend must have the values' dtype and length");
+            PyBuffer_Release(&addend);
+            PyBuffer_Release(&values);
+            return NULL;
+        }
     }
-    PyMem_RawFree(positions);
+    Py_ssize_t capacity = (count >> FIRST_CAPACITY_SHIFT) + MIN_CAPACITY, found = -1;
+    capacity = capacity < count ? capacity : count;
+    Hits hits = {PyMem_RawMalloc((size_t)capacity * sizeof *hits.position), NULL, capacity};
+    if (k >= 0)
+        hits.key = PyMem_RawMalloc((size_t)capacity * sizeof *hits.key);
+    if (hits.position != NULL && (k < 0 || hits.key != NULL)) {
+        Py_BEGIN_ALLOW_THREADS
+        found = format == 'f' ? scan_float(values.buf, addend.buf, count, (float)low, &hits)
+                              : scan_double(values.buf, addend.buf, count, low, &hits);
+        Py_END_ALLOW_THREADS
+    }
+    PyObject *result = NULL;
+    if (found < 0)
+        PyErr_NoMemory();
+    else if (found < k) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    else if (k < 0)
+        result = as_array(hits.position, found);
+    else
+        result = largest_as_array(&hits, found, k);
+    PyMem_RawFree(hits.position);
+    PyMem_RawFree(hits.key);
+    if (adding)
+        PyBuffer_Release(&addend);
     PyBuffer_Release(&values);
     return result;
 }
 
+static PyObject *at_least(PyObject *module, PyObject *args)
+{
+    PyObject *values, *addend = Py_None;
+    double low;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "Od|O:at_least", &values, &low, &addend))
+        return NULL;
+    return scan(values, low, -1, addend);
+}
+
+static PyObject *largest_at_least(PyObject *module, PyObject *args)
+{
+    PyObject *values, *addend = Py_None;
+    double low;
+    Py_ssize_t k;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "Odn|O:largest_at_least", &values, &low, &k, &addend))
+        return NULL;
+    if (k < 0) {
+        PyErr_Format(PyExc_ValueError, "k must be >= 0, got %zd", k);
+        return NULL;
+    }
+    return scan(values, low, k, addend);
+}
+
 static PyMethodDef methods[] = {
     {"at_least", at_least, METH_VARARGS,
-     "at_least(values, low) -> numpy int64 array\n\n"
+     "at_least(values, low, addend=None) -> numpy int64 array\n\n"
      "The positions, increasing, where abs(values) >= low (NaN never; a NaN low\n"
      "selects nothing). values: a C-contiguous one-dimensional float32 or float64\n"
-     "array; low is compared in its precision. See deepreduce.sparsifiers._at_least."},
+     "array; low is compared in its precision. With an addend of the same dtype and\n"
+     "length, values (writable) += addend first, in the same pass. See\n"
+     "deepreduce.sparsifiers._at_least."},
+    {"largest_at_least", largest_at_least, METH_VARARGS,
+     "largest_at_least(values, low, k, addend=None) -> numpy int64 array or None\n\n"
+     "As at_least, then the k of those positions of largest abs(values), increasing\n"
+     "(ties at the k-th magnitude: the lowest positions); None when fewer than k\n"
+     "values reach low. See deepreduce.sparsifiers.TopK."},
     {NULL, NULL, 0, NULL},
 };
 

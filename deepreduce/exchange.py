@@ -33,7 +33,6 @@ payload. Both sum with :func:`sum_into`.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import numbers
 import sys
@@ -53,7 +52,7 @@ from deepreduce.memory import ResidualMemory
 from deepreduce.pipeline import DEFAULT_INDEX, DEFAULT_VALUE, Pipeline, decode
 from deepreduce.registry import get_codec, parse_spec
 from deepreduce.sparse import SparseTensor, zeros
-from deepreduce.sparsifiers import get_sparsifier
+from deepreduce.sparsifiers import _as_float_array, get_sparsifier
 from deepreduce.stats import CompressionStats, StepStats
 
 BUNDLE_MAGIC = b"DRB"
@@ -359,36 +358,39 @@ class GradientExchange:
         after (``input - received``).
         """
         if _size(x) < self.min_size:
-            return self._encode_timed(self.small_pipeline, x)
-        encode = functools.partial(self._encode_timed, self._pipeline_of(name))
+            return self._encode_timed(self.small_pipeline, *self.small_pipeline.sparsify(x))
+        pipeline = self._pipeline_of(name)
         if self.memory is None or name is None:
-            return encode(x)
-        if not isinstance(x, SparseTensor):
-            return self.memory.feedback(name, x, encode)
-        x = self._corrected(name, x)
-        payload, received = encode(x)
-        self.memory.update(name, x, received)
+            return self._encode_timed(pipeline, *pipeline.sparsify(x))
+        if isinstance(x, SparseTensor):
+            x = self._corrected(name, x)
+            payload, received = self._encode_timed(pipeline, *pipeline.sparsify(x))
+            self.memory.update(name, x, received)
+            return payload, received
+        # as ResidualMemory.feedback, with the addition and the selection in one pass; if
+        # encoding raises, the residual holds the whole corrected gradient
+        corrected, selected = self.memory.accumulate_and_select(name, x, pipeline.sparsifier)
+        payload, received = self._encode_timed(pipeline, selected,
+                                               _as_float_array(corrected).reshape(-1))
+        self.memory.settle(name, corrected, received)
         return payload, received
 
-    def _encode_timed(self, pipeline, x):
-        """``pipeline.encode(x)``, adding the time of its codecs to ``_codec_seconds``."""
-        selected, dense = pipeline.sparsify(x)
+    def _encode_timed(self, pipeline, selected, dense):
+        """``pipeline.encode_sparse(selected, dense)``, adding the time of its codecs to
+        ``_codec_seconds``."""
         start = time.perf_counter()
         try:
             return pipeline.encode_sparse(selected, dense)
         finally:
             self._codec_seconds += time.perf_counter() - start
 
-    def _corrected(self, name: str, x):
-        """``x`` plus the residual of ``name`` (error feedback on); for a dense ``x``,
-        made in the residual's memory (:meth:`ResidualMemory.accumulate`)."""
-        if isinstance(x, SparseTensor):
-            if name in self.memory:
-                # the residual is dense: its non-zeros join the sparse gradient's,
-                # and the sparsifier chooses among the union
-                x = SparseTensor.from_dense(self.memory.compensate(name, x))
-            return x
-        return self.memory.accumulate(name, x)
+    def _corrected(self, name: str, x: SparseTensor) -> SparseTensor:
+        """The sparse ``x`` plus the residual of ``name`` (error feedback on)."""
+        if name in self.memory:
+            # the residual is dense: its non-zeros join the sparse gradient's,
+            # and the sparsifier chooses among the union
+            x = SparseTensor.from_dense(self.memory.compensate(name, x))
+        return x
 
     # -- one step -------------------------------------------------------------
     def encode_bundle(self, names, tensors) -> bytes:
@@ -694,9 +696,15 @@ class GradientExchange:
                 selected = self.small_pipeline.sparsify(x)[0]
                 kind = "main" if self._small_ride_along else "small"
             else:
-                if self.memory is not None and name is not None:
+                pipeline = self._pipeline_of(name)
+                if self.memory is None or name is None:
+                    selected = pipeline.sparsify(x)[0]
+                elif isinstance(x, SparseTensor):
                     x = corrected[i] = self._corrected(name, x)
-                selected = self._pipeline_of(name).sparsify(x)[0]
+                    selected = pipeline.sparsify(x)[0]
+                else:
+                    corrected[i], selected = self.memory.accumulate_and_select(
+                        name, x, pipeline.sparsifier)
                 kind = "main"
                 compressed += 1
             selections.append(selected)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepreduce.sparse import SparseTensor
+from deepreduce.sparsifiers import Sparsifier
 
 
 class ResidualMemory:
@@ -123,10 +124,34 @@ class ResidualMemory:
         else:
             self.update(name, corrected, received)
 
+    def accumulate_and_select(self, name: str, gradient, sparsifier):
+        """:meth:`accumulate`, then ``sparsifier`` applied to the result.
+
+        Returns ``(corrected, selected)``: what :meth:`accumulate` returns and
+        what the sparsifier chose from it. When the gradient is added into the
+        residual's memory, a :class:`~deepreduce.sparsifiers.Sparsifier` does
+        the addition and the selection together
+        (:meth:`~deepreduce.sparsifiers.Sparsifier.accumulate`: one pass over
+        memory for TopK); the bits are the same as with the two calls.
+        """
+        residual = self._in_place_residual(name, gradient)
+        if residual is None or not isinstance(sparsifier, Sparsifier):
+            corrected = self.accumulate(name, gradient)
+            return corrected, sparsifier(corrected)
+        return residual, sparsifier.accumulate(residual, gradient)
+
     def _corrected_in_place(self, name, gradient):
         """``gradient + beta * residual`` computed in the residual's memory (None when
         the residual cannot take it: none yet, another shape or dtype, a sparse
         gradient). The same bits as :meth:`compensate`: the sum commutes."""
+        residual = self._in_place_residual(name, gradient)
+        if residual is not None:
+            np.add(residual, gradient, out=residual)
+        return residual
+
+    def _in_place_residual(self, name, gradient):
+        """The residual of ``name``, already times ``beta``, ready for ``gradient`` to be
+        added into it; None when it cannot take it (see :meth:`_corrected_in_place`)."""
         residual = self._residuals.get(name)
         if isinstance(gradient, SparseTensor) or residual is None or self.beta == 0.0:
             return None
@@ -135,7 +160,6 @@ class ResidualMemory:
             return None
         if self.beta != 1.0:
             np.multiply(residual, self.beta, out=residual)
-        np.add(residual, gradient, out=residual)
         return residual
 
     def _store(self, name, residual: np.ndarray, received: SparseTensor) -> None:

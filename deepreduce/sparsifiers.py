@@ -66,11 +66,18 @@ def _largest(mag: np.ndarray, k: int) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
+def _compiled_scan(values: np.ndarray) -> bool:
+    """Whether the compiled scan takes ``values``: built, and C-contiguous float32 or
+    float64 in native byte order."""
+    return (_topkscan is not None and values.dtype in (np.float32, np.float64)
+            and values.flags.c_contiguous)
+
+
 #: Elements per slice of the numpy :func:`_at_least`: its temporaries stay in the L2 cache.
 _SCAN_SLICE = 1 << 16
 
 
-def _at_least(values: np.ndarray, low) -> np.ndarray:
+def _at_least(values: np.ndarray, low, addend=None) -> np.ndarray:
     """Sorted positions of ``|values| >= low`` (NaN never) in 1-D ``values``.
 
     ``low`` is a scalar of ``values``' dtype (TopK's estimate is one), so the
@@ -80,17 +87,24 @@ def _at_least(values: np.ndarray, low) -> np.ndarray:
     The numpy scan goes slice by slice with two small scratch buffers:
     whole-array temporaries of a large gradient would be fresh memory every
     call, and their page faults cost more than the comparison.
+
+    With ``addend`` (an array of ``values``' dtype and size that does not
+    overlap it), ``values += addend`` happens first, in place and in the same
+    pass: each slice is scanned while its sum is still in the cache.
     """
-    if (_topkscan is not None and values.dtype in (np.float32, np.float64)
-            and values.flags.c_contiguous):
-        return _topkscan.at_least(values, low)
+    if _compiled_scan(values) and (addend is None or addend.flags.c_contiguous):
+        return _topkscan.at_least(values, low, addend)
     if values.size <= _SCAN_SLICE:
+        if addend is not None:
+            np.add(values, addend, out=values)
         return np.flatnonzero(np.abs(values) >= low)
     magnitudes = np.empty(_SCAN_SLICE, dtype=values.dtype)
     hits = np.empty(_SCAN_SLICE, dtype=bool)
     found = [np.zeros(0, dtype=np.int64)]
     for start in range(0, values.size, _SCAN_SLICE):
         part = values[start:start + _SCAN_SLICE]
+        if addend is not None:
+            np.add(part, addend[start:start + _SCAN_SLICE], out=part)
         np.abs(part, out=magnitudes[:part.size])
         np.greater_equal(magnitudes[:part.size], low, out=hits[:part.size])
         where = np.flatnonzero(hits[:part.size])
@@ -148,6 +162,16 @@ class Sparsifier:
     def _select(self, values, n, indices):
         raise NotImplementedError
 
+    def accumulate(self, target: np.ndarray, addend) -> SparseTensor:
+        """Add ``addend`` into the array ``target``, in place, and select from the sum.
+
+        The same as ``np.add(target, addend, out=target)`` followed by
+        ``self(target)``. Error feedback adds each gradient into its residual
+        and then selects: :class:`TopK` does both in one pass over memory.
+        """
+        np.add(target, addend, out=target)
+        return self(target)
+
     def with_seed(self, seed: int) -> "Sparsifier":
         """This sparsifier with its random stream seeded by ``seed`` (itself when it draws
         nothing)."""
@@ -200,26 +224,61 @@ class TopK(Sparsifier):
 
     def _select(self, values, n, indices):
         k = _count(self.ratio, self.k, values.size if indices is not None else n, "TopK")
-        if self.exact or values.size < 2 * self.SAMPLE or k == values.size:
+        if self._exact_for(values.size, k):
             return _largest(_magnitudes(values), k)
+        low = self._sampled_low(values.size, k, values.__getitem__)
+        if values.dtype.itemsize < 4:
+            values = values.astype(np.float32)
+        return self._largest_reaching(values, low, k)
+
+    def accumulate(self, target: np.ndarray, addend) -> SparseTensor:
+        addend = np.asarray(addend)
+        k = _count(self.ratio, self.k, target.size, "TopK")
+        if (self._exact_for(target.size, k) or target.dtype not in (np.float32, np.float64)
+                or addend.dtype != target.dtype or addend.shape != target.shape
+                or not target.flags.c_contiguous or np.may_share_memory(target, addend)):
+            return super().accumulate(target, addend)
+        flat, addend = target.reshape(-1), addend.reshape(-1)
+        # the sample is taken from the sums to be: the same values, drawn the same way,
+        # as selecting from the finished sum would take
+        low = self._sampled_low(flat.size, k, lambda positions: flat[positions] + addend[positions])
+        positions = self._largest_reaching(flat, low, k, addend)
+        return SparseTensor._trusted(flat[positions], positions, target.shape)
+
+    def _exact_for(self, size: int, k: int) -> bool:
+        return self.exact or size < 2 * self.SAMPLE or k == size
+
+    def _sampled_low(self, size: int, k: int, values_at):
+        """A magnitude that about ``k`` plus a safe margin of the ``size`` values reach,
+        from a sample (``values_at(positions)`` gives the values there)."""
         # one position drawn in each of SAMPLE equal strata: increasing addresses, which
         # the prefetcher follows, and a sample at least as representative as a uniform one
-        stride = values.size // self.SAMPLE
+        stride = size // self.SAMPLE
         positions = self._rng.integers(0, stride, self.SAMPLE)
         positions += np.arange(0, self.SAMPLE * stride, stride)
-        sample = _magnitudes(values[positions])
+        sample = _magnitudes(values_at(positions))
         # Rank j of the sample, counted from the top, sits k/n of the way down with a
         # margin of four standard deviations, so the candidates hold the top k with
         # overwhelming probability; when they do not, the exact path runs instead.
-        expected = self.SAMPLE * k / values.size
+        expected = self.SAMPLE * k / size
         j = min(self.SAMPLE, int(expected + 4 * math.sqrt(expected) + 2))
-        low = np.partition(sample, self.SAMPLE - j)[self.SAMPLE - j]
-        if values.dtype.itemsize < 4:
-            values = values.astype(np.float32)
-        candidates = _at_least(values, low)
-        if candidates.size < k or not np.isfinite(low):
-            return _largest(_magnitudes(values), k)
-        return candidates[_largest(_magnitudes(values[candidates]), k)]
+        return np.partition(sample, self.SAMPLE - j)[self.SAMPLE - j]
+
+    @staticmethod
+    def _largest_reaching(values, low, k: int, addend=None) -> np.ndarray:
+        """The positions of the top ``k`` of ``values`` (after ``values += addend``),
+        chosen among those that reach ``low`` when they are enough, else among all."""
+        positions = None
+        if np.isfinite(low) and _compiled_scan(values) and \
+                (addend is None or addend.flags.c_contiguous):
+            positions = _topkscan.largest_at_least(values, low, k, addend)
+        elif np.isfinite(low):
+            candidates = _at_least(values, low, addend)
+            if candidates.size >= k:
+                positions = candidates[_largest(_magnitudes(values[candidates]), k)]
+        elif addend is not None:
+            np.add(values, addend, out=values)
+        return _largest(_magnitudes(values), k) if positions is None else positions
 
 
 class RandomK(Sparsifier):

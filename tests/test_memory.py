@@ -1,3 +1,5 @@
+import copy
+
 import numpy as np
 import pytest
 
@@ -96,3 +98,34 @@ def test_accumulate_and_settle_around_a_deferred_delivery():
     assert not np.shares_memory(memory.residual("w"), outside)
     memory.reset()
     assert len(memory) == 0 and memory.accumulate("w", outside) is outside
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+@pytest.mark.parametrize("sparsifier", [dr.TopK(0.01), dr.TopK(0.01, exact=True),
+                                        dr.RandomK(0.01, seed=3), dr.Threshold(2.0)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_accumulate_and_select_is_accumulate_then_select(beta, sparsifier, dtype):
+    # 3 * TopK.SAMPLE elements: TopK samples its threshold, fused with the addition
+    rng = np.random.default_rng(4)
+    fused, reference = dr.ResidualMemory(beta), dr.ResidualMemory(beta)
+    twin = copy.deepcopy(sparsifier)  # the same random draws, in the same order
+    for step in range(4):
+        g = rng.standard_normal((3, dr.TopK.SAMPLE)).astype(dtype)
+        corrected, selected = fused.accumulate_and_select("w", g, sparsifier)
+        expected_input = reference.accumulate("w", g)
+        np.testing.assert_array_equal(corrected, expected_input)
+        assert selected == twin(expected_input)
+        fused.settle("w", corrected, selected)
+        reference.settle("w", expected_input, selected)
+        np.testing.assert_array_equal(fused.residual("w"), reference.residual("w"))
+        if step >= 1:
+            assert corrected is fused.residual("w")
+
+
+def test_accumulate_and_select_takes_any_callable():
+    memory = dr.ResidualMemory()
+    g = np.array([0.5, -2.0, 1.0], np.float32)
+    memory.settle("w", *memory.accumulate_and_select("w", g, dr.TopK(1)))
+    corrected, selected = memory.accumulate_and_select("w", g, lambda x: dr.TopK(2)(x))
+    np.testing.assert_array_equal(corrected, [1.0, -2.0, 2.0])
+    assert selected.indices.tolist() == [1, 2]

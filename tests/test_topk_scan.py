@@ -80,6 +80,79 @@ def test_compiled_and_numpy_scans_agree(dtype, size, seed, special_share, low_ki
     np.testing.assert_array_equal(got, np.flatnonzero(np.abs(x) >= low))
 
 
+@settings(max_examples=100, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64]),
+       size=st.one_of(st.sampled_from(EDGE_SIZES), st.integers(0, 3 * _SCAN_SLICE)),
+       seed=st.integers(0, 2**32 - 1), special_share=st.sampled_from([0.0, 0.01, 0.5]),
+       quantile=st.sampled_from([0.0, 0.5, 0.99, 1.0]))
+def test_scan_adding_an_addend_is_numpy_add_then_scan(dtype, size, seed, special_share,
+                                                       quantile):
+    rng = np.random.default_rng(seed)
+    residual = rng.standard_normal(size).astype(dtype)
+    addend = (rng.standard_normal(size) * rng.choice([1e-30, 1.0, 1e30], size)).astype(dtype)
+    if size and special_share:
+        where = rng.random(size) < special_share
+        addend[where] = rng.choice(specials(dtype), int(where.sum()))
+    expected_sum = residual + addend
+    finite = np.abs(expected_sum[np.isfinite(expected_sum)])
+    low = dtype(np.quantile(finite, quantile) if finite.size else 1.0)
+    sums = [residual.copy(), residual.copy()]
+    calls = iter(sums)
+    got = same_positions(both(lambda: _at_least(next(calls), low, addend)))
+    np.testing.assert_array_equal(got, np.flatnonzero(np.abs(expected_sum) >= low))
+    for values in sums:  # the same bits as numpy's addition, NaNs included
+        np.testing.assert_array_equal(values.view(f"u{values.itemsize}"),
+                                      expected_sum.view(f"u{values.itemsize}"))
+
+
+@compiled_only
+@settings(max_examples=150, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64]),
+       size=st.one_of(st.sampled_from(EDGE_SIZES), st.integers(0, 3 * _SCAN_SLICE)),
+       seed=st.integers(0, 2**32 - 1), special_share=st.sampled_from([0.0, 0.01, 0.5]),
+       distinct=st.sampled_from([3, 50, None]), quantile=st.sampled_from([0.0, 0.9, 0.99]),
+       k_share=st.sampled_from([0.0, 0.5, 1.0, None]), adding=st.booleans())
+def test_compiled_largest_at_least_is_the_numpy_selection(dtype, size, seed, special_share,
+                                                          distinct, quantile, k_share,
+                                                          adding):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(size).astype(dtype)
+    if distinct:  # few distinct magnitudes: ties at the k-th
+        x = (rng.integers(1, distinct + 1, size) * rng.choice([-1, 1], size)).astype(dtype)
+    if size and special_share:
+        where = rng.random(size) < special_share
+        x[where] = rng.choice(specials(dtype), int(where.sum()))
+    addend = rng.standard_normal(size).astype(dtype) if adding else None
+    total = x + addend if adding else x
+    finite = np.abs(total[np.isfinite(total)])
+    low = dtype(np.quantile(finite, quantile) if finite.size else 1.0)
+    candidates = np.flatnonzero(np.abs(total) >= low)
+    k = candidates.size + 1 if k_share is None else int(k_share * candidates.size)
+    got = sparsifiers._topkscan.largest_at_least(x, low, k, addend)
+    np.testing.assert_array_equal(x, total)
+    if k > candidates.size:
+        assert got is None
+        return
+    ranked = np.where(np.isnan(total[candidates]), -np.inf, np.abs(total[candidates]))
+    expected = candidates[sparsifiers._largest(ranked, k)]
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, expected)
+
+
+@compiled_only
+def test_compiled_scan_refuses_bad_arguments():
+    x = np.ones(10, np.float32)
+    with pytest.raises(ValueError, match="k must be"):
+        sparsifiers._topkscan.largest_at_least(x, np.float32(1), -1)
+    with pytest.raises(TypeError, match="addend"):
+        sparsifiers._topkscan.at_least(x, np.float32(1), np.ones(10, np.float64))
+    with pytest.raises(TypeError, match="addend"):
+        sparsifiers._topkscan.at_least(x, np.float32(1), np.ones(9, np.float32))
+    with pytest.raises(TypeError, match="writable"):
+        x.flags.writeable = False
+        sparsifiers._topkscan.at_least(x, np.float32(1), np.ones(10, np.float32))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("size", EDGE_SIZES)
 def test_every_value_qualifying_grows_the_output_to_the_whole_array(implementation, dtype,
@@ -181,3 +254,21 @@ def test_c_scan_refuses_other_buffers_with_type_error(values):
 def test_c_scan_refuses_wrong_arguments_with_type_error(args):
     with pytest.raises(TypeError):
         sparsifiers._topkscan.at_least(*args)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("ratio", [1e-4, 0.01, 0.3])
+def test_topk_accumulate_selects_what_topk_selects_from_the_sum(dtype, ratio):
+    rng = np.random.default_rng(int(ratio * 1e4) + 1)
+    target = rng.standard_normal(3 * dr.TopK.SAMPLE + 11).astype(dtype)
+    addend = rng.standard_normal(target.size).astype(dtype)
+    addend[rng.integers(0, target.size, 200)] = 3.0  # ties at the top
+    addend[rng.integers(0, target.size, 20)] = np.nan
+    expected = dr.TopK(ratio, exact=True)(target + addend)
+    for implementation in both(lambda: dr.TopK(ratio).accumulate(target.copy(), addend)):
+        assert implementation == expected
+    # an addend overlapping the target is added as numpy adds it, then selected
+    overlapping = target.copy()
+    got = dr.TopK(ratio).accumulate(overlapping[1:], overlapping[:-1])
+    shifted = target[1:] + target[:-1]
+    assert got == dr.TopK(ratio, exact=True)(shifted)
