@@ -1,6 +1,6 @@
 """Only the compiled part of the build; the metadata is in setup.cfg.
 
-The three extensions are optional: where they cannot be compiled (no C compiler)
+The four extensions are optional: where they cannot be compiled (no C compiler)
 the install goes on and deepreduce falls back to numpy, which gives the same
 results more slowly. deepreduce._bloomscan is the Bloom-filter scan and build
 (deepreduce.codecs.bloom, a quarter of the speed or less without it);
@@ -8,8 +8,10 @@ deepreduce._entropyc the bit packing and prefix-code decoding of the Huffman ind
 codec (deepreduce.codecs.huffman through deepreduce.codecs._entropy), the Golomb
 code's encoder and decoder (deepreduce.codecs.golomb, about three times as fast
 as numpy) and varints (deepreduce.bits);
-deepreduce._topkscan the candidate scan of the Top-k sparsifier
-(deepreduce.sparsifiers.TopK).
+deepreduce._topkscan the candidate scan and selection of the Top-k sparsifier
+(deepreduce.sparsifiers.TopK), error feedback's addition included;
+deepreduce._sparsesum the sum of the ranks' sparse parts into the dense result
+(deepreduce.collectives.base.sum_sorted_into).
 """
 
 import sys
@@ -24,5 +26,7 @@ setup(ext_modules=[
     Extension("deepreduce._entropyc", ["deepreduce/_entropyc.c"],
               extra_compile_args=OPTIMISE, optional=True),
     Extension("deepreduce._topkscan", ["deepreduce/_topkscan.c"],
+              extra_compile_args=OPTIMISE, optional=True),
+    Extension("deepreduce._sparsesum", ["deepreduce/_sparsesum.c"],
               extra_compile_args=OPTIMISE, optional=True),
 ])

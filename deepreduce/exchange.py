@@ -28,7 +28,7 @@ bundle carries one self-checking payload per gradient, so one allgather
 serves gradients of every dtype, each gradient gets its own pipeline (small
 ones go losslessly) and sparse gradients come back as the rows any rank
 touched; ``AllgatherReduce`` fuses the gradients of one dtype into a single
-payload. Both sum with :func:`sum_into`.
+payload. Both sum with the functions of :mod:`deepreduce.collectives.base`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import zlib
 import numpy as np
 
 from deepreduce import collectives
-from deepreduce.collectives.base import (fail_collectively, signed_allgather, sum_into,
-                                         sum_sparse)
+from deepreduce.collectives.base import (fail_collectively, signed_allgather,
+                                         sum_sorted_into, sum_sparse)
 from deepreduce.collectives.transport import Traffic
 from deepreduce.bits import read_varint, varint_decode_prefix, varint_encode, write_varint
 from deepreduce.errors import DecodeError
@@ -501,13 +501,12 @@ class GradientExchange:
             accumulator = _accumulator(reference.dtype)
             target = None if out is None or out[i] is None else _writable_flat(out[i], reference)
             if target is not None and target.dtype == accumulator:
-                total = target
+                total, stale = target, None
                 total.fill(0)
             else:
-                total = self._sums.zeros(i, reference.size, accumulator)
-            sum_into(total, parts)
-            touched = np.concatenate([part.indices for part in parts])
-            result = _finish(total, scale, reference.dtype, touched)
+                total, stale = self._sums.zeros(i, reference.size, accumulator)
+            touched = sum_sorted_into(total, parts, scale, stale)
+            result = total.astype(reference.dtype, copy=False)
             if target is None:
                 self._sums.keep(i, total, touched)
             elif result is not target:
@@ -865,15 +864,16 @@ class _ReusedSums:
     def __init__(self):
         self._last = {}
 
-    def zeros(self, key, size: int, dtype) -> np.ndarray:
-        """A flat array of zeros: last step's for ``key`` when it is free, else a new one."""
+    def zeros(self, key, size: int, dtype) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(total, stale)``: a flat array, zero except perhaps at the positions
+        ``stale``: last step's for ``key`` when it is free (with the positions it
+        holds), else a new one (and None)."""
         last = self._last.pop(key, None)
         if last is not None:
             total, touched = last
             if total.size == size and total.dtype == dtype and _references(total) == _UNSHARED:
-                total[touched] = 0
-                return total
-        return zeros(size, dtype)
+                return total, touched
+        return zeros(size, dtype), None
 
     def keep(self, key, total: np.ndarray, touched: np.ndarray) -> None:
         """Remember ``total`` (from :meth:`zeros`), non-zero at most at ``touched``."""

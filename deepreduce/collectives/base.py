@@ -25,6 +25,16 @@ from deepreduce.collectives.transport import Traffic, get_transport
 from deepreduce.pipeline import Pipeline
 from deepreduce.sparse import BFLOAT16, SparseTensor
 
+try:
+    from deepreduce import _sparsesum
+except ImportError:  # not compiled (the extension is optional): numpy sums the same
+    _sparsesum = None
+
+#: Which :func:`sum_sorted_into` runs: ``"compiled"`` (the C extension
+#: ``deepreduce._sparsesum``, built by ``pip install``) or ``"numpy"``. Both write
+#: the same bits.
+SUM_IMPLEMENTATION = "numpy" if _sparsesum is None else "compiled"
+
 _OPS = {"sum": "sum", "average": "average", "mean": "average"}
 
 
@@ -449,6 +459,42 @@ def sum_into(totals: np.ndarray, parts) -> None:
     """
     for part in parts:  # in place, unlike totals[indices] += values (gather, then scatter)
         np.add.at(totals, part.indices, part.values)
+
+
+def sum_sorted_into(total: np.ndarray, parts, scale=None, stale=None) -> np.ndarray:
+    """Make the flat ``total`` the sum of ``parts`` times ``scale``; return where it is
+    not zero.
+
+    ``parts`` are SparseTensors of ``total``'s size whose indices increase (as
+    decoded payloads' do). ``total`` must be zero except perhaps at ``stale``,
+    what this function returned the last time it wrote the same array (None:
+    zero everywhere). Afterwards ``total`` holds, at the parts' positions, their
+    values added one after the other in ``total``'s dtype (as :func:`sum_into`
+    adds them to zeros), multiplied by ``scale`` in double precision when it is
+    not None, and zero everywhere else.
+
+    The compiled sum (:data:`SUM_IMPLEMENTATION`) merges the parts and writes
+    every position once, in increasing order, zeroing the stale ones on the way;
+    the numpy one zeroes, adds and scales in turn. Both write the same bits;
+    the positions returned are increasing and distinct from the compiled one,
+    and may repeat from numpy's.
+    """
+    if _sparsesum is not None and total.dtype in (np.float32, np.float64) \
+            and total.flags.c_contiguous:
+        return _sparsesum.sum_sorted(
+            total.reshape(-1), [part.indices for part in parts],
+            [part.values.astype(total.dtype, copy=False) for part in parts],
+            None if scale is None else float(scale),
+            None if stale is None else np.ascontiguousarray(stale, np.int64))
+    if stale is not None:
+        total[stale] = 0
+    sum_into(total, parts)
+    touched = np.concatenate([part.indices for part in parts]) if parts else \
+        np.zeros(0, np.int64)
+    if scale is not None:
+        # the right side is computed before any write: repeats scale once
+        total[touched] = np.multiply(total[touched], scale, dtype=np.float64)
+    return touched
 
 
 def sum_sparse(parts: list, length: int, dtype, accumulator=np.float64) -> SparseTensor:

@@ -1,0 +1,436 @@
+/*
+ * Compiled sum of sparse parts into a dense tensor
+ * (deepreduce.collectives.base.sum_sorted_into).
+ *
+ * Every rank of an allgather decodes P payloads of one gradient, each a sorted set
+ * of positions with their values, and writes their sum into the dense gradient it
+ * hands back. numpy does that with temporaries per step: np.add.at per part, the
+ * touched positions concatenated, gathered, scaled for an average in float64 and
+ * scattered back. The positions spread over the whole tensor, so every access
+ * misses the cache, and what counts is how many there are. Here last step's
+ * positions are zeroed, then, for one or two parts (two ranks, the usual case
+ * here), one merge writes every position of the union once, in increasing order,
+ * with no branch on which part comes next (one that branches mispredicts about once
+ * per entry and was slower than numpy). More parts are added one after the other
+ * and scaled once per position of their union, which branch-free merges find. All
+ * the scattered loops announce their writes ahead.
+ *
+ *   sum_sorted(total, indices, values, scale, stale) -> numpy int64 array
+ *
+ * total: a writable C-contiguous one-dimensional float32 or float64 array, zero
+ * except perhaps at the positions of stale (an increasing int64 array, or None when
+ * it is all zero). indices and values: sequences of the same length P, one
+ * strictly increasing int64 array of positions below len(total) and one array of
+ * total's dtype and the same length per part. scale: a float, or None for 1.
+ *
+ * Afterwards total[i] is, at every position of some part, the parts' values there
+ * added in part order to +0 in total's type, then (with a scale) multiplied by it
+ * in double precision and rounded to total's type; zero everywhere else. The
+ * result is the increasing positions of the parts' union: the next call's stale.
+ * These are the bits of numpy's zero, add.at, then multiply of the touched entries
+ * (sum_into and the exchange's _finish), which stays as the fallback.
+ *
+ * Parts that are not strictly increasing or leave the array raise ValueError
+ * (total may then be partly written); the work runs without the GIL.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The positions a merge writes are scattered over a tensor mostly out of cache;
+ * announcing the writes this many entries ahead keeps that many in flight. A hint
+ * only: compilers without it lose speed, not correctness. */
+#define AHEAD 16
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH_WRITE(address) __builtin_prefetch((address), 1)
+#else
+#define PREFETCH_WRITE(address) ((void)(address))
+#endif
+
+/* numpy.empty, looked up once: results are numpy arrays that own their data. */
+static PyObject *numpy_empty;
+
+/* ------------------------------------------------------------ the sum */
+
+/* One part: its positions and values. */
+typedef struct {
+    const int64_t *index;
+    const void *value;
+    Py_ssize_t length;
+} Part;
+
+/* Zeroes total at stale[0..stales); -1 when they do not increase or leave [0, count). */
+#define DEFINE_ZERO(name, type)                                                          \
+    static int name(type *total, Py_ssize_t count, const int64_t *stale, Py_ssize_t stales) \
+    {                                                                                    \
+        for (Py_ssize_t i = 0; i < stales; i++) {                                        \
+            if (stale[i] < (i ? stale[i - 1] + 1 : 0) || stale[i] >= count)              \
+                return -1;                                                               \
+            if (i + AHEAD < stales && stale[i + AHEAD] >= 0 && stale[i + AHEAD] < count) \
+                PREFETCH_WRITE(total + stale[i + AHEAD]);                                \
+            total[stale[i]] = 0;                                                         \
+        }                                                                                \
+        return 0;                                                                        \
+    }
+
+/* Adds one part into total; -1 when its positions do not increase or leave [0, count). */
+#define DEFINE_ADD(name, type)                                                           \
+    static int name(type *total, Py_ssize_t count, const Part *part)                     \
+    {                                                                                    \
+        const int64_t *index = part->index;                                              \
+        const type *value = part->value;                                                 \
+        for (Py_ssize_t i = 0; i < part->length; i++) {                                  \
+            if (index[i] < (i ? index[i - 1] + 1 : 0) || index[i] >= count)              \
+                return -1;                                                               \
+            if (i + AHEAD < part->length && index[i + AHEAD] >= 0                        \
+                    && index[i + AHEAD] < count)                                         \
+                PREFETCH_WRITE(total + index[i + AHEAD]);                                \
+            total[index[i]] += value[i];                                                 \
+        }                                                                                \
+        return 0;                                                                        \
+    }
+
+/* Multiplies total at the positions in order[0..size) (in [0, count)) by scale in
+ * double precision. */
+#define DEFINE_SCALE(name, type)                                                         \
+    static void name(type *total, const int64_t *order, Py_ssize_t size, double scale)   \
+    {                                                                                    \
+        for (Py_ssize_t i = 0; i < size; i++) {                                          \
+            if (i + AHEAD < size)                                                        \
+                PREFETCH_WRITE(total + order[i + AHEAD]);                                \
+            total[order[i]] = (type)((double)total[order[i]] * scale);                   \
+        }                                                                                \
+    }
+
+DEFINE_ZERO(zero_float, float)
+DEFINE_ZERO(zero_double, double)
+DEFINE_ADD(add_float, float)
+DEFINE_ADD(add_double, double)
+DEFINE_SCALE(scale_float, float)
+DEFINE_SCALE(scale_double, double)
+
+/* One or two parts (b may be empty) over the stale positions: at each position of
+ * the three, in increasing order, total = (0 + a's value + b's value) times scale
+ * where a part has one, else 0; the union of a and b goes to out. Returns its size,
+ * or -1 when a part or stale does not increase or leaves [0, count).
+ *
+ * Nothing branches on the data: a part without a value at a position adds -0,
+ * which changes no sum (0 + -0 is +0), and conditional moves choose the values and
+ * what is written. Stale positions are zeroed in the same sweep, so a position
+ * that was non-zero last step and is again (most of them, in training) is written
+ * once. */
+#define DEFINE_SUM_TWO(name, type, bits_type, SCALED)                                  \
+    static Py_ssize_t name(type *total, Py_ssize_t count, const Part *a, const Part *b,  \
+                           const int64_t *stale, Py_ssize_t stales, double scale,       \
+                           int64_t *out)                                                 \
+    {                                                                                    \
+        const int64_t *ia = a->index, *ib = b->index;                                    \
+        const type *va = a->value, *vb = b->value;                                       \
+        const bits_type sign = (bits_type)1 << (8 * sizeof(type) - 1);                   \
+        Py_ssize_t i = 0, j = 0, s = 0, size = 0, na = a->length, nb = b->length;        \
+        int64_t last = -1;                                                               \
+        while (i < na || j < nb || s < stales) {                                         \
+            PREFETCH_AHEAD(ia, i, na);                                                   \
+            PREFETCH_AHEAD(ib, j, nb);                                                   \
+            PREFETCH_AHEAD(stale, s, stales);                                            \
+            int64_t x = i < na ? ia[i] : INT64_MAX, y = j < nb ? ib[j] : INT64_MAX;      \
+            int64_t z = s < stales ? stale[s] : INT64_MAX;                               \
+            int64_t position = x < y ? x : y;                                            \
+            position = z < position ? z : position;                                      \
+            if (position <= last || position >= count)                                   \
+                return -1;                                                               \
+            bits_type in_a = x == position, in_b = y == position, from_a = sign, from_b = sign; \
+            if (i < na)                                                                  \
+                memcpy(&from_a, va + i, sizeof(type));                                   \
+            if (j < nb)                                                                  \
+                memcpy(&from_b, vb + j, sizeof(type));                                   \
+            /* the value where the part has one, else -0 (the sign bit alone) */         \
+            from_a = (from_a & -in_a) | (sign & (in_a - 1));                             \
+            from_b = (from_b & -in_b) | (sign & (in_b - 1));                             \
+            type add_a, add_b;                                                           \
+            memcpy(&add_a, &from_a, sizeof(type));                                       \
+            memcpy(&add_b, &from_b, sizeof(type));                                       \
+            type sum = (type)0 + add_a;                                                  \
+            sum += add_b;                                                                \
+            if (SCALED)                                                                  \
+                sum = (type)((double)sum * scale);                                       \
+            /* stale only: +0, whose bits are all zero */                                \
+            bits_type written, touched = in_a | in_b;                                    \
+            memcpy(&written, &sum, sizeof(type));                                        \
+            written &= -touched;                                                         \
+            memcpy(total + position, &written, sizeof(type));                            \
+            out[size] = last = position;                                                 \
+            size += touched;                                                             \
+            i += in_a;                                                                   \
+            j += in_b;                                                                   \
+            s += z == position;                                                          \
+        }                                                                                \
+        return size;                                                                     \
+    }
+
+#define PREFETCH_AHEAD(index, at, length)                                                \
+    if ((at) + AHEAD < (length) && (index)[(at) + AHEAD] >= 0 && (index)[(at) + AHEAD] < count) \
+        PREFETCH_WRITE(total + (index)[(at) + AHEAD])
+
+DEFINE_SUM_TWO(sum_two_float, float, uint32_t, 0)
+DEFINE_SUM_TWO(sum_two_double, double, uint64_t, 0)
+DEFINE_SUM_TWO(scaled_sum_two_float, float, uint32_t, 1)
+DEFINE_SUM_TWO(scaled_sum_two_double, double, uint64_t, 1)
+
+/* The increasing union of the increasing a[0..na) and b[0..nb) into out; its size.
+ * No branch on which comes first: a conditional move picks the smaller, and each
+ * side advances by its comparison. */
+static Py_ssize_t merge_two(const int64_t *a, Py_ssize_t na, const int64_t *b,
+                            Py_ssize_t nb, int64_t *out)
+{
+    Py_ssize_t i = 0, j = 0, size = 0;
+    while (i < na && j < nb) {
+        int64_t x = a[i], y = b[j];
+        out[size++] = x < y ? x : y;
+        i += x <= y;
+        j += y <= x;
+    }
+    memcpy(out + size, a + i, (size_t)(na - i) * sizeof *out);
+    size += na - i;
+    memcpy(out + size, b + j, (size_t)(nb - j) * sizeof *out);
+    return size + nb - j;
+}
+
+/* The union of the parts' positions (all checked increasing), merged pairwise, level by
+ * level; spare and out hold the parts' total length each. Returns where it is, its
+ * size in *size. `runs` holds nparts pointers and lengths. */
+static const int64_t *union_of(const Part *parts, Py_ssize_t nparts, int64_t *spare,
+                               int64_t *out, const int64_t **run, Py_ssize_t *length,
+                               Py_ssize_t *size)
+{
+    for (Py_ssize_t p = 0; p < nparts; p++) {
+        run[p] = parts[p].index;
+        length[p] = parts[p].length;
+    }
+    int64_t *buffer[2] = {out, spare};
+    for (int level = 0; nparts > 1; level++) {
+        int64_t *into = buffer[level % 2];
+        Py_ssize_t runs = 0;
+        for (Py_ssize_t p = 0; p < nparts; p += 2, runs++) {
+            Py_ssize_t merged = p + 1 < nparts
+                ? merge_two(run[p], length[p], run[p + 1], length[p + 1], into)
+                : (memcpy(into, run[p], (size_t)length[p] * sizeof *into), length[p]);
+            run[runs] = into;
+            length[runs] = merged;
+            into += merged;
+        }
+        nparts = runs;
+    }
+    *size = nparts ? length[0] : 0;
+    return nparts ? run[0] : out;
+}
+
+/* ------------------------------------------------------------ arguments */
+
+/* The single-character struct code of a buffer, after an optional native or
+ * little-endian prefix (on a little-endian host), or 0. */
+static char item_code(const Py_buffer *view)
+{
+    const char *format = view->format ? view->format : "B";
+    if (*format == '@' || *format == '=' || (*format == '<' && PY_LITTLE_ENDIAN)
+            || (*format == '>' && !PY_LITTLE_ENDIAN))
+        format++;
+    return strlen(format) == 1 ? *format : 0;
+}
+
+/* A C-contiguous one-dimensional buffer of int64 ('i') or of the float code, or an
+ * exception naming `what`. */
+static int get_array(PyObject *object, Py_buffer *view, char kind, int writable,
+                     const char *what)
+{
+    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
+                           | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s array", what,
+                     writable ? ", writable" : "");
+        return -1;
+    }
+    char code = item_code(view);
+    int fits = kind == 'i' ? view->itemsize == 8 && (code == 'q' || code == 'l')
+                           : code == kind && view->itemsize == (kind == 'f' ? 4 : 8);
+    if (view->ndim != 1 || !fits) {
+        PyErr_Format(PyExc_TypeError, "%s must be a one-dimensional %s array", what,
+                     kind == 'i' ? "int64" : kind == 'f' ? "float32" : "float64");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *sum_sorted(PyObject *module, PyObject *args)
+{
+    PyObject *total_object, *indices_object, *values_object, *scale_object, *stale_object;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OOOOO:sum_sorted", &total_object, &indices_object,
+                          &values_object, &scale_object, &stale_object))
+        return NULL;
+    Py_buffer total, stale = {0};
+    if (PyObject_GetBuffer(total_object, &total, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
+                           | PyBUF_WRITABLE) < 0)
+        return NULL;
+    char kind = item_code(&total);
+    if (total.ndim != 1 || !((kind == 'f' && total.itemsize == 4)
+                             || (kind == 'd' && total.itemsize == 8))) {
+        PyErr_SetString(PyExc_TypeError, "total must be a one-dimensional float32 or "
+                        "float64 array");
+        PyBuffer_Release(&total);
+        return NULL;
+    }
+    double scale = 1.0;
+    int scaled = scale_object != Py_None;
+    if (scaled && (scale = PyFloat_AsDouble(scale_object)) == -1.0 && PyErr_Occurred()) {
+        PyBuffer_Release(&total);
+        return NULL;
+    }
+    PyObject *indices = PySequence_Fast(indices_object, "indices must be a sequence");
+    PyObject *values = indices ? PySequence_Fast(values_object, "values must be a sequence")
+                               : NULL;
+    Py_ssize_t nparts = indices ? PySequence_Fast_GET_SIZE(indices) : 0, held = 0;
+    Py_buffer *views = NULL;
+    Part *parts = NULL;
+    const int64_t **run = NULL;
+    Py_ssize_t *length = NULL;
+    int64_t *merged = NULL;
+    PyObject *result = NULL;
+    if (values == NULL)
+        goto done;
+    if (PySequence_Fast_GET_SIZE(values) != nparts) {
+        PyErr_SetString(PyExc_ValueError, "indices and values must have the same length");
+        goto done;
+    }
+    if (stale_object != Py_None && get_array(stale_object, &stale, 'i', 0, "stale") < 0)
+        goto done;
+    views = PyMem_Calloc(2 * (size_t)nparts + 1, sizeof *views);
+    parts = PyMem_Calloc((size_t)nparts + 1, sizeof *parts);
+    run = PyMem_Calloc((size_t)nparts + 1, sizeof *run);
+    length = PyMem_Calloc((size_t)nparts + 1, sizeof *length);
+    if (views == NULL || parts == NULL || run == NULL || length == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t entries = 0;
+    for (; held < nparts; held++) {
+        Py_buffer *index = &views[2 * held], *value = &views[2 * held + 1];
+        if (get_array(PySequence_Fast_GET_ITEM(indices, held), index, 'i', 0,
+                      "every indices array") < 0)
+            goto done;
+        if (get_array(PySequence_Fast_GET_ITEM(values, held), value, kind, 0,
+                      "every values array (total's dtype)") < 0) {
+            PyBuffer_Release(index);
+            goto done;
+        }
+        if (index->len / 8 != value->len / value->itemsize) {
+            PyErr_Format(PyExc_ValueError, "part %zd has %zd indices and %zd values", held,
+                         index->len / 8, value->len / value->itemsize);
+            PyBuffer_Release(index);
+            PyBuffer_Release(value);
+            goto done;
+        }
+        parts[held] = (Part){index->buf, value->buf, index->len / 8};
+        entries += index->len / 8;
+    }
+    merged = PyMem_RawMalloc((2 * (size_t)entries + 1) * sizeof *merged);
+    if (merged == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t count = total.len / total.itemsize, stales = stale.buf ? stale.len / 8 : 0;
+    Py_ssize_t union_size = 0;
+    const int64_t *positions = merged;
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    if (nparts <= 2) {
+        Part none = {NULL, NULL, 0};
+        const Part *a = nparts ? &parts[0] : &none, *b = nparts == 2 ? &parts[1] : &none;
+        union_size = (kind == 'f' ? (scaled ? scaled_sum_two_float : sum_two_float)(
+                          total.buf, count, a, b, stale.buf, stales, scale, merged)
+                      : (scaled ? scaled_sum_two_double : sum_two_double)(
+                          total.buf, count, a, b, stale.buf, stales, scale, merged));
+        failed = union_size < 0;
+    }
+    else {
+        failed = kind == 'f' ? zero_float(total.buf, count, stale.buf, stales)
+                             : zero_double(total.buf, count, stale.buf, stales);
+        for (Py_ssize_t p = 0; p < nparts && !failed; p++)
+            failed = kind == 'f' ? add_float(total.buf, count, &parts[p])
+                                 : add_double(total.buf, count, &parts[p]);
+    }
+    if (!failed && nparts > 2) {
+        positions = union_of(parts, nparts, merged + entries, merged, run, length,
+                             &union_size);
+        if (scaled && kind == 'f')
+            scale_float(total.buf, positions, union_size, scale);
+        else if (scaled)
+            scale_double(total.buf, positions, union_size, scale);
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_Format(PyExc_ValueError, "every part's indices and stale must be strictly "
+                     "increasing positions in [0, %zd)", count);
+        goto done;
+    }
+    result = PyObject_CallFunction(numpy_empty, "ns", union_size, "int64");
+    if (result != NULL && union_size) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(result, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+            Py_CLEAR(result);
+        else {
+            memcpy(view.buf, positions, (size_t)union_size * sizeof *positions);
+            PyBuffer_Release(&view);
+        }
+    }
+done:
+    for (Py_ssize_t p = 0; p < held; p++) {
+        PyBuffer_Release(&views[2 * p]);
+        PyBuffer_Release(&views[2 * p + 1]);
+    }
+    PyMem_RawFree(merged);
+    PyMem_Free(length);
+    PyMem_Free(run);
+    PyMem_Free(parts);
+    PyMem_Free(views);
+    if (stale.buf)
+        PyBuffer_Release(&stale);
+    Py_XDECREF(values);
+    Py_XDECREF(indices);
+    PyBuffer_Release(&total);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"sum_sorted", sum_sorted, METH_VARARGS,
+     "sum_sorted(total, indices, values, scale, stale) -> numpy int64 array\n\n"
+     "Write into total (zero except at the increasing positions stale, or None) the\n"
+     "sum of the parts (strictly increasing int64 indices with values of total's\n"
+     "dtype), added in part order, times scale (None: 1) in double precision, and\n"
+     "zero elsewhere; return the increasing union of the parts' indices. See\n"
+     "deepreduce.collectives.base.sum_sorted_into."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "deepreduce._sparsesum",
+    "Compiled sum of sorted sparse parts into a dense tensor (see "
+    "deepreduce.collectives.base.sum_sorted_into).",
+    -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__sparsesum(void)
+{
+    if (numpy_empty == NULL) {
+        PyObject *numpy = PyImport_ImportModule("numpy");
+        if (numpy == NULL)
+            return NULL;
+        numpy_empty = PyObject_GetAttrString(numpy, "empty");
+        Py_DECREF(numpy);
+        if (numpy_empty == NULL)
+            return NULL;
+    }
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,106 @@
+"""The dense sum of sparse parts: the compiled one (deepreduce._sparsesum) and numpy's
+write the same bits.
+
+``collectives.base.sum_sorted_into`` is what every rank of the allgather exchange
+runs on the decoded payloads of each gradient: zero what last step's sum left,
+add the parts in rank order, scale for an average.
+"""
+
+import contextlib
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import deepreduce as dr
+from deepreduce.collectives import base
+from deepreduce.collectives.base import sum_sorted_into
+
+compiled_only = pytest.mark.skipif(base._sparsesum is None,
+                                   reason="deepreduce._sparsesum is not built")
+SPECIALS = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e38, 3e38]
+
+
+def test_implementation_flag_matches_the_build():
+    assert base.SUM_IMPLEMENTATION == ("numpy" if base._sparsesum is None else "compiled")
+
+
+def random_parts(rng, size, count, dtype, density, special_share):
+    parts = []
+    for _ in range(count):
+        nnz = int(rng.binomial(size, density)) if size else 0
+        indices = np.sort(rng.choice(size, nnz, replace=False)).astype(np.int64)
+        values = rng.standard_normal(nnz).astype(dtype)
+        if nnz and special_share:
+            where = rng.random(nnz) < special_share
+            values[where] = rng.choice(np.array(SPECIALS, dtype), int(where.sum()))
+        parts.append(dr.SparseTensor(values, indices, (size,)))
+    return parts
+
+
+def bits(array):
+    return array.view(f"u{array.itemsize}")
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # numpy on inf and NaN
+@settings(max_examples=200, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64]),
+       size=st.one_of(st.integers(0, 70), st.integers(0, 5000)),
+       ranks=st.sampled_from([0, 1, 2, 3, 5]), density=st.sampled_from([0.0, 0.01, 0.3, 1.0]),
+       special_share=st.sampled_from([0.0, 0.1]),
+       scale=st.sampled_from([None, 0.5, 1 / 3, 1.0]), steps=st.integers(1, 3),
+       seed=st.integers(0, 2**32 - 1))
+def test_compiled_and_numpy_sums_write_the_same_bits(dtype, size, ranks, density,
+                                                      special_share, scale, steps, seed):
+    rng = np.random.default_rng(seed)
+    totals = {"compiled": np.zeros(size, dtype), "numpy": np.zeros(size, dtype)}
+    stale = {"compiled": None, "numpy": None}
+    for _ in range(steps):  # each step reuses the array last step wrote
+        parts = random_parts(rng, size, ranks, dtype, density, special_share)
+        expected = np.zeros(size, dtype)
+        base.sum_into(expected, parts)
+        union = np.unique(np.concatenate([p.indices for p in parts] + [np.zeros(0, np.int64)]))
+        if scale is not None:
+            expected[union] = np.multiply(expected[union], scale, dtype=np.float64)
+        for which in ("compiled", "numpy"):
+            if which == "compiled" and base._sparsesum is None:
+                continue
+            with mock.patch.object(base, "_sparsesum", None) if which == "numpy" \
+                    else contextlib.nullcontext():
+                stale[which] = sum_sorted_into(totals[which], parts, scale, stale[which])
+            np.testing.assert_array_equal(bits(totals[which]), bits(expected))
+            np.testing.assert_array_equal(np.unique(stale[which]), union)
+        if base._sparsesum is not None:  # the compiled union comes sorted and distinct
+            np.testing.assert_array_equal(stale["compiled"], union)
+
+
+@compiled_only
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_compiled_sum_refuses_parts_that_do_not_increase_or_leave_the_tensor(ranks):
+    good = dr.SparseTensor(np.ones(3, np.float32), [1, 4, 6], (8,))
+    for indices in ([1, 1, 2], [3, 2, 5], [-1, 2, 3], [1, 2, 8]):
+        bad = dr.SparseTensor._trusted(np.ones(3, np.float32), np.array(indices), (8,))
+        with pytest.raises(ValueError, match="strictly increasing"):
+            sum_sorted_into(np.zeros(8, np.float32), [good] * (ranks - 1) + [bad])
+    for stale in ([2, 2], [5, 1], [8], [-1]):
+        with pytest.raises(ValueError, match="strictly increasing"):
+            sum_sorted_into(np.zeros(8, np.float32), [good] * ranks, None, np.array(stale))
+
+
+@compiled_only
+def test_compiled_sum_checks_its_arguments():
+    part = dr.SparseTensor(np.ones(2, np.float32), [0, 1], (4,))
+    read_only = np.zeros(4, np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        base._sparsesum.sum_sorted(read_only, [part.indices], [part.values], None, None)
+    with pytest.raises(TypeError, match="values"):
+        base._sparsesum.sum_sorted(np.zeros(4, np.float32), [part.indices],
+                                   [part.values.astype(np.float64)], None, None)
+    with pytest.raises(ValueError, match="same length"):
+        base._sparsesum.sum_sorted(np.zeros(4, np.float32), [part.indices], [], None, None)
+    with pytest.raises(ValueError, match="2 indices and 1 values"):
+        base._sparsesum.sum_sorted(np.zeros(4, np.float32), [part.indices],
+                                   [part.values[:1]], None, None)
