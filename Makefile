@@ -59,11 +59,11 @@ venv: $(STAMP)
 # The stamp lives inside .venv, so deleting .venv starts over. Every step below is
 # idempotent; re-running after an edit of setup.cfg only installs what changed, and
 # an edit of a C extension (deepreduce/_bloomscan.c, deepreduce/_entropyc.c,
-# deepreduce/_topkscan.c) recompiles it.
+# deepreduce/_topkscan.c, deepreduce/_sparsesum.c) recompiles it.
 # Horovod is compiled only when `import horovod.tensorflow` fails; pip's wheel cache
 # (kept on purpose) makes a rebuild in a new venv take seconds instead of minutes.
 $(STAMP): setup.cfg setup.py pyproject.toml Makefile deepreduce/_bloomscan.c \
-		deepreduce/_entropyc.c deepreduce/_topkscan.c
+		deepreduce/_entropyc.c deepreduce/_topkscan.c deepreduce/_sparsesum.c
 	@for tool in gcc g++ cmake; do command -v $$tool >/dev/null || { \
 		echo "make: $$tool not found; Horovod is compiled from source and needs gcc, g++ and cmake" \
 		     "(Debian: apt-get install build-essential cmake python3-venv)" >&2; exit 1; }; done
@@ -92,7 +92,8 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(RUN) $(BIN)/python -m pytest -q
 
-$(CORE_STAMP): setup.cfg setup.py pyproject.toml Makefile
+$(CORE_STAMP): setup.cfg setup.py pyproject.toml Makefile deepreduce/_bloomscan.c \
+		deepreduce/_entropyc.c deepreduce/_topkscan.c deepreduce/_sparsesum.c
 	test -x $(CORE_VENV)/bin/python || $(CORE_PYTHON) -m venv $(CORE_VENV) 2>/dev/null || { \
 		echo "make: $(CORE_PYTHON) not found; the core leg runs on $$($(PYTHON) -V)" \
 		     "with numpy 2"; $(PYTHON) -m venv $(CORE_VENV); }
