@@ -166,7 +166,8 @@ class Sparsifier:
         """Add ``addend`` into the array ``target``, in place, and select from the sum.
 
         The same as ``np.add(target, addend, out=target)`` followed by
-        ``self(target)``. Error feedback adds each gradient into its residual
+        ``self(target)``, including when the selection raises (``target`` then
+        holds the sum). Error feedback adds each gradient into its residual
         and then selects: :class:`TopK` does both in one pass over memory.
         """
         np.add(target, addend, out=target)
@@ -233,7 +234,10 @@ class TopK(Sparsifier):
 
     def accumulate(self, target: np.ndarray, addend) -> SparseTensor:
         addend = np.asarray(addend)
-        k = _count(self.ratio, self.k, target.size, "TopK")
+        try:
+            k = _count(self.ratio, self.k, target.size, "TopK")
+        except ValueError:  # raised again by the selection, after the addition as documented
+            return super().accumulate(target, addend)
         if (self._exact_for(target.size, k) or target.dtype not in (np.float32, np.float64)
                 or addend.dtype != target.dtype or addend.shape != target.shape
                 or not target.flags.c_contiguous or np.may_share_memory(target, addend)):

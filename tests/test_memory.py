@@ -129,3 +129,14 @@ def test_accumulate_and_select_takes_any_callable():
     corrected, selected = memory.accumulate_and_select("w", g, lambda x: dr.TopK(2)(x))
     np.testing.assert_array_equal(corrected, [1.0, -2.0, 2.0])
     assert selected.indices.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+def test_accumulate_and_select_keeps_the_sum_when_selection_fails(beta):
+    memory = dr.ResidualMemory(beta)
+    g = np.arange(3 * dr.TopK.SAMPLE, dtype=np.float32)
+    memory.settle("w", *memory.accumulate_and_select("w", g, dr.TopK(1)))
+    owed = beta * memory.residual("w") + g
+    with pytest.raises(ValueError, match="larger than the tensor"):
+        memory.accumulate_and_select("w", g, dr.TopK(k=g.size + 1))
+    np.testing.assert_array_equal(memory.residual("w"), owed)
