@@ -200,7 +200,7 @@ static Py_ssize_t merge_two(const int64_t *a, Py_ssize_t na, const int64_t *b,
 
 /* The union of the parts' positions (all checked increasing), merged pairwise, level by
  * level; spare and out hold the parts' total length each. Returns where it is, its
- * size in *size. `runs` holds nparts pointers and lengths. */
+ * size in *size. run and length have room for nparts entries. */
 static const int64_t *union_of(const Part *parts, Py_ssize_t nparts, int64_t *spare,
                                int64_t *out, const int64_t **run, Py_ssize_t *length,
                                Py_ssize_t *size)

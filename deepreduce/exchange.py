@@ -43,7 +43,7 @@ import zlib
 import numpy as np
 
 from deepreduce import collectives
-from deepreduce.collectives.base import (fail_collectively, signed_allgather,
+from deepreduce.collectives.base import (fail_collectively, scale_at, signed_allgather,
                                          sum_sorted_into, sum_sparse)
 from deepreduce.collectives.transport import Traffic
 from deepreduce.bits import read_varint, varint_decode_prefix, varint_encode, write_varint
@@ -362,16 +362,10 @@ class GradientExchange:
         pipeline = self._pipeline_of(name)
         if self.memory is None or name is None:
             return self._encode_timed(pipeline, *pipeline.sparsify(x))
-        if isinstance(x, SparseTensor):
-            x = self._corrected(name, x)
-            payload, received = self._encode_timed(pipeline, *pipeline.sparsify(x))
-            self.memory.update(name, x, received)
-            return payload, received
-        # as ResidualMemory.feedback, with the addition and the selection in one pass; if
-        # encoding raises, the residual holds the whole corrected gradient
-        corrected, selected = self.memory.accumulate_and_select(name, x, pipeline.sparsifier)
-        payload, received = self._encode_timed(pipeline, selected,
-                                               _as_float_array(corrected).reshape(-1))
+        # as ResidualMemory.feedback; if encoding raises, a dense gradient's residual
+        # holds the whole corrected gradient
+        corrected, selected, dense = self._corrected_selection(name, x, pipeline)
+        payload, received = self._encode_timed(pipeline, selected, dense)
         self.memory.settle(name, corrected, received)
         return payload, received
 
@@ -384,13 +378,19 @@ class GradientExchange:
         finally:
             self._codec_seconds += time.perf_counter() - start
 
-    def _corrected(self, name: str, x: SparseTensor) -> SparseTensor:
-        """The sparse ``x`` plus the residual of ``name`` (error feedback on)."""
-        if name in self.memory:
-            # the residual is dense: its non-zeros join the sparse gradient's,
-            # and the sparsifier chooses among the union
-            x = SparseTensor.from_dense(self.memory.compensate(name, x))
-        return x
+    def _corrected_selection(self, name: str, x, pipeline):
+        """``(corrected, selected, dense)``: ``x`` plus the residual of ``name``, what
+        ``pipeline``'s sparsifier selects from it, and its flat dense form (None for a
+        sparse ``x``). Error feedback is on; :meth:`ResidualMemory.settle` finishes it."""
+        if isinstance(x, SparseTensor):
+            if name in self.memory:
+                # the residual is dense: its non-zeros join the sparse gradient's,
+                # and the sparsifier chooses among the union
+                x = SparseTensor.from_dense(self.memory.compensate(name, x))
+            return (x, *pipeline.sparsify(x))
+        # the addition into the residual and the selection in one pass
+        corrected, selected = self.memory.accumulate_and_select(name, x, pipeline.sparsifier)
+        return corrected, selected, _as_float_array(corrected).reshape(-1)
 
     # -- one step -------------------------------------------------------------
     def encode_bundle(self, names, tensors) -> bytes:
@@ -698,12 +698,8 @@ class GradientExchange:
                 pipeline = self._pipeline_of(name)
                 if self.memory is None or name is None:
                     selected = pipeline.sparsify(x)[0]
-                elif isinstance(x, SparseTensor):
-                    x = corrected[i] = self._corrected(name, x)
-                    selected = pipeline.sparsify(x)[0]
                 else:
-                    corrected[i], selected = self.memory.accumulate_and_select(
-                        name, x, pipeline.sparsifier)
+                    corrected[i], selected, _ = self._corrected_selection(name, x, pipeline)
                 kind = "main"
                 compressed += 1
             selections.append(selected)
@@ -826,19 +822,6 @@ def _accumulator(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype.itemsize >= 8 else np.dtype(np.float32)
 
 
-def _finish(total: np.ndarray, scale, dtype, touched) -> np.ndarray:
-    """Apply the average (times 1/size in double precision) and cast to ``dtype``.
-
-    ``touched`` lists the positions that can be non-zero (repeats allowed):
-    only those are scaled, so a sparse sum into a large dense gradient does
-    not pay for a float64 copy of the whole tensor.
-    """
-    if scale is not None:
-        # the right side is computed before any write: repeats scale once
-        total[touched] = np.multiply(total[touched], scale, dtype=np.float64)
-    return total.astype(dtype, copy=False)
-
-
 def _references(array: np.ndarray) -> int:
     """References to the memory of ``array``, an array from :func:`~deepreduce.sparse.zeros`:
     every view of it holds one, and so does a TensorFlow tensor that adopted a view."""
@@ -894,5 +877,7 @@ def _sum_rows(parts, scale):
     total = np.zeros(rows.size * row_size, accumulator)
     slots = np.searchsorted(rows, row_of) * row_size + summed.indices % row_size
     total[slots] = summed.values
-    values = _finish(total, scale, first.dtype, slots)
+    if scale is not None:
+        scale_at(total, slots, scale)
+    values = total.astype(first.dtype, copy=False)
     return values.reshape(rows.size, *row_shape), rows

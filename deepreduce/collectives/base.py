@@ -492,9 +492,15 @@ def sum_sorted_into(total: np.ndarray, parts, scale=None, stale=None) -> np.ndar
     touched = np.concatenate([part.indices for part in parts]) if parts else \
         np.zeros(0, np.int64)
     if scale is not None:
-        # the right side is computed before any write: repeats scale once
-        total[touched] = np.multiply(total[touched], scale, dtype=np.float64)
+        scale_at(total, touched, scale)
     return touched
+
+
+def scale_at(total: np.ndarray, positions: np.ndarray, scale) -> None:
+    """Multiply ``total`` at ``positions`` (repeats allowed) by ``scale`` in double
+    precision, rounding back to ``total``'s dtype."""
+    # the right side is computed before any write: repeats scale once
+    total[positions] = np.multiply(total[positions], scale, dtype=np.float64)
 
 
 def sum_sparse(parts: list, length: int, dtype, accumulator=np.float64) -> SparseTensor:
