@@ -1,6 +1,43 @@
 """Index sets and checks shared by the index codec tests."""
 
 import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+from deepreduce.codecs import _entropy
+from deepreduce.errors import DecodeError
+import extensions
+
+#: Hypothesis settings of the tests comparing deepreduce._entropyc's loops with numpy's.
+COMPILED_SETTINGS = settings(max_examples=60, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow,
+                                                    HealthCheck.function_scoped_fixture])
+compiled_only = pytest.mark.skipif(_entropy._entropyc is None,
+                                   reason="deepreduce._entropyc is not built")
+
+
+def both_outcomes(function, *args, messages=True):
+    """``function(*args)`` with deepreduce._entropyc's loops and with numpy's: each
+    result, or its DecodeError as ``"DecodeError: message"`` (``"DecodeError"`` alone
+    when ``messages`` is False: the two implementations word them differently)."""
+    def outcome():
+        try:
+            return function(*args)
+        except DecodeError as error:
+            return f"DecodeError: {error}" if messages else "DecodeError"
+    return extensions.both(_entropy, "_entropyc", outcome)
+
+
+def same(outcomes):
+    """The outcome both implementations gave; arrays must be equal int64 arrays."""
+    compiled, numpy = outcomes
+    if isinstance(compiled, np.ndarray):
+        assert isinstance(numpy, np.ndarray), numpy
+        np.testing.assert_array_equal(compiled, numpy)
+        assert compiled.dtype == numpy.dtype == np.int64
+    else:
+        assert compiled == numpy
+    return compiled
 
 
 def assert_valid(indices, n, nnz):

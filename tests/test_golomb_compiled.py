@@ -7,44 +7,23 @@ streams (each with its own message).
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from deepreduce import bits as _bits
 from deepreduce.codecs import _entropy, golomb
 from deepreduce.codecs.golomb import GolombIndices
-from deepreduce.errors import DecodeError
 import extensions
-from index_sets import bit_flipped, random_set, round_trip
+from index_sets import (COMPILED_SETTINGS, both_outcomes, bit_flipped, compiled_only, random_set,
+                        round_trip, same)
 
-SETTINGS = settings(max_examples=60, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow,
-                                           HealthCheck.function_scoped_fixture])
 MODES = list(golomb.MODES)
-compiled_only = pytest.mark.skipif(_entropy._entropyc is None,
-                                   reason="deepreduce._entropyc is not built")
 implementation = extensions.fixture(_entropy, "_entropyc", "implementation")
 
 
-def both(function, *args):
-    """``function(*args)`` with the C loops and with numpy: each result, or "DecodeError"."""
-    def outcome():
-        try:
-            return function(*args)
-        except DecodeError:
-            return "DecodeError"
-    return extensions.both(_entropy, "_entropyc", outcome)
-
-
-def same(outcomes):
-    compiled, numpy = outcomes
-    if isinstance(compiled, np.ndarray):
-        assert isinstance(numpy, np.ndarray), numpy
-        np.testing.assert_array_equal(compiled, numpy)
-        assert compiled.dtype == numpy.dtype == np.int64
-    else:
-        assert compiled == numpy
-    return compiled
+def golomb_outcomes(function, *args):
+    """:func:`both_outcomes` without the messages, which the C loops word differently."""
+    return both_outcomes(function, *args, messages=False)
 
 
 EDGE_CASES = [([0], 1), ([0], 1000), ([999], 1000), ([0, 999], 1000), (range(777), 777),
@@ -61,18 +40,18 @@ def test_edge_cases_round_trip(implementation, mode, case):
 
 @compiled_only
 @pytest.mark.parametrize("mode", MODES)
-@SETTINGS
+@COMPILED_SETTINGS
 @given(n=st.integers(1, 30_000), seed=st.integers(0, 2**32 - 1),
        kind=st.sampled_from(["uniform", "sparse", "runs", "blocks"]))
 def test_streams_and_decodes_are_identical(mode, n, seed, kind):
     codec = GolombIndices(mode)
     indices = random_set(np.random.default_rng(seed), n, kind)
-    data = same(both(codec.encode, indices, n))
-    np.testing.assert_array_equal(same(both(codec.decode, data, n, indices.size)), indices)
+    data = same(golomb_outcomes(codec.encode, indices, n))
+    np.testing.assert_array_equal(same(golomb_outcomes(codec.decode, data, n, indices.size)), indices)
 
 
 @compiled_only
-@SETTINGS
+@COMPILED_SETTINGS
 @given(m=st.integers(1, 5000), data=st.data())
 def test_every_parameter_gives_the_same_stream(m, data):
     """Parameters auto would never pick: long quotients, every remainder layout."""
@@ -98,14 +77,14 @@ def test_every_truncation_and_extension_fails_alike(mode):
                        (2**40, np.array([1, 2**35, 2**40 - 1]))]:
         data = codec.encode(indices, n)
         for cut in range(len(data)):
-            assert same(both(codec.decode, data[:cut], n, indices.size)) == "DecodeError"
+            assert same(golomb_outcomes(codec.decode, data[:cut], n, indices.size)) == "DecodeError"
         for extra in (b"\0", b"\x80", b"\0" * 9):
-            assert same(both(codec.decode, data + extra, n, indices.size)) == "DecodeError"
+            assert same(golomb_outcomes(codec.decode, data + extra, n, indices.size)) == "DecodeError"
 
 
 @compiled_only
 @pytest.mark.parametrize("mode", MODES)
-@SETTINGS
+@COMPILED_SETTINGS
 @given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["uniform", "sparse", "runs"]))
 def test_bit_flips_and_wrong_counts_fail_alike(mode, seed, kind):
     rng = np.random.default_rng(seed)
@@ -115,22 +94,22 @@ def test_bit_flips_and_wrong_counts_fail_alike(mode, seed, kind):
     data = codec.encode(indices, n)
     for nnz in {max(indices.size - 1, 1), indices.size + 1, 2 * indices.size + 3}:
         if nnz <= n:
-            same(both(codec.decode, data, n, nnz))
+            same(golomb_outcomes(codec.decode, data, n, nnz))
     for smaller_n in {max(n // 2, 1), max(int(indices[-1]), 1) if indices.size else 1}:
         if indices.size <= smaller_n:
-            same(both(codec.decode, data, smaller_n, indices.size))
+            same(golomb_outcomes(codec.decode, data, smaller_n, indices.size))
     if not data:
         return
     for flipped in bit_flipped(rng, data):
-        same(both(codec.decode, flipped, n, indices.size))
+        same(golomb_outcomes(codec.decode, flipped, n, indices.size))
 
 
 @compiled_only
-@SETTINGS
+@COMPILED_SETTINGS
 @given(data=st.binary(max_size=80), n=st.integers(1, 2**40), nnz=st.integers(1, 300))
 def test_random_streams_fail_alike(data, n, nnz):
     if nnz <= n:
-        same(both(GolombIndices().decode, data, n, nnz))
+        same(golomb_outcomes(GolombIndices().decode, data, n, nnz))
 
 
 @compiled_only
@@ -161,7 +140,7 @@ def test_bad_arguments_raise_instead_of_writing_out_of_bounds():
 
 
 @pytest.mark.skipif(_bits._entropyc is None, reason="deepreduce._entropyc is not built")
-@SETTINGS
+@COMPILED_SETTINGS
 @given(values=st.lists(st.integers(0, 2**64 - 1), max_size=200),
        small=st.lists(st.integers(0, 300), max_size=50))
 def test_varints_are_identical(values, small):

@@ -7,46 +7,20 @@ codecs/huffman.py and codecs/_entropy.py); the comparisons run both in one test.
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from deepreduce.codecs import _entropy, huffman
 from deepreduce.codecs.huffman import HuffmanIndices
-from deepreduce.errors import DecodeError
 import extensions
-from index_sets import bit_flipped, random_set, round_trip
+from index_sets import (COMPILED_SETTINGS, both_outcomes, bit_flipped, compiled_only, random_set,
+                        round_trip, same)
 
-SETTINGS = settings(max_examples=60, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow,
-                                           HealthCheck.function_scoped_fixture])
 PRECISIONS = [0, 1, 2]
 BLOCKS = [8, 9, 128, 4096]
-compiled_only = pytest.mark.skipif(_entropy._entropyc is None,
-                                   reason="deepreduce._entropyc is not built")
 
 
 implementation = extensions.fixture(_entropy, "_entropyc", "implementation")
-
-
-def both(function, *args):
-    """``function(*args)`` with the C loops and with numpy: each result or its DecodeError."""
-    def outcome():
-        try:
-            return function(*args)
-        except DecodeError as error:
-            return f"DecodeError: {error}"
-    return extensions.both(_entropy, "_entropyc", outcome)
-
-
-def same(outcomes):
-    compiled, numpy = outcomes
-    if isinstance(compiled, np.ndarray):
-        assert isinstance(numpy, np.ndarray)
-        np.testing.assert_array_equal(compiled, numpy)
-        assert compiled.dtype == numpy.dtype
-    else:
-        assert compiled == numpy
-    return compiled
 
 
 def test_implementation_flag_matches_the_build():
@@ -71,7 +45,7 @@ def test_edge_cases_round_trip(implementation, precision, block, case):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("block", BLOCKS)
-@SETTINGS
+@COMPILED_SETTINGS
 @given(n=st.integers(1, 20_000), seed=st.integers(0, 2**32 - 1),
        kind=st.sampled_from(["uniform", "sparse", "runs", "blocks"]))
 def test_streams_and_decodes_are_identical(precision, block, n, seed, kind):
@@ -79,13 +53,13 @@ def test_streams_and_decodes_are_identical(precision, block, n, seed, kind):
         pytest.skip("deepreduce._entropyc is not built")
     codec = HuffmanIndices(precision, block)
     indices = random_set(np.random.default_rng(seed), n, kind)
-    data = same(both(codec.encode, indices, n))
-    np.testing.assert_array_equal(same(both(codec.decode, data, n, indices.size)), indices)
+    data = same(both_outcomes(codec.encode, indices, n))
+    np.testing.assert_array_equal(same(both_outcomes(codec.decode, data, n, indices.size)), indices)
 
 
 @compiled_only
 @pytest.mark.parametrize("precision", PRECISIONS)
-@SETTINGS
+@COMPILED_SETTINGS
 @given(data=st.data())
 def test_identical_on_huge_universes(precision, data):
     n = data.draw(st.sampled_from([2**32 - 1, 2**32, 2**32 + 1, 2**40, 2**62]))
@@ -93,8 +67,8 @@ def test_identical_on_huge_universes(precision, data):
                                | st.integers(0, n - 1), max_size=40))
     indices = np.array(sorted(i for i in chosen if i < n), dtype=np.int64)
     codec = HuffmanIndices(precision, data.draw(st.sampled_from(BLOCKS)))
-    encoded = same(both(codec.encode, indices, n))
-    np.testing.assert_array_equal(same(both(codec.decode, encoded, n, indices.size)), indices)
+    encoded = same(both_outcomes(codec.encode, indices, n))
+    np.testing.assert_array_equal(same(both_outcomes(codec.decode, encoded, n, indices.size)), indices)
 
 
 @compiled_only
@@ -106,15 +80,15 @@ def test_every_truncation_and_extension_fails_alike(precision, block):
                        (2**40, np.array([1, 2**35, 2**40 - 1]))]:
         data = codec.encode(indices, n)
         for cut in range(len(data)):
-            outcome = same(both(codec.decode, data[:cut], n, indices.size))
+            outcome = same(both_outcomes(codec.decode, data[:cut], n, indices.size))
             assert isinstance(outcome, str) and outcome.startswith("DecodeError")
-        assert isinstance(same(both(codec.decode, data + b"\0", n, indices.size)), str)
+        assert isinstance(same(both_outcomes(codec.decode, data + b"\0", n, indices.size)), str)
 
 
 @compiled_only
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("block", BLOCKS[:-1])  # 4096: one lane, the truncation test's
-@SETTINGS
+@COMPILED_SETTINGS
 @given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["uniform", "runs", "blocks"]))
 def test_bit_flips_and_wrong_counts_fail_alike(precision, block, seed, kind):
     rng = np.random.default_rng(seed)
@@ -124,20 +98,20 @@ def test_bit_flips_and_wrong_counts_fail_alike(precision, block, seed, kind):
     data = codec.encode(indices, n)
     for nnz in {max(indices.size - 1, 0), indices.size + 1, 2 * indices.size + 3}:
         if nnz <= n:
-            same(both(codec.decode, data, n, nnz))
+            same(both_outcomes(codec.decode, data, n, nnz))
     if not data:
         return
     for flipped in bit_flipped(rng, data):
-        same(both(codec.decode, flipped, n, indices.size))
+        same(both_outcomes(codec.decode, flipped, n, indices.size))
 
 
 @compiled_only
-@SETTINGS
+@COMPILED_SETTINGS
 @given(data=st.binary(max_size=60), n=st.integers(1, 2**40), nnz=st.integers(1, 300),
        block=st.sampled_from(BLOCKS))
 def test_random_bytes_fail_alike(data, n, nnz, block):
     if nnz <= n:
-        same(both(HuffmanIndices(block=block).decode, data, n, nnz))
+        same(both_outcomes(HuffmanIndices(block=block).decode, data, n, nnz))
 
 
 def test_encoded_bits_estimate_uses_the_same_buckets(implementation):
@@ -156,7 +130,7 @@ def test_bucket_symbols_are_identical(precision):
     values = np.concatenate([np.arange(1, 5000), 2 ** np.arange(1, 63) - 1, 2 ** np.arange(63),
                              2 ** np.arange(1, 62) + 1,
                              rng.integers(1, 2**63 - 1, 2000, dtype=np.int64)]).astype(np.int64)
-    compiled, numpy = both(_entropy.bucket_symbols, values, precision)
+    compiled, numpy = both_outcomes(_entropy.bucket_symbols, values, precision)
     for ours, theirs in zip(compiled, numpy):
         np.testing.assert_array_equal(ours, theirs)
         assert ours.dtype == theirs.dtype == np.uint8
@@ -166,20 +140,20 @@ def test_bucket_symbols_are_identical(precision):
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_bucket_histograms_are_identical(precision):
     values = np.random.default_rng(10).geometric(0.001, 5000).astype(np.int64)
-    compiled, numpy = both(_entropy.bucket_histogram, values, precision)
+    compiled, numpy = both_outcomes(_entropy.bucket_histogram, values, precision)
     for ours, theirs in zip(compiled, numpy):
         np.testing.assert_array_equal(ours, theirs)
         assert ours.dtype == theirs.dtype
 
 
 @compiled_only
-@SETTINGS
+@COMPILED_SETTINGS
 @given(counts=st.lists(st.integers(0, 10**6) | st.sampled_from([0, 1, 2, 2**40]),
                        min_size=1, max_size=248))
 def test_huffman_lengths_are_identical(counts):
     """Ties merge in the same order; deep codes are flattened the same way."""
     counts = np.array(counts, dtype=np.int64)
-    same(both(lambda c: _entropy.huffman_lengths(c).tolist(), counts))
+    same(both_outcomes(lambda c: _entropy.huffman_lengths(c).tolist(), counts))
 
 
 def test_huffman_lengths_of_huge_counts(implementation):
@@ -196,7 +170,7 @@ def code_table(rng, alphabet=248):
 
 
 @compiled_only
-@SETTINGS
+@COMPILED_SETTINGS
 @given(seed=st.integers(0, 2**32 - 1), size=st.integers(0, 400),
        steps=st.sampled_from([1, 2, 3, 8, 9, 128]))
 def test_lanes_decode_identically_from_any_bits(seed, size, steps):
