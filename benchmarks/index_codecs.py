@@ -19,6 +19,11 @@ bound ``log2 C(n, k) / k`` of the set, and checks the targets of issue 3:
 - (issue 14) ``auto``'s fixed cost per call on 1,000-10,000 indices under
   0.1 ms beyond Golomb's, and ``qsgd:bits=8`` within 3x of fp16's encode and
   decode time on the Top-1% values of a 25M Gaussian tensor;
+- (issue 14) ``auto:link_gbits=G`` at 0.1, 1, 10 and 100 Gbit/s: the time it
+  takes to encode, send and decode a stream is never more than 5% above plain
+  ``auto``'s (the smallest stream), on uniform, low-rank, clustered and dense
+  supports; with ``auto``'s coding-time model against measured times and a
+  fresh fit of it;
 - ``huffman`` encode and decode times with its compiled loops
   (``deepreduce._entropyc``) and with the numpy fallback, at n = 25M, 1%
   and on the 41,944 indices of a 4,194,304-element tensor (the size of the
@@ -57,6 +62,8 @@ DECODE_TARGET = 500e6
 REAL_TARGET = 1.02
 SMALL_CALL_TARGET = 1e-4  # seconds of auto's overhead per call (issue 14)
 QSGD_TARGET = 3.0         # qsgd:bits=8 time over fp16's (issue 14)
+LINKS = (0.1, 1, 10, 100)  # Gbit/s given to auto:link_gbits
+LINK_TOLERANCE = 1.05     # auto:link_gbits's send + code time over plain auto's, at most
 
 
 def exact_codecs() -> dict:
@@ -86,8 +93,8 @@ def sizes_of(codecs, indices, n) -> dict:
     return out
 
 
-def auto_choice(indices, n) -> str:
-    data = auto.AutoIndices().encode(indices, n)
+def auto_choice(indices, n, codec=None) -> str:
+    data = (codec or auto.AutoIndices()).encode(indices, n)
     if not data:
         return "-"
     tag = auto.TAGS[data[0] & ~auto.COMPLEMENT]
@@ -346,6 +353,118 @@ def structured_section(codecs, seed) -> tuple[list[str], bool]:
     return lines, ok
 
 
+def coding_time_sets(seed):
+    """Supports of every shape ``auto`` weighs at a known link: ``(label, indices, n)``."""
+    rng = np.random.default_rng(seed)
+
+    def uniform(n, density):
+        return np.sort(rng.choice(n, int(n * density), replace=False))
+
+    def top_of_low_rank(side, rank):
+        g = np.abs(rng.standard_normal((side, rank)) @ rng.standard_normal((rank, side))).ravel()
+        k = g.size // 100
+        return np.sort(np.argpartition(g, g.size - k)[g.size - k:])
+
+    def runs_of(n, density, mean):
+        starts = np.sort(rng.choice(n, int(n * density / mean), replace=False))
+        lengths = rng.geometric(1 / mean, starts.size)
+        covered = np.zeros(n + int(lengths.max()) + 1, dtype=np.int32)
+        np.add.at(covered, starts, 1)
+        np.add.at(covered, starts + lengths, -1)
+        return np.flatnonzero(np.cumsum(covered)[:n] > 0)
+
+    for n, density in ((100_000, 0.01), (1 << 20, 0.001), (1 << 20, 0.01), (1 << 20, 0.1),
+                       (1 << 22, 0.01), (1 << 22, 0.1)):
+        yield f"uniform {density:.1%} of {n:,}", uniform(n, density), n
+    for side, rank in ((1024, 8), (2048, 32)):
+        yield f"Top-1% of rank {rank}, {side} x {side}", top_of_low_rank(side, rank), side * side
+    for mean in (4, 32):
+        yield f"runs of mean length {mean}, 1% of {1 << 22:,}", runs_of(1 << 22, 0.01, mean), \
+            1 << 22
+    blocks = np.sort(rng.choice((1 << 22) // 256, (1 << 22) // 25_600, replace=False))
+    yield f"blocks of 256, 1% of {1 << 22:,}", (blocks[:, None] * 256 + np.arange(256)).ravel(), \
+        1 << 22
+    for density in (0.5, 0.9):
+        yield f"uniform {density:.0%} of {1 << 20:,}", uniform(1 << 20, density), 1 << 20
+
+
+def coding_time_section(repeat, seed) -> tuple[list[str], bool]:
+    """``auto``'s coding-time model against measured times, and what ``link_gbits`` buys."""
+    from scipy.optimize import nnls
+
+    names = list(auto.CODING_NS)
+    choosers = {link: auto.AutoIndices(link) for link in (None, *LINKS)}
+
+    def coding_seconds(codec, indices, n):
+        data = codec.encode(indices, n)
+        return len(data), (best_of(lambda: codec.encode(indices, n), repeat)[0]
+                           + best_of(lambda: codec.decode(data, n, indices.size), repeat)[0])
+
+    sets, features, fixed, chosen = [], [], [], []
+    for label, indices, n in coding_time_sets(seed):
+        sets.append(label)
+        features.append([1, indices.size, int(np.count_nonzero(np.diff(indices) != 1)) + 1, n])
+        fixed.append({name: coding_seconds(dr.get_codec(name, family="index"), indices, n)
+                      for name in names})
+        chosen.append({link: coding_seconds(codec, indices, n) + (
+            auto_choice(indices, n, codec),) for link, codec in choosers.items()})
+    features = np.array(features, dtype=float)
+
+    fits = []
+    for name in names:
+        seconds = np.array([times[name][1] for times in fixed])
+        model = features @ np.array(auto.CODING_NS[name]) * 1e-9
+        fit = nnls(features / seconds[:, None] / 1e9, np.ones(len(seconds)))[0]
+        error, fit_error = np.abs(model / seconds - 1), np.abs(features @ fit * 1e-9 / seconds - 1)
+        fits.append([name] + [f"{c:.3g}" for c in auto.CODING_NS[name]]
+                    + [f"{c:.3g}" for c in fit]
+                    + [f"{np.median(error):.0%}", f"{error.max():.0%}",
+                       f"{np.median(fit_error):.0%}"])
+
+    rows, ok, gains = [], True, []
+    for label, times, picks in zip(sets, fixed, chosen):
+        for link in LINKS:
+            def cost(size, seconds):
+                return seconds + 8 * size / (link * 1e9)
+            best = min(names, key=lambda name: cost(*times[name]))
+            smallest, weighed = cost(*picks[None][:2]), cost(*picks[link][:2])
+            gain = smallest / weighed
+            ok &= gain >= 1 / LINK_TOLERANCE
+            rows.append([label, f"{link:g}", picks[None][2], f"{1e3 * smallest:.3f}",
+                         picks[link][2], f"{1e3 * weighed:.3f}",
+                         f"{gain:.2f} ({'PASS' if gain >= 1 / LINK_TOLERANCE else 'FAIL'})",
+                         best, f"{1e3 * cost(*times[best]):.3f}",
+                         f"{weighed / cost(*times[best]):.2f}"])
+            gains.append(gain)
+
+    lines = ["## auto at a known link bandwidth (`link_gbits`)", "",
+             "`auto:link_gbits=G` picks the stream cheapest to send over a G Gbit/s link and to "
+             "encode and decode, by the model `auto.CODING_NS` (ns per call, per index, per run "
+             "of adjacent indices and per element of the universe). First the model against "
+             f"measured times: encode + decode, best of {repeat} runs each, in ms, of the codecs "
+             "it weighs; *fit here* is a non-negative least-squares fit of the same form on "
+             "this run's times (relative errors), for a machine that differs from the one the "
+             "table was fitted on.", ""]
+    lines += table(["set", "k", "runs", "n"] + names,
+                   [[label, f"{int(f[1]):,}", f"{int(f[2]):,}", f"{int(f[3]):,}"]
+                    + [f"{1e3 * times[name][1]:.3f}" for name in names]
+                    for label, f, times in zip(sets, features, fixed)])
+    lines += [""] + table(["codec", "call", "index", "run", "element", "call (fit here)",
+                           "index (fit here)", "run (fit here)", "element (fit here)",
+                           "model error, median", "max", "fit here, median"], fits)
+    lines += ["", "Then what each choice costs, measured: encode + decode of auto's stream "
+              "(its choosing included) plus the stream's bytes at the link rate, in ms; "
+              "*gain*: plain `auto`'s time (the smallest stream) over `auto:link_gbits`'s "
+              f"(target: at least 1/{LINK_TOLERANCE}, a bandwidth never costs more than "
+              f"{LINK_TOLERANCE - 1:.0%}), and for reference the cheapest fixed codec in "
+              "hindsight (which no encoder knows in advance: auto's choosing is in its time). "
+              f"Gain over all {len(gains)} cells: median {np.median(gains):.2f}x, "
+              f"from {min(gains):.2f}x to {max(gains):.2f}x.", ""]
+    lines += table(["set", "Gbit/s", "auto picks", "auto ms", "auto:link_gbits picks",
+                    "its ms", "gain", "cheapest fixed", "its ms", "auto:link_gbits / it"], rows)
+    return lines, ok
+
+
 def real_section(path, codecs, density) -> tuple[list[str], bool]:
     grads = np.load(path)
     names = [cid for cid in codecs if cid != "auto"]
@@ -462,6 +581,8 @@ def main(argv=None):
     section, verdicts["small calls"] = small_call_section(args.repeat, args.seed)
     lines += section + [""]
     section, verdicts["qsgd speed"] = value_speed_section(args.repeat, args.seed)
+    lines += section + [""]
+    section, verdicts["link_gbits"] = coding_time_section(min(args.repeat, 7), args.seed)
     lines += section + [""]
     lines += ["## Verdict", ""] + [f"- {name}: {'PASS' if ok else 'FAIL'}"
                                    for name, ok in verdicts.items()]

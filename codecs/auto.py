@@ -70,6 +70,33 @@ CLOSE_CALL = 0.005
 
 _LZ = ("deflate", "zstd")
 
+#: Encode + decode time of the candidates of the estimates, for ``link_gbits``:
+#: ns per call, per index, per run of adjacent indices and per element of the
+#: universe. Fitted by ``benchmarks/index_codecs.py`` (its coding-time section
+#: prints a fresh fit and this model's error) on one core of its machine; a faster
+#: or slower machine scales them all alike, and what the choice weighs is their
+#: differences against the wire's ``8 / link_gbits`` ns per byte.
+CODING_NS = {
+    #           call    index  run   element
+    "golomb":  (7.5e3,  3.8,   1.4,  0),
+    "huffman": (130e3,  9.1,   1.8,  0),
+    "runs":    (140e3,  3.4,   44,   0),
+    "bitmap":  (22e3,   11.4,  42,   0.18),
+    "zstd":    (78e3,   18,    4.1,  0),
+    "deflate": (45e3,   23,    34,   0),
+}
+
+#: ns per element of the universe to build the complement (encoder) and to expand
+#: it back (decoder).
+COMPLEMENT_NS = 4.0
+
+
+def coding_ns(codec_id: str, count: int, run_count: int, n: int) -> float:
+    """Modelled encode + decode time in ns of ``count`` indices in ``run_count``
+    runs of adjacent indices, in a universe of ``n`` (see :data:`CODING_NS`)."""
+    per_call, per_index, per_run, per_element = CODING_NS[codec_id]
+    return per_call + per_index * count + per_run * run_count + per_element * n
+
 
 def _sub_codec(tag: int):
     """The default-configured codec of a tag."""
@@ -161,6 +188,20 @@ class AutoIndices(IndexCodec):
     :data:`LZ_SLICES`). The best estimate is encoded, and so is the
     runner-up when within :data:`CLOSE_CALL` of it.
 
+    Parameters
+    ----------
+    link_gbits : float or None, default None
+        The link's bandwidth in Gbit/s, when known. None picks the smallest
+        stream. A bandwidth makes the estimates pick the cheapest stream to send
+        and code instead: its bytes at this bandwidth plus the encode and
+        decode time the codec takes on a set of this size, run count and
+        universe (:data:`CODING_NS`), as one payload sent to one peer. At
+        10 Gbit/s a byte costs 0.8 ns, so a Golomb code 1% larger than a Huffman
+        code that takes 4.7 ns more per index wins; at 100 Mbit/s the smaller
+        stream does. Sets of at most :data:`TRIAL_LIMIT` indices are still
+        chosen by size. The bandwidth only steers the encoder: payload headers
+        name plain ``auto`` and any reader decodes the stream.
+
     Examples
     --------
     >>> import numpy as np
@@ -177,9 +218,25 @@ class AutoIndices(IndexCodec):
     ('runs', 41)
     >>> np.array_equal(codec.decode(data, n=1_000_000, nnz=sparse.size), sparse)
     True
+
+    Rows of a low-rank gradient: the smallest stream, and the cheapest at 10 Gbit/s.
+
+    >>> g = rng.standard_normal((512, 8)) @ rng.standard_normal((8, 512))
+    >>> top = np.sort(np.argpartition(np.abs(g).ravel(), -2621)[-2621:])
+    >>> [TAGS[AutoIndices(link).encode(top, n=g.size)[0]] for link in (None, 10)]
+    ['huffman', 'golomb']
     """
 
     codec_id = "auto"
+    encoder_options = ("link_gbits",)
+
+    def __init__(self, link_gbits: float | None = None):
+        if link_gbits is not None and (
+                isinstance(link_gbits, bool) or not isinstance(link_gbits, (int, float))
+                or not 0 < link_gbits < float("inf")):
+            raise ValueError(f"link_gbits must be None or a positive number of Gbit/s, "
+                             f"got {link_gbits!r}")
+        self.link_gbits = link_gbits
 
     def choose(self, indices: np.ndarray, n: int) -> tuple[int, bytes]:
         """``(tag byte, sub-codec stream)`` for a non-empty index set.
@@ -229,45 +286,67 @@ class AutoIndices(IndexCodec):
                     best = (tag | flag, data)
         return best
 
+    def _cost_model(self, count: int, run_count: int, n: int):
+        """``cost(tag, size)`` of a stream of the set: its size, or with
+        ``link_gbits`` the ns to send and code it (the tag may carry
+        :data:`COMPLEMENT`)."""
+        if self.link_gbits is None:
+            return lambda tag, size: size
+        ns_per_byte = 8 / self.link_gbits
+
+        def cost(tag, size):
+            name = TAGS[tag & ~COMPLEMENT]
+            if tag & COMPLEMENT:  # the absent indices fill the gaps between the runs
+                return (size * ns_per_byte + coding_ns(name, n - count, run_count, n)
+                        + COMPLEMENT_NS * n)
+            return size * ns_per_byte + coding_ns(name, count, run_count, n)
+        return cost
+
     def _estimate(self, indices, n):
         coded = _golomb_stream(indices)
+        cost = self._cost_model(indices.size, indices.size - coded.adjacent, n)
         sizes = {TAGS.index("bitmap"): _bits.packed_bytes(n),
                  TAGS.index("golomb"): coded.size}
+
+        def may_win(tag):  # (a code whose coding alone costs more is not even sized)
+            return cost(tag, 0) < min(cost(other, size) for other, size in sizes.items())
+
         # Runs only pay when many neighbours are adjacent (gap 0).
-        if 4 * coded.adjacent > indices.size:
+        if 4 * coded.adjacent > indices.size and may_win(TAGS.index("runs")):
             sizes[TAGS.index("runs")] = runs.stream_size(indices)
-        # Every step-th gap plus one: the index less the one before it (-1 before the first).
-        step = -(-indices.size // HUFFMAN_SAMPLE)
-        sample = indices[::step] - np.concatenate(([-1], indices[step - 1:-1:step]))
-        codec = huffman.HuffmanIndices()
-        sample_bits = huffman.estimate_bits(sample, codec.precision, codec.block)
-        sizes[TAGS.index("huffman")] = int(sample_bits * indices.size / sample.size) // 8
-        ranked = sorted(sizes, key=sizes.get)
+        huffman_tag = TAGS.index("huffman")
+        if may_win(huffman_tag):
+            # Every step-th gap plus one: the index less the one before it (-1 before the first).
+            step = -(-indices.size // HUFFMAN_SAMPLE)
+            sample = indices[::step] - np.concatenate(([-1], indices[step - 1:-1:step]))
+            codec = huffman.HuffmanIndices()
+            sample_bits = huffman.estimate_bits(sample, codec.precision, codec.block)
+            sizes[huffman_tag] = int(sample_bits * indices.size / sample.size) // 8
+        ranked = sorted(sizes, key=lambda tag: cost(tag, sizes[tag]))
         best = (ranked[0], self._encode_with(ranked[0], indices, n, coded))
-        if self._lz_worth_trying(indices, ranked[0]):
+        best_cost = cost(best[0], len(best[1]))
+        lz = [(tag, codec) for tag, codec in _lz_codecs() if cost(tag, 0) < best_cost]
+        if lz and self._lz_worth_trying(indices, ranked[0], [codec for _, codec in lz]):
             varints = _bits.varint_encode(_bits.gaps(indices))  # what every LZ codec packs
-            for tag, codec in _lz_codecs():
+            for tag, codec in lz:
                 data = codec.encode_varints(varints)
-                if len(data) < len(best[1]):
-                    best = (tag, data)
+                if cost(tag, len(data)) < best_cost:
+                    best, best_cost = (tag, data), cost(tag, len(data))
         for tag in ranked[1:]:
-            if sizes[tag] > (1 + CLOSE_CALL) * len(best[1]):
+            if cost(tag, sizes[tag]) > (1 + CLOSE_CALL) * best_cost:
                 break
             data = self._encode_with(tag, indices, n, coded)
-            if len(data) < len(best[1]):
-                best = (tag, data)
-        if 2 * indices.size > n:
+            if cost(tag, len(data)) < best_cost:
+                best, best_cost = (tag, data), cost(tag, len(data))
+        if 2 * indices.size > n and (self.link_gbits is None or COMPLEMENT_NS * n < best_cost):
             tag, data = self.choose(complement(indices, n), n)
-            if len(data) < len(best[1]):
+            if cost(tag | COMPLEMENT, len(data)) < best_cost:
                 best = (tag | COMPLEMENT, data)
         return best
 
     @staticmethod
-    def _lz_worth_trying(indices, best_tag) -> bool:
-        """Whether the LZ codecs beat the best estimated codec on slices of the set."""
-        codecs = [codec for _, codec in _lz_codecs()]
-        if not codecs:
-            return False
+    def _lz_worth_trying(indices, best_tag, codecs) -> bool:
+        """Whether the LZ ``codecs`` beat the best estimated codec on slices of the set."""
 
         def piece(size):
             size = min(size, indices.size)

@@ -33,6 +33,10 @@ class Codec:
     codec_id: str = ""
     family: str = ""
     lossless: bool = True
+    #: Constructor parameters that only steer the encoder's choices: a stream
+    #: decodes the same whatever their values, so payload headers leave them out
+    #: (:meth:`header_spec`) and readers never need to know them.
+    encoder_options: tuple[str, ...] = ()
 
     @classmethod
     @functools.cache  # spec() runs for every payload; inspect.signature is slow
@@ -60,12 +64,21 @@ class Codec:
     def spec(self) -> str:
         """Compact spec string naming only the non-default parameters.
 
-        This is what payload headers store, e.g. ``"zstd"`` or ``"qsgd:bits=4"``.
+        ``get_codec(codec.spec())`` rebuilds an equal codec, e.g. ``"zstd"``,
+        ``"qsgd:bits=4"`` or ``"auto:link_gbits=10"``.
         """
+        return self._spec(())
+
+    def header_spec(self) -> str:
+        """What a payload header stores: :meth:`spec` without the :attr:`encoder_options`."""
+        return self._spec(self.encoder_options)
+
+    def _spec(self, leave_out) -> str:
         from deepreduce.registry import format_spec
 
         changed = {p.name: getattr(self, p.name) for p in self._parameters()
-                   if p.default is p.empty or getattr(self, p.name) != p.default}
+                   if p.name not in leave_out
+                   and (p.default is p.empty or getattr(self, p.name) != p.default)}
         return format_spec(self.codec_id, changed)
 
     def __eq__(self, other):

@@ -104,9 +104,9 @@ class Pipeline:
                 st.indices, st.values, n, dense)
             value_stream, received_values = self.value_codec.encode_and_receive(values)
             received = SparseTensor._trusted(received_values, indices, st.shape)
-            flags, index_spec = 0, self.index_codec.spec()
+            flags, index_spec = 0, self.index_codec.header_spec()
         payload = container.pack(dtype, st.shape, received.nnz, index_spec,
-                                 self.value_codec.spec(), index_stream, value_stream, flags)
+                                 self.value_codec.header_spec(), index_stream, value_stream, flags)
         return payload, received
 
 

@@ -15,7 +15,8 @@ What is checked (each check is also a function of its own):
   ones exactly what ``encode_selection`` / ``encode_and_receive`` said the
   receiver gets, within ``error_bound`` of the input;
 * **configuration** (:func:`check_config`): ``get_config`` is JSON-safe and
-  ``from_config`` and the spec string rebuild an equal codec;
+  ``from_config`` and the spec string rebuild an equal codec, and the header's
+  spec names it but for its encoder-only options;
 * **repr and equality** (:func:`check_repr_and_equality`);
 * **hostile input** (:func:`check_hostile_decode`): truncated streams, flipped
   bits, inflated counts and a huge declared universe raise only
@@ -104,6 +105,11 @@ def check_config(codec) -> None:
     assert type(codec).from_config(config) == codec
     assert get_codec(config, family=codec.family) == codec
     assert get_codec(codec.spec(), family=codec.family) == codec
+    # the header names the codec but for encoder-only options, left at their defaults
+    in_header = get_codec(codec.header_spec(), family=codec.family).get_config()
+    defaults = {p.name: p.default for p in codec._parameters()}
+    assert in_header == {key: defaults[key] if key in codec.encoder_options else value
+                         for key, value in config.items()}, codec.header_spec()
 
 
 def check_repr_and_equality(codec) -> None:

@@ -12,7 +12,7 @@ from deepreduce.errors import DecodeError
 from deepreduce.registry import get_codec, registered_codecs
 from index_sets import assert_valid, random_set, round_trip
 
-#: Every configuration whose stream format differs.
+#: Every configuration whose streams differ.
 CODECS = {
     "golomb": {},
     "golomb-rice": {"mode": "rice"},
@@ -22,6 +22,7 @@ CODECS = {
     "huffman-p1-b9": {"precision": 1, "block": 9},
     "runs": {},
     "auto": {},
+    "auto-10gbit": {"link_gbits": 10},  # the same streams, chosen by cost
 }
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -187,6 +188,68 @@ def test_auto_codes_the_complement_of_dense_sets():
         np.testing.assert_array_equal(make("auto").decode(everything, n, n), np.arange(n))
 
 
+def low_rank_top_k(rng, rows, cols, rank):
+    """The support of the Top-1% of a rank-``rank`` matrix: rows and columns of large
+    magnitude, whose gaps Huffman codes a little better than Golomb codes."""
+    g = rng.standard_normal((rows, rank)) @ rng.standard_normal((rank, cols))
+    k = g.size // 100
+    return np.sort(np.argpartition(np.abs(g).ravel(), -k)[-k:])
+
+
+def large_sets():
+    rng = np.random.default_rng(8)
+    n = 1 << 20
+    starts = np.sort(rng.choice(n // 64, 2_000, replace=False)) * 64
+    return {"uniform": (np.sort(rng.choice(n, 10_000, replace=False)), n),
+            "low rank": (low_rank_top_k(rng, 1024, 1024, 8), n),
+            "runs": (np.unique((starts[:, None] + np.arange(20)).ravel()), n),
+            "dense": (np.flatnonzero(rng.random(n) < 0.9), n),
+            "half": (np.flatnonzero(rng.random(n) < 0.5), n)}
+
+
+@pytest.mark.parametrize("link_gbits", [0.1, 1, 10, 100])
+@pytest.mark.parametrize("kind", sorted(large_sets()))
+def test_auto_with_a_link_picks_the_cheapest_stream(kind, link_gbits):
+    indices, n = large_sets()[kind]
+    codec = auto.AutoIndices(link_gbits)
+    run_count = int(np.count_nonzero(np.diff(indices) != 1)) + 1
+    model = codec._cost_model(indices.size, run_count, n)
+    data = codec.encode(indices, n)
+    np.testing.assert_array_equal(codec.decode(data, n, indices.size), indices)
+    candidates = {name: len(get_codec(name, family="index").encode(indices, n))
+                  for name in auto.CODING_NS}
+    costs = {name: model(auto.TAGS.index(name), size) for name, size in candidates.items()}
+    chosen = model(data[0], len(data) - 1)
+    # the model's best of the direct codes, or better (a complement), up to the estimates' slack
+    assert chosen <= 1.03 * min(costs.values()), (auto.TAGS[data[0] & 0x7F], costs)
+    # the smallest stream when the link is slow: at most what bytes cost
+    smallest = auto.AutoIndices().encode(indices, n)
+    assert len(data) >= len(smallest)
+    assert chosen <= model(smallest[0], len(smallest) - 1) * 1.001
+
+
+def test_auto_trades_a_few_bytes_for_coding_time_on_fast_links():
+    indices = low_rank_top_k(np.random.default_rng(9), 2048, 2048, 32)
+    n = 2048 * 2048
+    smallest, fast = (auto.AutoIndices(link).encode(indices, n) for link in (None, 10))
+    assert auto.TAGS[smallest[0]] == "huffman" and auto.TAGS[fast[0]] == "golomb"
+    assert len(smallest) < len(fast) < 1.05 * len(smallest)
+    # at 100 Mbit/s clustered rows still go to the run code, the cheapest to send and code
+    rows = (np.sort(np.random.default_rng(9).choice(4096, 40, replace=False))[:, None] * 1024
+            + np.arange(1024)).ravel()
+    assert auto.TAGS[auto.AutoIndices(0.1).encode(rows, 4096 * 1024)[0]] == "runs"
+
+
+def test_auto_link_is_left_out_of_payload_headers():
+    g = np.random.default_rng(10).standard_normal(100_000).astype(np.float32)
+    pipe = dr.Pipeline(dr.TopK(0.01), index="auto:link_gbits=2.5")
+    assert pipe.index_codec == auto.AutoIndices(link_gbits=2.5)
+    assert "link_gbits=2.5" in repr(pipe)
+    payload, received = pipe.encode(g)
+    assert dr.read_header(payload).index_spec == "auto"
+    assert dr.decompress(payload) == received
+
+
 def test_runs_code_aligned_rows_in_units():
     rows = np.sort(np.random.default_rng(6).choice(1000, 50, replace=False))
     indices = (rows[:, None] * 64 + np.arange(64)).ravel()
@@ -302,7 +365,9 @@ def test_huffman_rejects_incomplete_code_tables():
 def test_bad_arguments_raise_value_error():
     for spec in ({"id": "golomb", "mode": "fast"}, {"id": "huffman", "precision": 3},
                  {"id": "huffman", "block": 4}, {"id": "huffman", "block": 10_000},
-                 {"id": "huffman", "precision": 1.5}, {"id": "huffman", "block": True}):
+                 {"id": "huffman", "precision": 1.5}, {"id": "huffman", "block": True},
+                 {"id": "auto", "link_gbits": 0}, {"id": "auto", "link_gbits": -1.0},
+                 {"id": "auto", "link_gbits": True}, {"id": "auto", "link_gbits": "fast"}):
         with pytest.raises(ValueError):
             get_codec(spec, family="index")
     for name in ("golomb", "huffman", "runs", "auto"):

@@ -135,7 +135,7 @@ class BlockReduce(Communicator):
             value_stream, received = value_codec.encode_and_receive(rows.reshape(-1))
             per_rank.append(frames.blocks_frame(
                 index_stream, value_stream, st.dtype, blocks_in_range, block,
-                ids.size, index_codec.spec(), value_codec.spec()))
+                ids.size, index_codec.header_spec(), value_codec.header_spec()))
             sent_rows[chosen] = np.asarray(received, dtype=st.dtype).reshape(rows.shape)
         sent = Blocks(blocks.ids, sent_rows)
         return per_rank, own, _expand(sent, block, 0, st.size, st.shape)
@@ -211,7 +211,7 @@ class BlockReduce(Communicator):
         value_stream, received = value_codec.encode_and_receive(reduced.rows.reshape(-1))
         frame = frames.blocks_frame(index_codec.encode(reduced.ids, blocks_in_range),
                                     value_stream, dtype, blocks_in_range, self.block_size,
-                                    reduced.ids.size, index_codec.spec(), value_codec.spec())
+                                    reduced.ids.size, index_codec.header_spec(), value_codec.header_spec())
         mine = Blocks(reduced.ids, np.asarray(received, dtype=dtype).reshape(reduced.rows.shape))
         bytes_per_value = len(value_stream) / reduced.rows.size if reduced.rows.size \
             else dtype.itemsize
@@ -228,7 +228,7 @@ class BlockReduce(Communicator):
         value_codec = self.pipeline.value_codec
         values = _expand(reduced, self.block_size, 0, length, (length,)).to_dense()
         stream, received = value_codec.encode_and_receive(values)
-        frame = frames.dense_frame(stream, dtype, length, value_codec.spec())
+        frame = frames.dense_frame(stream, dtype, length, value_codec.header_spec())
         return frame, np.asarray(received, dtype=dtype)
 
 

@@ -349,7 +349,7 @@ def encode_dense(pipeline, reduced: SparseTensor):
     """The dense frame of a range (every value, no indices) and what receivers decode."""
     value_codec = pipeline.value_codec
     stream, received = value_codec.encode_and_receive(reduced.to_dense())
-    frame = frames.dense_frame(stream, reduced.dtype, reduced.size, value_codec.spec())
+    frame = frames.dense_frame(stream, reduced.dtype, reduced.size, value_codec.header_spec())
     return frame, np.asarray(received, dtype=reduced.dtype)
 
 
