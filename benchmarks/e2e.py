@@ -21,9 +21,10 @@ time:
     float32) over the same single allgather: isolates what the codecs bring;
 ``deepreduce``
     ``drh.DistributedGradientTape`` with Top-k 1%, the ``auto`` index codec
-    (the best fixed one until ``auto`` is registered) and fp16 values (and
-    QSGD values when that codec exists), and with the Golomb index code, the
-    fastest exact one, for the CPU side of ``auto``'s smaller streams;
+    told the measured link bandwidth (``auto:link_gbits=G``: the stream
+    cheapest to code and send, not the smallest) and fp16 values (and QSGD
+    values when that codec exists), and with the Golomb index code, the
+    fastest exact one;
 ``sparse_allreduce`` / ``block``
     SparCML's split-allgather and OmniReduce's block communicators of
     :mod:`deepreduce.collectives` through the same wrappers
@@ -188,7 +189,8 @@ def worker(args):
     digits = load_digits()
     features = (digits.data / 16.0).astype(np.float32)
     labels = digits.target.astype(np.int64)
-    index = "auto" if "auto" in registered_codecs("index") else "eliasfano"
+    # auto is told the link's measured bandwidth, as a user who knows their network would
+    index = f"auto:link_gbits={args.link_gbits}" if args.link_gbits else "auto"
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def build_model():
@@ -268,8 +270,8 @@ def worker(args):
     if "qsgd" in registered_codecs("value"):
         add(f"deepreduce Top-k {RATIO:.0%} + {index} + qsgd (allgather)", "drh",
             drh_builder(index, "qsgd"))
-    if index != "golomb" and "golomb" in registered_codecs("index"):
-        # the fastest exact index code: what auto's smaller streams cost in CPU
+    if "golomb" in registered_codecs("index"):
+        # the fastest exact index code
         add(f"deepreduce Top-k {RATIO:.0%} + golomb + fp16 (allgather)", "drh",
             drh_builder("golomb", "fp16"))
 
@@ -378,13 +380,14 @@ def run_rate(rate, args, net):
         env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2",
                    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         horovodrun = str(Path(sys.executable).parent / "horovodrun")
-        cmd = prefix + [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo",
+        cmd = (prefix + [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo",
                         sys.executable, __file__, "--worker", "--worker-out", str(out),
                         "--steps", str(args.steps), "--warmup", str(args.warmup),
                         "--rounds", str(args.rounds),
                         "--hidden", str(args.hidden), "--layers", str(args.layers),
                         "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-                        "--seed", str(args.seed)] + (["--eager"] if args.eager else [])
+                        "--seed", str(args.seed), "--link-gbits", f"{measured:.2g}"]
+               + (["--eager"] if args.eager else []))
         if args.schemes:
             cmd += ["--schemes", *args.schemes]
         subprocess.run(cmd, env=env, check=True)
@@ -532,9 +535,11 @@ NOTES = [
     "deepreduce rows isolates what the index and value codecs bring. *Encode + decode*: "
     "from the gradient to the payloads (error feedback, Top-k, codecs) and from the gathered "
     "payloads to the dense sums; *of which codecs*: the part inside the index and value "
-    "codecs (coding the selected entries, decoding the payloads). The `golomb` row "
-    "fixes the fastest exact index code: `auto` picks Huffman codes on these supports, "
-    "whose streams are smaller and slower to encode and decode.",
+    "codecs (coding the selected entries, decoding the payloads). `auto:link_gbits=G` is "
+    "`auto` told the single-stream bandwidth measured at the start of the run: it picks the "
+    "index stream cheapest to encode, send at G Gbit/s and decode (plain `auto` picks the "
+    "smallest, here Huffman codes 1% smaller than Golomb's and 2-4x slower to code); the "
+    "`golomb` row fixes the fastest exact index code.",
     "* sparse_allreduce and block are deepreduce's SparCML and OmniReduce communicators "
     "(`deepreduce.collectives`) selected in the same Horovod wrappers "
     "(`drh.Compression(..., communicator=...)`); their *MB sent* counts every frame a rank "
@@ -677,6 +682,7 @@ def parse_args(argv=None):
                         help="only re-render the table and plot of an earlier run's e2e.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    parser.add_argument("--link-gbits", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
