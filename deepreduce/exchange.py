@@ -366,7 +366,7 @@ class GradientExchange:
         # holds the whole corrected gradient
         corrected, selected, dense = self._corrected_selection(name, x, pipeline)
         payload, received = self._encode_timed(pipeline, selected, dense)
-        self.memory.settle(name, corrected, received)
+        self.memory.settle(name, corrected, received, selected)
         return payload, received
 
     def _encode_timed(self, pipeline, selected, dense):
@@ -731,7 +731,7 @@ class GradientExchange:
             exchanged = time.perf_counter()
             for i, reduction in reductions:
                 if i in corrected:
-                    self.memory.settle(names[i], corrected[i], reduction.sent)
+                    self.memory.settle(names[i], corrected[i], reduction.sent, selections[i])
                 results[i] = _nonzero_rows(reduction.output) if as_rows[i] else reduction.output
             end = time.perf_counter()
             self.stats.record_step(StepStats(

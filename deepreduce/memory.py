@@ -109,18 +109,21 @@ class ResidualMemory:
         corrected = self._corrected_in_place(name, gradient)
         return self.compensate(name, gradient) if corrected is None else corrected
 
-    def settle(self, name: str, corrected, received: SparseTensor) -> None:
+    def settle(self, name: str, corrected, received: SparseTensor,
+               selected: SparseTensor | None = None) -> None:
         """Second half: the residual becomes ``corrected - received``.
 
         ``corrected`` is what :meth:`accumulate` returned; ``received`` is what
         the receivers decode. When ``corrected`` is the residual's own memory
         (accumulate's usual case) the delivered entries are subtracted there;
         otherwise, or when ``received`` views it, the residual is a copy, as
-        :meth:`update` makes.
+        :meth:`update` makes. ``selected``, when given, is what the sparsifier
+        took from ``corrected``: where ``received`` has the same index array,
+        its values are ``corrected``'s there, and reading them again is skipped.
         """
         if corrected is self._residuals.get(name) \
                 and not np.may_share_memory(received.values, corrected):
-            self._store(name, corrected, received)
+            self._store(name, corrected, received, selected)
         else:
             self.update(name, corrected, received)
 
@@ -162,12 +165,18 @@ class ResidualMemory:
             np.multiply(residual, self.beta, out=residual)
         return residual
 
-    def _store(self, name, residual: np.ndarray, received: SparseTensor) -> None:
+    def _store(self, name, residual: np.ndarray, received: SparseTensor, selected=None) -> None:
         """Subtract ``received`` from ``residual`` (C-contiguous, ours) in place and keep it."""
         if residual.size != received.size:
             raise ValueError(f"received tensor has {received.size} elements, input {residual.size}")
         flat = residual.reshape(-1)
-        flat[received.indices] -= received.values.astype(flat.dtype, copy=False)
+        delivered = received.values.astype(flat.dtype, copy=False)
+        if selected is not None and selected.indices is received.indices \
+                and selected.values.dtype == flat.dtype:
+            # the same bits as below, without gathering the scattered entries again
+            flat[received.indices] = selected.values - delivered
+        else:
+            flat[received.indices] -= delivered
         self._residuals[name] = residual
 
     def residual(self, name: str) -> np.ndarray | None:

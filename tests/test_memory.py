@@ -140,3 +140,24 @@ def test_accumulate_and_select_keeps_the_sum_when_selection_fails(beta):
     with pytest.raises(ValueError, match="larger than the tensor"):
         memory.accumulate_and_select("w", g, dr.TopK(k=g.size + 1))
     np.testing.assert_array_equal(memory.residual("w"), owed)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # inf - inf, on purpose
+@pytest.mark.parametrize("value", ["raw", "fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_settle_with_the_selection_has_the_same_bits(value, dtype):
+    rng = np.random.default_rng(5)
+    pipe = dr.Pipeline(None, "auto", value)
+    given, plain = dr.ResidualMemory(), dr.ResidualMemory()
+    for step in range(3):
+        g = rng.standard_normal(3 * dr.TopK.SAMPLE).astype(dtype)
+        g[[7, 70, 700]] = [np.inf, -np.inf, np.nan]  # inf - inf: the residual keeps NaN
+        g[[8, 80]] = [-0.0, 6e4 * (step + 1)]          # fp16 rounds 6e4 and overflows 1.2e5
+        corrected, selected = given.accumulate_and_select("w", g, dr.TopK(0.02))
+        expected, twin = plain.accumulate_and_select("w", g, dr.TopK(0.02))
+        _, received = pipe.encode_sparse(selected)
+        assert received.indices is selected.indices
+        given.settle("w", corrected, received, selected)
+        plain.settle("w", expected, received)
+        np.testing.assert_array_equal(given.residual("w").view(np.uint8),
+                                      plain.residual("w").view(np.uint8))
