@@ -232,7 +232,7 @@ class _NarrowingValues(ValueCodec):
     def encode(self, values):
         values = check_values(values)
         with np.errstate(**_QUIET_CASTS):
-            return self._narrow(values).astype(self.wire_dtype).tobytes()
+            return self._narrow(values).astype(self.wire_dtype, copy=False).tobytes()
 
     def decode(self, data, nnz, dtype):
         dtype = value_dtype(dtype, DecodeError)
@@ -245,7 +245,7 @@ class _NarrowingValues(ValueCodec):
     def encode_and_receive(self, values):
         values = check_values(values)
         with np.errstate(**_QUIET_CASTS):
-            wire = self._narrow(values).astype(self.wire_dtype)
+            wire = self._narrow(values).astype(self.wire_dtype, copy=False)
             return wire.tobytes(), self._widen(wire, values.dtype)
 
 
@@ -298,10 +298,14 @@ class Float16Values(_NarrowingValues):
     codec_id = "fp16"
     wire_dtype = np.dtype("<f2")
     _LIMIT = 65504.0
+    #: The smallest magnitude that rounds to infinity in float16 (a NaN fails ``<`` it).
+    _OVERFLOW = 65520.0
 
     def _narrow(self, values):
         # Cast float64 directly: going through float32 could round twice.
         wide = values if values.dtype == np.float64 else to_float32(values)
+        if wide.size == 0 or max(wide.max(), -wide.min()) < self._OVERFLOW:
+            return wide.astype(np.float16)  # nothing to saturate (two reductions, no copy)
         saturated = np.where(np.isfinite(wide), np.clip(wide, -self._LIMIT, self._LIMIT), wide)
         return saturated.astype(np.float16)
 
