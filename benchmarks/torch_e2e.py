@@ -23,7 +23,9 @@ gradients a PyTorch user would pick:
     ``deepreduce_hook``: Top-k 1%, ``auto`` indices with fp16 or 8-bit QSGD
     values over the allgather communicator, and fp16 over SparCML's
     ``sparse_allreduce`` and OmniReduce's ``block`` (Top-k of 256-element
-    blocks).
+    blocks). ``auto`` is told the single-stream bandwidth measured at the
+    start of the run (``auto:link_gbits=G``: the index stream cheapest to code
+    and send, not the smallest), as a user who knows their network would.
 
 As in benchmarks/e2e.py, as root the script shapes a network namespace's
 loopback with ``tc`` to each rate, measures the single TCP stream it gets, runs
@@ -130,9 +132,11 @@ def build_schemes(args, world):
             return value
         return take
 
+    index = f"auto:link_gbits={args.link_gbits}" if args.link_gbits else "auto"
+
     def deepreduce(**settings):
         def register(ddp):
-            state = drt.DeepReduceState(start_iter=args.start_iter, **settings)
+            state = drt.DeepReduceState(start_iter=args.start_iter, index=index, **settings)
             ddp.register_comm_hook(state, drt.deepreduce_hook)
             last = [state.stats.snapshot()]
 
@@ -272,7 +276,8 @@ def run_rate(rate, args, net):
                         "--warmup", str(args.warmup), "--start-iter", str(args.start_iter),
                         "--hidden", str(args.hidden), "--layers", str(args.layers),
                         "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-                        "--seed", str(args.seed), "--ranks", str(args.ranks)]
+                        "--seed", str(args.seed), "--ranks", str(args.ranks),
+                        "--link-gbits", f"{measured:.2g}"]
         if args.schemes:
             cmd += ["--schemes", *args.schemes]
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -396,6 +401,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=str(RESULTS / "torch_e2e.md"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    parser.add_argument("--link-gbits", type=float, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 

@@ -91,11 +91,12 @@ CODING_NS = {
 COMPLEMENT_NS = 4.0
 
 
-def coding_ns(codec_id: str, count: int, run_count: int, n: int) -> float:
+def coding_ns(codec_id: str, count: int, run_count: int, n: int, calls: int = 1) -> float:
     """Modelled encode + decode time in ns of ``count`` indices in ``run_count``
-    runs of adjacent indices, in a universe of ``n`` (see :data:`CODING_NS`)."""
+    runs of adjacent indices, in a universe of ``n`` (see :data:`CODING_NS`);
+    ``calls=0`` leaves out the fixed cost of a call (for a part of a set)."""
     per_call, per_index, per_run, per_element = CODING_NS[codec_id]
-    return per_call + per_index * count + per_run * run_count + per_element * n
+    return per_call * calls + per_index * count + per_run * run_count + per_element * n
 
 
 def _sub_codec(tag: int):
@@ -286,6 +287,15 @@ class AutoIndices(IndexCodec):
                     best = (tag | flag, data)
         return best
 
+    def _slice_cost(self, tag: int, size: int, members: np.ndarray) -> float:
+        """The cost of ``size`` bytes coding ``members`` (a slice starting at 0, part of a
+        larger set: no fixed cost per call), as :meth:`_cost_model` weighs it."""
+        if self.link_gbits is None:
+            return size
+        run_count = int(np.count_nonzero(np.diff(members) != 1)) + 1
+        return (size * 8 / self.link_gbits
+                + coding_ns(TAGS[tag], members.size, run_count, int(members[-1]) + 1, calls=0))
+
     def _cost_model(self, count: int, run_count: int, n: int):
         """``cost(tag, size)`` of a stream of the set: its size, or with
         ``link_gbits`` the ns to send and code it (the tag may carry
@@ -326,7 +336,7 @@ class AutoIndices(IndexCodec):
         best = (ranked[0], self._encode_with(ranked[0], indices, n, coded))
         best_cost = cost(best[0], len(best[1]))
         lz = [(tag, codec) for tag, codec in _lz_codecs() if cost(tag, 0) < best_cost]
-        if lz and self._lz_worth_trying(indices, ranked[0], [codec for _, codec in lz]):
+        if lz and self._lz_worth_trying(indices, ranked[0], lz):
             varints = _bits.varint_encode(_bits.gaps(indices))  # what every LZ codec packs
             for tag, codec in lz:
                 data = codec.encode_varints(varints)
@@ -344,26 +354,30 @@ class AutoIndices(IndexCodec):
                 best = (tag | COMPLEMENT, data)
         return best
 
-    @staticmethod
-    def _lz_worth_trying(indices, best_tag, codecs) -> bool:
-        """Whether the LZ ``codecs`` beat the best estimated codec on slices of the set."""
+    def _lz_worth_trying(self, indices, best_tag, candidates) -> bool:
+        """Whether the LZ ``candidates`` (``(tag, codec)``) beat the best estimated codec
+        on slices of the set, in size or, with ``link_gbits``, in cost."""
 
         def piece(size):
             size = min(size, indices.size)
             start = (indices.size - size) // 2
             return indices[start:start + size] - indices[start]
 
-        def lz_size(members, candidates):
+        def lz_cost(members, trying):
             varints = _bits.varint_encode(_bits.gaps(members))
-            return min(len(codec.encode_varints(varints)) for codec in candidates)
+            return min(self._slice_cost(tag, len(codec.encode_varints(varints)), members)
+                       for tag, codec in trying)
+
+        def best_cost(members):
+            return self._slice_cost(best_tag, _estimated_size(best_tag, members), members)
 
         short = piece(LZ_SLICES[0])
-        if lz_size(short, codecs[-1:]) > LZ_MARGIN * _estimated_size(best_tag, short):
+        if lz_cost(short, candidates[-1:]) > LZ_MARGIN * best_cost(short):
             return False  # the usual verdict on uniform sets, for the price of one slice
         if indices.size <= 4 * LZ_SLICES[1]:
             return True   # small enough to try the LZ codecs on the whole set
         long = piece(LZ_SLICES[1])
-        return lz_size(long, codecs) <= _estimated_size(best_tag, long)
+        return lz_cost(long, candidates) <= best_cost(long)
 
     @staticmethod
     def _encode_with(tag, indices, n, coded) -> bytes:

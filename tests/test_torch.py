@@ -168,6 +168,10 @@ def test_state_dict_round_trip_and_settings_check(world_of_one):
     assert np.array_equal(other.exchange.memory.residual("w"), saved["residuals"]["w"].numpy())
     with pytest.raises(ValueError, match="start_iter"):
         drt.DeepReduceState(sparsifier=dr.TopK(0.1), start_iter=5).load_state_dict(saved)
+    # each rank's link bandwidth steers only its own encoder: not a shared setting
+    assert saved["settings"]["index"] == "AutoIndices()"  # as written before link_gbits
+    drt.DeepReduceState(sparsifier=dr.TopK(0.1), start_iter=0,
+                        index="auto:link_gbits=10").load_state_dict(saved)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -61,6 +61,16 @@ def _unseeded(text: str) -> str:
     return re.sub(r",? ?seed=\d+", "", text)
 
 
+def _shared_setting(codec) -> str:
+    """What every rank's ``codec`` must agree on: its configuration but for seeds and
+    the options that only steer each rank's own encoder (``auto``'s link_gbits)."""
+    if codec is None:
+        return repr(None)
+    params = ", ".join(f"{key}={value!r}" for key, value in codec.get_config().items()
+                       if key != "id" and key not in codec.encoder_options)
+    return _unseeded(f"{type(codec).__name__}({params})")  # repr(codec), less those options
+
+
 def host_array(tensor) -> np.ndarray:
     """A numpy view of the CPU tensor ``tensor`` (bfloat16 through ml_dtypes' type)."""
     if tensor.dtype == torch.bfloat16:
@@ -167,8 +177,8 @@ class DeepReduceState:
         pipeline = self.exchange.pipeline
         # what every rank must share; seeds may differ (independent RandomK draws)
         self._settings = {"sparsifier": _unseeded(repr(pipeline.sparsifier)),
-                          "index": _unseeded(repr(pipeline.index_codec)),
-                          "value": _unseeded(repr(pipeline.value_codec)),
+                          "index": _shared_setting(pipeline.index_codec),
+                          "value": _shared_setting(pipeline.value_codec),
                           "communicator": self.exchange.communicator,
                           "communicator_options": repr(self.exchange.communicator_options),
                           "use_error_feedback": self.use_error_feedback,
