@@ -100,7 +100,9 @@ class DeepReduceState:
         What travels of each parameter's gradient: ``dr.TopK(0.01)``,
         ``"randomk:0.01"``, ``dr.Threshold(1e-3)``; None sends every non-zero.
     index : str, dict or IndexCodec, default "auto"
-        Index codec; ``"auto"`` picks the smallest exact code per tensor.
+        Index codec; ``"auto"`` picks the smallest exact code per tensor, and
+        ``"auto:link_gbits=10"`` the cheapest to code and send over a 10 Gbit/s
+        link (each rank may give its own bandwidth).
     value : str, dict or ValueCodec, default "fp16"
         Value codec: ``"raw"`` (lossless), ``"fp16"``, ``"bf16"``,
         ``"qsgd:bits=8"``...
