@@ -198,10 +198,11 @@ class AutoIndices(IndexCodec):
         decode time the codec takes on a set of this size, run count and
         universe (:data:`CODING_NS`), as one payload sent to one peer. At
         10 Gbit/s a byte costs 0.8 ns, so a Golomb code 1% larger than a Huffman
-        code that takes 4.7 ns more per index wins; at 100 Mbit/s the smaller
-        stream does. Sets of at most :data:`TRIAL_LIMIT` indices are still
-        chosen by size. The bandwidth only steers the encoder: payload headers
-        name plain ``auto`` and any reader decodes the stream.
+        code that takes about 5 ns more per index to code wins; at 100 Mbit/s a
+        byte costs 80 ns and a Huffman code a few percent smaller does. Sets of
+        at most :data:`TRIAL_LIMIT` indices are still chosen by size. The
+        bandwidth only steers the encoder: payload headers name plain ``auto``
+        and any reader decodes the stream.
 
     Examples
     --------

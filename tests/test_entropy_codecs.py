@@ -222,7 +222,7 @@ def test_auto_with_a_link_picks_the_cheapest_stream(kind, link_gbits):
     chosen = model(data[0], len(data) - 1)
     # the model's best of the direct codes, or better (a complement), up to the estimates' slack
     assert chosen <= 1.03 * min(costs.values()), (auto.TAGS[data[0] & 0x7F], costs)
-    # the smallest stream when the link is slow: at most what bytes cost
+    # never smaller than plain auto's stream, never costlier by the model
     smallest = auto.AutoIndices().encode(indices, n)
     assert len(data) >= len(smallest)
     assert chosen <= model(smallest[0], len(smallest) - 1) * 1.001
