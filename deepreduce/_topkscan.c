@@ -380,36 +380,26 @@ static int get_values(PyObject *object, Py_buffer *view, char *format, int writa
     return 0;
 }
 
-/* A new numpy int64 array holding the count positions. */
-static PyObject *as_array(const int64_t *positions, Py_ssize_t count)
+/* A new numpy int64 array of the positions of the count hits (k < 0) or of the k
+ * largest of them. */
+static PyObject *positions_array(const Hits *hits, Py_ssize_t count, Py_ssize_t k)
 {
-    PyObject *array = PyObject_CallFunction(numpy_empty, "ns", count, "int64");
-    if (array == NULL || count == 0)
+    Py_ssize_t size = k < 0 ? count : k;
+    PyObject *array = PyObject_CallFunction(numpy_empty, "ns", size, "int64");
+    if (array == NULL || size == 0)
         return array;
     Py_buffer view;
     if (PyObject_GetBuffer(array, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
         Py_DECREF(array);
         return NULL;
     }
-    memcpy(view.buf, positions, (size_t)count * sizeof *positions);
-    PyBuffer_Release(&view);
-    return array;
-}
-
-/* A new numpy int64 array holding the positions of the k largest of count hits. */
-static PyObject *largest_as_array(const Hits *hits, Py_ssize_t count, Py_ssize_t k)
-{
-    PyObject *array = PyObject_CallFunction(numpy_empty, "ns", k, "int64");
-    if (array == NULL || k == 0)
-        return array;
-    Py_buffer view;
-    if (PyObject_GetBuffer(array, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        Py_DECREF(array);
-        return NULL;
+    if (k < 0)
+        memcpy(view.buf, hits->position, (size_t)count * sizeof *hits->position);
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        take_largest(hits, count, k, view.buf);
+        Py_END_ALLOW_THREADS
     }
-    Py_BEGIN_ALLOW_THREADS
-    take_largest(hits, count, k, view.buf);
-    Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     return array;
 }
@@ -455,10 +445,8 @@ static PyObject *scan(PyObject *values_object, double low, Py_ssize_t k,
         Py_INCREF(Py_None);
         result = Py_None;
     }
-    else if (k < 0)
-        result = as_array(hits.position, found);
     else
-        result = largest_as_array(&hits, found, k);
+        result = positions_array(&hits, found, k);
     PyMem_RawFree(hits.position);
     PyMem_RawFree(hits.key);
     if (adding)
