@@ -56,14 +56,14 @@ help:
 
 venv: $(STAMP)
 
+C_SOURCES := $(wildcard deepreduce/*.c)
+
 # The stamp lives inside .venv, so deleting .venv starts over. Every step below is
 # idempotent; re-running after an edit of setup.cfg only installs what changed, and
-# an edit of a C extension (deepreduce/_bloomscan.c, deepreduce/_entropyc.c,
-# deepreduce/_topkscan.c, deepreduce/_sparsesum.c) recompiles it.
+# an edit of a C extension (deepreduce/*.c) recompiles it.
 # Horovod is compiled only when `import horovod.tensorflow` fails; pip's wheel cache
 # (kept on purpose) makes a rebuild in a new venv take seconds instead of minutes.
-$(STAMP): setup.cfg setup.py pyproject.toml Makefile deepreduce/_bloomscan.c \
-		deepreduce/_entropyc.c deepreduce/_topkscan.c deepreduce/_sparsesum.c
+$(STAMP): setup.cfg setup.py pyproject.toml Makefile $(C_SOURCES)
 	@for tool in gcc g++ cmake; do command -v $$tool >/dev/null || { \
 		echo "make: $$tool not found; Horovod is compiled from source and needs gcc, g++ and cmake" \
 		     "(Debian: apt-get install build-essential cmake python3-venv)" >&2; exit 1; }; done
@@ -92,8 +92,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(RUN) $(BIN)/python -m pytest -q
 
-$(CORE_STAMP): setup.cfg setup.py pyproject.toml Makefile deepreduce/_bloomscan.c \
-		deepreduce/_entropyc.c deepreduce/_topkscan.c deepreduce/_sparsesum.c
+$(CORE_STAMP): setup.cfg setup.py pyproject.toml Makefile $(C_SOURCES)
 	test -x $(CORE_VENV)/bin/python || $(CORE_PYTHON) -m venv $(CORE_VENV) 2>/dev/null || { \
 		echo "make: $(CORE_PYTHON) not found; the core leg runs on $$($(PYTHON) -V)" \
 		     "with numpy 2"; $(PYTHON) -m venv $(CORE_VENV); }

@@ -1,6 +1,6 @@
 """Only the compiled part of the build; the metadata is in setup.cfg.
 
-The four extensions are optional: where they cannot be compiled (no C compiler)
+The five extensions are optional: where they cannot be compiled (no C compiler)
 the install goes on and deepreduce falls back to numpy, which gives the same
 results more slowly. deepreduce._bloomscan is the Bloom-filter scan and build
 (deepreduce.codecs.bloom, a quarter of the speed or less without it);
@@ -11,7 +11,9 @@ as numpy) and varints (deepreduce.bits);
 deepreduce._topkscan the candidate scan and selection of the Top-k sparsifier
 (deepreduce.sparsifiers.TopK), error feedback's addition included;
 deepreduce._sparsesum the sum of the ranks' sparse parts into the dense result
-(deepreduce.collectives.base.sum_sorted_into).
+(deepreduce.collectives.base.sum_sorted_into);
+deepreduce._qsgd the quantisation and dequantisation of the QSGD value codec
+(deepreduce.codecs.qsgd), which must give numpy's bits: no fused multiply-adds.
 """
 
 import sys
@@ -19,6 +21,7 @@ import sys
 from setuptools import Extension, setup
 
 OPTIMISE = [] if sys.platform == "win32" else ["-O3"]
+EXACT = [] if sys.platform == "win32" else ["-ffp-contract=off"]
 
 setup(ext_modules=[
     Extension("deepreduce._bloomscan", ["deepreduce/_bloomscan.c"],
@@ -29,4 +32,6 @@ setup(ext_modules=[
               extra_compile_args=OPTIMISE, optional=True),
     Extension("deepreduce._sparsesum", ["deepreduce/_sparsesum.c"],
               extra_compile_args=OPTIMISE, optional=True),
+    Extension("deepreduce._qsgd", ["deepreduce/_qsgd.c"],
+              extra_compile_args=OPTIMISE + EXACT, optional=True),
 ])

@@ -175,7 +175,7 @@ def from_float32(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if is_bfloat16(dtype):
         return float32_to_bfloat16_bits(x).view(BFLOAT16)
     with np.errstate(**_QUIET_CASTS):
-        return x.astype(dtype)
+        return x.astype(dtype, copy=False)
 
 
 # ----------------------------------------------------------------- codecs

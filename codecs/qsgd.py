@@ -52,6 +52,15 @@ from deepreduce.codecs.floats import (check_nnz, check_values, from_float32, to_
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
+try:
+    from deepreduce import _qsgd
+except ImportError:  # not built: the numpy loops below give the same bits
+    _qsgd = None
+
+#: Which loops quantise: ``"compiled"`` (``deepreduce._qsgd``, built by ``pip install``)
+#: or ``"numpy"``. Both give the same bits.
+IMPLEMENTATION = "numpy" if _qsgd is None else "compiled"
+
 MIN_BITS, MAX_BITS = 2, 8
 MAX_BUCKET = 1 << 24
 NORMS = ("max", "l2")
@@ -87,11 +96,12 @@ def bucket_matrix(x: np.ndarray, bucket: int, dtype=None) -> np.ndarray:
 
 
 def cast_back(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """float64 results -> ``dtype`` (rounded once for float32, via float32 for narrower)."""
-    if dtype == np.float64:
+    """float64 or float32 results -> ``dtype`` (rounded once for float32, via float32 for
+    narrower); ``x`` itself when it has that dtype."""
+    if x.dtype == dtype:
         return x
     with np.errstate(over="ignore", invalid="ignore"):
-        return from_float32(x.astype(np.float32), dtype)
+        return from_float32(x.astype(np.float32, copy=False), dtype)
 
 
 def float32_at_least(x: np.ndarray) -> np.ndarray:
@@ -117,6 +127,30 @@ def bucket_l2_norms(rows: np.ndarray) -> np.ndarray:
 def bucket_peaks(rows: np.ndarray) -> np.ndarray:
     """Largest magnitude of each row (NaN when the row holds a NaN)."""
     return np.max(np.abs(rows), axis=1)
+
+
+def quantize(rows: np.ndarray, norms: np.ndarray, s: int, dither: np.ndarray) -> np.ndarray:
+    """The codes ``2 * level + negative`` of float64 ``rows`` (one bucket per row) with
+    float32 ``norms`` and dither draws of the rows' shape: numpy's loop, the compiled
+    one's fallback.
+
+    A bucket with a zero or non-finite norm codes 0. Stochastic rounding is unbiased:
+    ``floor(a + u)`` is ``floor(a) + 1`` with probability ``a - floor(a)``.
+    """
+    scale = norms.astype(np.float64)
+    usable = np.isfinite(scale) & (scale > 0)
+    a = np.abs(rows)  # a = |x| / norm * s, in place
+    with np.errstate(invalid="ignore", divide="ignore"):
+        a *= np.where(usable, s / scale, 0.0)[:, None]
+    if not usable.all():
+        a[~usable] = 0.0
+    a += dither
+    np.floor(a, out=a)
+    np.minimum(a, s, out=a)
+    levels = a.reshape(-1).astype(np.uint8)
+    codes = levels << 1
+    codes |= (rows.reshape(-1) < 0) & (levels > 0)
+    return codes
 
 
 def dequantize(codes: np.ndarray, norms: np.ndarray, bucket: int, s: int,
@@ -201,42 +235,47 @@ class QSGDValues(ValueCodec):
         self.step += 1
         return seed
 
-    def _quantize(self, values):
+    def _quantize(self, values, receive: bool):
+        """``(stream, received or None)``; the compiled loops when built, else numpy."""
         values = check_values(values)
         seed = self._next_seed()
         s, nnz = self.levels, values.size
-        if values.dtype in (np.float32, np.float64):  # widened exactly by the copy itself
-            rows = bucket_matrix(values, self.bucket, np.float64)
+        # the dither, one float32 per value: 24 random bits are plenty for 8-bit levels
+        draws = np.random.default_rng(seed)
+        if _qsgd is None:
+            rows = bucket_matrix(values if values.dtype in (np.float32, np.float64)
+                                 else working_copy(values), self.bucket, np.float64)
+            norms = self._norms(rows)
+            codes = quantize(rows, norms, s, draws.random(rows.shape, dtype=np.float32))[:nnz]
+            packed = _bits.pack_fixed(codes, self.bits)
+            received = (dequantize(codes, norms, self.bucket, s, values.dtype) if receive
+                        else None)
         else:
-            rows = bucket_matrix(working_copy(values), self.bucket)
+            wide = values if values.dtype in (np.float32, np.float64) else to_float32(values)
+            if self.norm == "max":  # found by the compiled pass
+                norms = np.empty(-(-nnz // self.bucket), np.float32)
+            else:
+                norms = self._norms(bucket_matrix(wide, self.bucket, np.float64))
+            received = np.empty(nnz, wide.dtype) if receive else None
+            packed = _qsgd.quantize(wide, self.bucket, s, self.bits,
+                                    draws.random(nnz, dtype=np.float32), norms,
+                                    self.norm == "max", received)
+            if receive:
+                received = cast_back(received, values.dtype)
+        return _SEED.pack(seed) + norms.astype("<f4").tobytes() + packed, received
+
+    def _norms(self, rows: np.ndarray) -> np.ndarray:
+        """Each bucket's float32 scale (a NaN one is numpy's, so both paths write its bits)."""
         norms = float32_at_least(bucket_l2_norms(rows) if self.norm == "l2" else
                                  bucket_peaks(rows))
-        scale = norms.astype(np.float64)
-        usable = np.isfinite(scale) & (scale > 0)
-        # a = |x| / norm * s in place; a bucket with a zero or non-finite norm codes 0
-        a = np.abs(rows)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            a *= np.where(usable, s / scale, 0.0)[:, None]
-        if not usable.all():
-            a[~usable] = 0.0
-        # stochastic rounding, unbiased: floor(a + u) is floor(a) + 1 with probability
-        # a - floor(a) (float32 draws: 24 random bits are plenty for 8-bit levels)
-        a += np.random.default_rng(seed).random(a.shape, dtype=np.float32)
-        np.floor(a, out=a)
-        np.minimum(a, s, out=a)
-        levels = a.reshape(-1)[:nnz].astype(np.uint8)
-        codes = levels << 1
-        codes |= (rows.reshape(-1)[:nnz] < 0) & (levels > 0)
-        data = (_SEED.pack(seed) + norms.astype("<f4").tobytes()
-                + _bits.pack_fixed(codes, self.bits))
-        return data, codes, norms, values.dtype
+        norms[np.isnan(norms)] = np.nan
+        return norms
 
     def encode(self, values):
-        return self._quantize(values)[0]
+        return self._quantize(values, receive=False)[0]
 
     def encode_and_receive(self, values):
-        data, codes, norms, dtype = self._quantize(values)
-        return data, dequantize(codes, norms, self.bucket, self.levels, dtype)
+        return self._quantize(values, receive=True)
 
     def decode(self, data, nnz, dtype):
         dtype = value_dtype(dtype, DecodeError)
@@ -250,8 +289,17 @@ class QSGDValues(ValueCodec):
         norms = np.frombuffer(data, dtype="<f4", count=buckets, offset=_SEED.size)
         if np.any(norms < 0):
             raise DecodeError(f"{what}: negative bucket norm")
-        codes = _bits.unpack_fixed(data[_SEED.size + 4 * buckets:], nnz, self.bits, what)
-        if np.any(codes == 1):
+        packed = memoryview(data)[_SEED.size + 4 * buckets:]
+        if _qsgd is None:
+            codes = _bits.unpack_fixed(packed, nnz, self.bits, what)
+            canonical = not np.any(codes == 1)
+            received = dequantize(codes, norms, self.bucket, self.levels, dtype)
+        else:
+            received = np.empty(nnz, np.float64 if dtype == np.float64 else np.float32)
+            canonical = _qsgd.dequantize(packed, norms, self.bucket, self.levels, self.bits,
+                                         received)
+            received = cast_back(received, dtype)
+        if not canonical:
             raise DecodeError(f"{what}: level 0 with the sign bit set")
-        return dequantize(codes, norms, self.bucket, self.levels, dtype)
+        return received
 

@@ -42,6 +42,7 @@ def test_codecs_subpackage_maps_to_codecs_folder_and_stdlib_codecs_stays():
     ("deepreduce.codecs._entropy", "IMPLEMENTATION", "_entropyc"),     # the Huffman coder's loops
     ("deepreduce.sparsifiers", "SCAN_IMPLEMENTATION", "_topkscan"),    # TopK's candidate scan
     ("deepreduce.collectives.base", "SUM_IMPLEMENTATION", "_sparsesum"),  # the ranks' sum
+    ("deepreduce.codecs.qsgd", "IMPLEMENTATION", "_qsgd"),             # QSGD's quantisation
 ])
 def test_install_compiled_the_c_extensions(module, implementation, extension):
     # The extensions are optional so that installs without a compiler work; this
