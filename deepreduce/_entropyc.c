@@ -997,29 +997,41 @@ static void fill_spread_digits(void)
                                                          & ((1u << part) - 1)) << (8 * j);
 }
 
+/* For widths up to 8: a group's 8 heads as the bytes of one word (head j in byte j), a
+ * table lookup per plane byte. */
+static inline uint64_t read_lanes(const golomb_t *g, const uint8_t *data, uint64_t size,
+                                  Py_ssize_t group, Py_ssize_t groups)
+{
+    uint64_t plane = 0, lanes = 0;
+    for (unsigned p = 0; p < g->planes; p++) {
+        unsigned part = g->parts[p];
+        uint64_t word = window_at(data, size, plane + (uint64_t)group * part), digits = 0;
+        if (part == 8)
+            digits = BSWAP64(word);
+        else
+            for (unsigned b = 0, level = part == 4 ? 0 : part == 2 ? 1 : 2; b < part; b++)
+                digits |= spread_digits[level][(word >> (56 - 8 * b)) & 0xFF]
+                          << (64 / part * b);
+        lanes = (lanes << part) | digits;
+        plane += (uint64_t)groups * part;
+    }
+    return lanes;
+}
+
+static inline void split_lanes(uint64_t lanes, uint64_t *head)
+{
+    for (unsigned j = 0; j < 8; j++)
+        head[j] = (lanes >> (8 * j)) & 0xFF;
+}
+
 static inline void read_group(const golomb_t *g, const uint8_t *data, uint64_t size,
                               Py_ssize_t group, Py_ssize_t groups, uint64_t *head)
 {
-    uint64_t plane = 0;
     if (g->width <= 8) {
-        /* The 8 heads as the bytes of one word, a table lookup per plane byte. */
-        uint64_t lanes = 0;
-        for (unsigned p = 0; p < g->planes; p++) {
-            unsigned part = g->parts[p];
-            uint64_t word = window_at(data, size, plane + (uint64_t)group * part), digits = 0;
-            if (part == 8)
-                digits = BSWAP64(word);
-            else
-                for (unsigned b = 0, level = part == 4 ? 0 : part == 2 ? 1 : 2; b < part; b++)
-                    digits |= spread_digits[level][(word >> (56 - 8 * b)) & 0xFF]
-                              << (64 / part * b);
-            lanes = (lanes << part) | digits;
-            plane += (uint64_t)groups * part;
-        }
-        for (unsigned j = 0; j < 8; j++)
-            head[j] = (lanes >> (8 * j)) & 0xFF;
+        split_lanes(read_lanes(g, data, size, group, groups), head);
         return;
     }
+    uint64_t plane = 0;
     for (unsigned j = 0; j < 8; j++)
         head[j] = 0;
     for (unsigned p = 0; p < g->planes; p++) {
@@ -1074,6 +1086,18 @@ static ALWAYS_INLINE void set_stream_bit(uint8_t *stream, uint64_t position, uin
     store_be64(stream + 8 * next, *word);
 }
 
+/* Appends bit `bit` (0 or 1) at `position` the same way, also without a branch on it:
+ * a 0 rewrites the word as it is (or a zero word where the next one starts). */
+static ALWAYS_INLINE void put_stream_bit(uint8_t *stream, uint64_t position, uint64_t bit,
+                                         uint64_t *word, uint64_t *at)
+{
+    uint64_t next = position >> 6;
+    *word = next == *at ? *word : 0;
+    *at = next;
+    *word |= (bit << 63) >> (position & 63);
+    store_be64(stream + 8 * next, *word);
+}
+
 /* The fields of strictly increasing indices: the heads' planes (and, for the last
  * count % 8 values, tail bits) into `out`, zero past the planes; the unary codes into
  * `unary` and the extra bits into `extras`, both zeroed, word-aligned and long enough
@@ -1113,12 +1137,12 @@ static ALWAYS_INLINE int golomb_write_with(const golomb_t *g, int rice, const in
         for (unsigned j = 0; j < size; j++) {
             position += quotient[j];
             set_stream_bit(unary, position++, &word, &at);
-            if (!rice && head[j] >= threshold) {
-                uint64_t r = head[j] + threshold;
-                if (r & 1)
-                    set_stream_bit(extras, long_codes, &extra_word, &extra_at);
-                long_codes++;
-                head[j] = r >> 1;
+            if (!rice) {
+                /* about as many long codes as short ones, in random order: no branch */
+                uint64_t r = head[j] + threshold, is_long = head[j] >= threshold;
+                put_stream_bit(extras, long_codes, r & is_long, &extra_word, &extra_at);
+                long_codes += is_long;
+                head[j] = is_long ? r >> 1 : head[j];
             }
         }
         if (size == 8)
@@ -1242,9 +1266,12 @@ static inline unsigned LOWEST_BIT(uint64_t x)
 }
 #endif
 
-/* Decodes `count` indices below n < 2**58 into out; returns NULL or what is wrong. */
+/* Decodes `count` indices below n < 2**58 into out; returns NULL or what is wrong.
+ * A true Golomb code (not Rice) reads the heads twice, once to count its long codes (the
+ * unary part starts after their extra bits) and once to add them up; `lanes` (room for
+ * count / 8 words, or NULL) keeps them between the two when they are bytes. */
 static const char *golomb_read(const golomb_t *g, const uint8_t *data, uint64_t size,
-                               Py_ssize_t count, uint64_t n, int64_t *out)
+                               Py_ssize_t count, uint64_t n, int64_t *out, uint64_t *lanes)
 {
     Py_ssize_t aligned = count & ~(Py_ssize_t)7, groups = aligned / 8;
     const uint8_t *tail = data + groups * g->width;
@@ -1253,7 +1280,12 @@ static const char *golomb_read(const golomb_t *g, const uint8_t *data, uint64_t 
     const uint64_t m = g->m, threshold = g->threshold;
     if (!g->rice) {
         for (Py_ssize_t group = 0; group < groups; group++) {
-            read_group(g, data, size, group, groups, head);
+            if (lanes) {
+                lanes[group] = read_lanes(g, data, size, group, groups);
+                split_lanes(lanes[group], head);
+            }
+            else
+                read_group(g, data, size, group, groups, head);
             for (unsigned j = 0; j < 8; j++)
                 long_codes += head[j] >= threshold;
         }
@@ -1297,19 +1329,24 @@ static const char *golomb_read(const golomb_t *g, const uint8_t *data, uint64_t 
     uint64_t remainders = 0, extra_at = lead;
     for (Py_ssize_t i = 0; i < count; i += 8) {
         unsigned size_group = count - i < 8 ? (unsigned)(count - i) : 8;
-        if (i < aligned)
+        if (i < aligned && lanes)
+            split_lanes(lanes[i / 8], head);
+        else if (i < aligned)
             read_group(g, data, size, i / 8, groups, head);
         else
             for (unsigned j = 0; j < size_group; j++)
                 head[j] = read_bits(tail, tail_size, (uint64_t)(i + j - aligned) * g->width,
                                     g->width);
+        /* Long and short codes come in random order: no branch on which. extra_at
+         * stays below start, before the count terminators checked above, so the byte
+         * read is in the stream even after the last long code. */
         if (!g->rice)
-            for (unsigned j = 0; j < size_group; j++)
-                if (head[j] >= threshold) {
-                    head[j] = 2 * head[j] - threshold
-                              + ((tail[extra_at >> 3] >> (7 - (extra_at & 7))) & 1);
-                    extra_at++;
-                }
+            for (unsigned j = 0; j < size_group; j++) {
+                uint64_t is_long = head[j] >= threshold;
+                uint64_t extra = (tail[extra_at >> 3] >> (7 - (extra_at & 7))) & 1;
+                head[j] = is_long ? 2 * head[j] - threshold + extra : head[j];
+                extra_at += is_long;
+            }
         int64_t *index = out + i;
         for (unsigned j = 0; j < size_group; j++) {
             remainders += head[j];
@@ -1346,10 +1383,14 @@ static PyObject *golomb_decode(PyObject *module, PyObject *args)
     else {
         const char *problem;
         golomb_layout(&g, m);
+        /* without the memory, the heads are read twice */
+        uint64_t *lanes = g.rice || g.width > 8 || count < 8 ? NULL
+                          : PyMem_RawMalloc((size_t)(count / 8) * sizeof *lanes);
         Py_BEGIN_ALLOW_THREADS
         problem = golomb_read(&g, views[0]->buf, (uint64_t)views[0]->len, count, n,
-                              views[1]->buf);
+                              views[1]->buf, lanes);
         Py_END_ALLOW_THREADS
+        PyMem_RawFree(lanes);
         if (problem)
             result = PyUnicode_FromString(problem);
         else {
