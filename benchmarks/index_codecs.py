@@ -24,6 +24,10 @@ bound ``log2 C(n, k) / k`` of the set, and checks the targets of issue 3:
   ``auto``'s (the smallest stream), on uniform, low-rank, clustered and dense
   supports; with ``auto``'s coding-time model against measured times and a
   fresh fit of it;
+- (issue 14) the SIMD integer codecs of the FastPFor library (``pyfastpfor``,
+  when installed: ``pip install pyfastpfor``) on the same sets as ``auto``,
+  ``auto:link_gbits`` and ``golomb``: sizes, speeds and the time to encode, send
+  and decode at 1, 10 and 100 Gbit/s;
 - ``huffman`` encode and decode times with its compiled loops
   (``deepreduce._entropyc``) and with the numpy fallback, at n = 25M, 1%
   and on the 41,944 indices of a 4,194,304-element tensor (the size of the
@@ -465,6 +469,94 @@ def coding_time_section(repeat, seed) -> tuple[list[str], bool]:
     return lines, ok
 
 
+#: FastPFor codecs measured against deepreduce's (pyfastpfor's names): binary packing of
+#: 128 deltas at a time, and the patched variant that stores a block's outliers apart.
+FASTPFOR_CODECS = ("simdbinarypacking", "simdfastpfor128")
+
+
+def fastpfor_coder(name):
+    """``(encode, decode)`` of a pyfastpfor codec on int64 indices, deltas and the
+    conversions to and from uint32 included (deepreduce's indices are int64)."""
+    import pyfastpfor
+
+    codec = pyfastpfor.getCodec(name)
+
+    def encode(indices):
+        values = indices.astype(np.uint32)
+        pyfastpfor.delta1(values, values.size)
+        out = np.zeros(values.size + 1024, dtype=np.uint32)
+        return out[:codec.encodeArray(values, values.size, out, out.size)]
+
+    def decode(words, k):
+        values = np.zeros(k, dtype=np.uint32)
+        codec.decodeArray(words, words.size, values, k)
+        pyfastpfor.prefixSum1(values, k)
+        return values.astype(np.int64)
+
+    return encode, decode
+
+
+def fastpfor_section(repeat, seed) -> list[str]:
+    """pyfastpfor's SIMD codecs next to auto and Golomb: bits, speed, and the time to
+    encode, send and decode at three link rates (informational: no target)."""
+    try:
+        import pyfastpfor  # noqa: F401
+    except ImportError:
+        return ["## SIMD integer codecs (FastPFor)", "",
+                "pyfastpfor is not installed (`pip install pyfastpfor`): section skipped."]
+    rng = np.random.default_rng(seed)
+    sets = [(25_000_000, 0.01), (25_000_000, 0.1), (4_194_304, 0.01)]
+    links = (1, 10, 100)
+    rows = []
+    for n, density in sets:
+        k = int(round(n * density))
+        indices = np.sort(rng.choice(n, k, replace=False))
+        bound = dr.index_entropy_bits(n, k)
+        coders = {}
+        for spec in ("auto", "auto:link_gbits=10", "golomb"):
+            codec = dr.get_codec(spec, family="index")
+            coders[spec] = (lambda codec=codec: codec.encode(indices, n),
+                            lambda data, codec=codec: codec.decode(data, n, k),
+                            len)
+        for name in FASTPFOR_CODECS:
+            encode, decode = fastpfor_coder(name)
+            coders[f"pyfastpfor {name}"] = (lambda encode=encode: encode(indices),
+                                            lambda data, decode=decode: decode(data, k),
+                                            lambda data: data.nbytes)
+        measured = {}
+        for label, (encode, decode, size_of) in coders.items():
+            data = encode()
+            if not np.array_equal(decode(data), indices):
+                raise AssertionError(f"{label} does not round-trip")
+            measured[label] = (size_of(data), best_of(encode, repeat)[0],
+                               best_of(lambda: decode(data), repeat)[0])
+        costs = {link: {label: 8 * size / (link * 1e9) + encode + decode
+                        for label, (size, encode, decode) in measured.items()}
+                 for link in links}
+        for label, (size, encode, decode) in measured.items():
+            cells = []
+            for link in links:
+                cheapest = min(costs[link], key=costs[link].get) == label
+                cells.append(f"{1e3 * costs[link][label]:.2f}" + (" (best)" if cheapest else ""))
+            rows.append([f"{n:,}, {density:.0%}", label, f"{8 * size / k:.2f}",
+                         f"{8 * size / k / bound:.3f}", f"{1e3 * encode:.2f}",
+                         f"{1e3 * decode:.2f}"] + cells)
+    lines = ["## SIMD integer codecs (FastPFor) next to auto and Golomb", "",
+             f"pyfastpfor {_version('pyfastpfor')}: binary packing of 128 deltas at a time "
+             "(`simdbinarypacking`) and its patched variant (`simdfastpfor128`), with "
+             "pyfastpfor's own delta and prefix-sum passes and the conversions between "
+             "deepreduce's int64 indices and its uint32 ones. Best of "
+             f"{repeat} runs on one core. The last columns are encode + send + decode at "
+             "each link rate, in ms.", ""]
+    return lines + table(["set", "codec", "bits/index", "x bound", "encode ms", "decode ms"]
+                         + [f"{link} Gbit/s" for link in links], rows)
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+    return version(package)
+
+
 def real_section(path, codecs, density) -> tuple[list[str], bool]:
     grads = np.load(path)
     names = [cid for cid in codecs if cid != "auto"]
@@ -584,6 +676,7 @@ def main(argv=None):
     lines += section + [""]
     section, verdicts["link_gbits"] = coding_time_section(min(args.repeat, 7), args.seed)
     lines += section + [""]
+    lines += fastpfor_section(args.repeat, args.seed) + [""]
     lines += ["## Verdict", ""] + [f"- {name}: {'PASS' if ok else 'FAIL'}"
                                    for name, ok in verdicts.items()]
     text = "\n".join(lines) + "\n"
