@@ -265,7 +265,8 @@ class QSGDValues(ValueCodec):
         return _SEED.pack(seed) + norms.astype("<f4").tobytes() + packed, received
 
     def _norms(self, rows: np.ndarray) -> np.ndarray:
-        """Each bucket's float32 scale (a NaN one is numpy's, so both paths write its bits)."""
+        """Each bucket's float32 scale; a NaN one is written as ``np.nan`` whatever the
+        input's NaN payload, as the compiled loop writes it."""
         norms = float32_at_least(bucket_l2_norms(rows) if self.norm == "l2" else
                                  bucket_peaks(rows))
         norms[np.isnan(norms)] = np.nan
