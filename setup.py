@@ -7,7 +7,8 @@ results more slowly. deepreduce._bloomscan is the Bloom-filter scan and build
 deepreduce._entropyc the bit packing and prefix-code decoding of the Huffman index
 codec (deepreduce.codecs.huffman through deepreduce.codecs._entropy), the Golomb
 code's encoder and decoder (deepreduce.codecs.golomb, about three times as fast
-as numpy) and varints (deepreduce.bits);
+as numpy), the block-packed code (deepreduce.codecs.blockpack) and varints
+(deepreduce.bits);
 deepreduce._topkscan the candidate scan and selection of the Top-k sparsifier
 (deepreduce.sparsifiers.TopK), error feedback's addition included;
 deepreduce._sparsesum the sum of the ranks' sparse parts into the dense result

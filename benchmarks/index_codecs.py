@@ -26,7 +26,7 @@ bound ``log2 C(n, k) / k`` of the set, and checks the targets of issue 3:
   fresh fit of it;
 - (issue 14) the SIMD integer codecs of the FastPFor library (``pyfastpfor``,
   when installed: ``pip install pyfastpfor``) on the same sets as ``auto``,
-  ``auto:link_gbits`` and ``golomb``: sizes, speeds and the time to encode, send
+  ``auto:link_gbits``, ``golomb`` and ``blockpack``: sizes, speeds and the time to encode, send
   and decode at 1, 10 and 100 Gbit/s;
 - ``huffman`` encode and decode times with its compiled loops
   (``deepreduce._entropyc``) and with the numpy fallback, at n = 25M, 1%
@@ -497,7 +497,7 @@ def fastpfor_coder(name):
 
 
 def fastpfor_section(repeat, seed) -> list[str]:
-    """pyfastpfor's SIMD codecs next to auto and Golomb: bits, speed, and the time to
+    """pyfastpfor's SIMD codecs next to auto, Golomb and blockpack: bits, speed, and the time to
     encode, send and decode at three link rates (informational: no target)."""
     try:
         import pyfastpfor  # noqa: F401
@@ -513,7 +513,7 @@ def fastpfor_section(repeat, seed) -> list[str]:
         indices = np.sort(rng.choice(n, k, replace=False))
         bound = dr.index_entropy_bits(n, k)
         coders = {}
-        for spec in ("auto", "auto:link_gbits=10", "golomb"):
+        for spec in ("auto", "auto:link_gbits=10", "golomb", "blockpack"):
             codec = dr.get_codec(spec, family="index")
             coders[spec] = (lambda codec=codec: codec.encode(indices, n),
                             lambda data, codec=codec: codec.decode(data, n, k),
@@ -541,7 +541,7 @@ def fastpfor_section(repeat, seed) -> list[str]:
             rows.append([f"{n:,}, {density:.0%}", label, f"{8 * size / k:.2f}",
                          f"{8 * size / k / bound:.3f}", f"{1e3 * encode:.2f}",
                          f"{1e3 * decode:.2f}"] + cells)
-    lines = ["## SIMD integer codecs (FastPFor) next to auto and Golomb", "",
+    lines = ["## SIMD integer codecs (FastPFor) next to auto, Golomb and blockpack", "",
              f"pyfastpfor {_version('pyfastpfor')}: binary packing of 128 deltas at a time "
              "(`simdbinarypacking`) and its patched variant (`simdfastpfor128`), with "
              "pyfastpfor's own delta and prefix-sum passes and the conversions between "

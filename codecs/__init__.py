@@ -15,6 +15,7 @@ from deepreduce.codecs import rle  # noqa: F401
 from deepreduce.codecs import eliasfano  # noqa: F401
 from deepreduce.codecs import floats  # noqa: F401
 from deepreduce.codecs import golomb  # noqa: F401
+from deepreduce.codecs import blockpack  # noqa: F401
 from deepreduce.codecs import bloom  # noqa: F401
 from deepreduce.codecs import huffman  # noqa: F401
 from deepreduce.codecs import runs  # noqa: F401

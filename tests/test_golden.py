@@ -33,6 +33,7 @@ PAYLOADS = {
     "deflate_deflate_f16": ((1000,), np.float16, dr.TopK(k=40), "deflate", "deflate"),
     "rle_fp32_f64": ((1000,), np.float64, dr.BlockTopK(0.1, block=16), "rle", "fp32"),
     "bitpack_raw_f32": ((1000,), np.float32, dr.TopK(k=40), "bitpack", "raw"),
+    "blockpack_raw_f32": ((2000,), np.float32, dr.TopK(k=300), "blockpack", "raw"),
     "raw_raw_empty": ((0,), np.float32, None, "raw", "raw"),
     # auto's tag table names other codecs' default streams: these pin all of them
     "auto_fp16_small": ((1000,), np.float32, dr.TopK(k=40), "auto", "fp16"),
