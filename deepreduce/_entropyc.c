@@ -1077,21 +1077,10 @@ typedef struct {
 #define ALWAYS_INLINE inline
 #endif
 
-/* Appends one set bit at `position` of a zeroed, word-aligned stream. The word holding
- * it is stored after every change: no branch, no read back, and words a long quotient
- * skips stay zero. */
-static ALWAYS_INLINE void set_stream_bit(uint8_t *stream, uint64_t position, uint64_t *word,
-                                         uint64_t *at)
-{
-    uint64_t next = position >> 6;
-    *word = next == *at ? *word : 0;
-    *at = next;
-    *word |= 0x8000000000000000ull >> (position & 63);
-    store_be64(stream + 8 * next, *word);
-}
-
-/* Appends bit `bit` (0 or 1) at `position` the same way, also without a branch on it:
- * a 0 rewrites the word as it is (or a zero word where the next one starts). */
+/* Appends bit `bit` (0 or 1) at `position` of a zeroed, word-aligned stream. The word
+ * holding it is stored after every change: no branch (on the bit either), no read back,
+ * and words a long quotient skips stay zero; a 0 rewrites the word as it is (or a zero
+ * word where the next one starts). */
 static ALWAYS_INLINE void put_stream_bit(uint8_t *stream, uint64_t position, uint64_t bit,
                                          uint64_t *word, uint64_t *at)
 {
@@ -1140,7 +1129,7 @@ static ALWAYS_INLINE int golomb_write_with(const golomb_t *g, int rice, const in
             return -1;
         for (unsigned j = 0; j < size; j++) {
             position += quotient[j];
-            set_stream_bit(unary, position++, &word, &at);
+            put_stream_bit(unary, position++, 1, &word, &at);
             if (!rice) {
                 /* about as many long codes as short ones, in random order: no branch */
                 uint64_t r = head[j] + threshold, is_long = head[j] >= threshold;
