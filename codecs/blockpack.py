@@ -4,8 +4,8 @@ The gaps between consecutive indices, ``g = [i0, i1 - i0 - 1, i2 - i1 - 1, ...]`
 are cut into blocks of 128 and each block is packed at the bit length of its
 largest gap, the layout of the SIMD binary packing of Lemire and Boytsov
 ("Decoding billions of integers per second through vectorization", 2015). There
-is no variable-length code: each gap is a fixed-width field, so both directions
-take a few instructions per index where a Golomb code takes several times that.
+is no variable-length code: each gap is a fixed-width field, a few instructions
+per index each way, and no branch on the data.
 On uniform supports the stream is 15-20% above the entropy bound (a block's
 width follows its largest gap, and gaps are geometric): a code for fast links,
 where coding time weighs more than bytes. ``auto`` does not choose it (yet).
@@ -135,9 +135,9 @@ def encode_indices(indices: np.ndarray) -> bytes:
 class BlockpackIndices(IndexCodec):
     """Index gaps in blocks of 128, each packed at its largest gap's bit length.
 
-    About 1.2x the entropy bound on uniform supports at 1-10% density, and four
-    times or more as fast to encode and decode as ``golomb`` (see the module
-    docstring for the stream).
+    About 1.2x the entropy bound on uniform supports at 1% density (1.3x at 10%),
+    and 1.8x (1%) to 2.7x (10%) as fast to encode and decode as ``golomb``
+    (``benchmarks/results/index_codecs.md``; the module docstring has the stream).
     """
 
     codec_id = "blockpack"
