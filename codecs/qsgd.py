@@ -257,7 +257,7 @@ class QSGDValues(ValueCodec):
             else:
                 norms = self._norms(bucket_matrix(wide, self.bucket, np.float64))
             received = np.empty(nnz, wide.dtype) if receive else None
-            packed = _qsgd.quantize(wide, self.bucket, s, self.bits,
+            packed = _qsgd.quantize(wide, self.bucket, self.bits,
                                     draws.random(nnz, dtype=np.float32), norms,
                                     self.norm == "max", received)
             if receive:
@@ -297,8 +297,7 @@ class QSGDValues(ValueCodec):
             received = dequantize(codes, norms, self.bucket, self.levels, dtype)
         else:
             received = np.empty(nnz, np.float64 if dtype == np.float64 else np.float32)
-            canonical = _qsgd.dequantize(packed, norms, self.bucket, self.levels, self.bits,
-                                         received)
+            canonical = _qsgd.dequantize(packed, norms, self.bucket, self.bits, received)
             received = cast_back(received, dtype)
         if not canonical:
             raise DecodeError(f"{what}: level 0 with the sign bit set")

@@ -1352,6 +1352,23 @@ static const char *golomb_read(const golomb_t *g, const uint8_t *data, uint64_t 
     return NULL;
 }
 
+/* The buffers of a decoder's (data, out): a bytes-like stream, a writable int64 array. */
+static int get_stream_and_out(PyObject *const *objects, Py_buffer **views)
+{
+    static const char *const names[2] = {"data", "out"};
+    static const kind_t kinds[2] = {BYTES, INT64};
+    static const int writable[2] = {0, 1};
+    return get_arrays(objects, views, names, kinds, writable, NULL, 2);
+}
+
+/* What a decoder returns: None, or what is wrong with the stream. */
+static PyObject *problem_or_none(const char *problem)
+{
+    if (problem)
+        return PyUnicode_FromString(problem);
+    Py_RETURN_NONE;
+}
+
 static PyObject *golomb_decode(PyObject *module, PyObject *args)
 {
     PyObject *objects[2];
@@ -1359,11 +1376,8 @@ static PyObject *golomb_decode(PyObject *module, PyObject *args)
     (void)module;
     if (!PyArg_ParseTuple(args, "OKKO:golomb_decode", &objects[0], &m, &n, &objects[1]))
         return NULL;
-    static const char *const names[2] = {"data", "out"};
-    static const kind_t kinds[2] = {BYTES, INT64};
-    static const int writable[2] = {0, 1};
     Py_buffer storage[2], *views[2] = {&storage[0], &storage[1]};
-    if (get_arrays(objects, views, names, kinds, writable, NULL, 2) < 0)
+    if (get_stream_and_out(objects, views) < 0)
         return NULL;
     Py_ssize_t count = views[1]->len / 8;
     PyObject *result = NULL;
@@ -1384,12 +1398,7 @@ static PyObject *golomb_decode(PyObject *module, PyObject *args)
                               views[1]->buf, lanes);
         Py_END_ALLOW_THREADS
         PyMem_RawFree(lanes);
-        if (problem)
-            result = PyUnicode_FromString(problem);
-        else {
-            Py_INCREF(Py_None);
-            result = Py_None;
-        }
+        result = problem_or_none(problem);
     }
     release_all(views, 2);
     return result;
@@ -1410,50 +1419,18 @@ static inline unsigned bit_length(uint64_t x)
     return x ? (unsigned)LOG2_64(x) + 1 : 0;
 }
 
-/* An MSB-first writer that stores 32 bits at a time. */
-typedef struct {
-    uint8_t *out;
-    uint64_t pending;
-    unsigned bits;
-} bit_writer_t;
-
-/* Appends value (below 2**width, width <= 32). At most 31 bits wait before, so the
- * 64-bit buffer never overflows. */
-static inline void put_field32(bit_writer_t *w, uint64_t value, unsigned width)
+/* Appends the low `width` (1..FAST_WIDTH) bits of value, MSB first, at *at, after the
+ * *waiting (< 8) low bits of *pending: one unaligned 8-byte store of all that waits
+ * (zero bits after it), then the finished bytes are passed, with no branch. The store
+ * reaches up to 8 bytes past the field: the buffer needs that much slack. */
+static inline void append_field(uint8_t **at, uint64_t *pending, unsigned *waiting,
+                                uint64_t value, unsigned width)
 {
-    w->pending = (w->pending << width) | value;
-    w->bits += width;
-    if (w->bits >= 32) {
-        w->bits -= 32;
-        uint32_t word = (uint32_t)(w->pending >> w->bits);
-        w->out[0] = (uint8_t)(word >> 24);
-        w->out[1] = (uint8_t)(word >> 16);
-        w->out[2] = (uint8_t)(word >> 8);
-        w->out[3] = (uint8_t)word;
-        w->out += 4;
-    }
-}
-
-static inline void put_field(bit_writer_t *w, uint64_t value, unsigned width)
-{
-    if (width > 32) {
-        put_field32(w, value >> 32, width - 32);
-        put_field32(w, value & 0xFFFFFFFFu, 32);
-    }
-    else
-        put_field32(w, value, width);
-}
-
-/* Writes what waits, zero-padded to a byte. */
-static inline void flush_fields(bit_writer_t *w)
-{
-    while (w->bits >= 8) {
-        w->bits -= 8;
-        *w->out++ = (uint8_t)(w->pending >> w->bits);
-    }
-    if (w->bits)
-        *w->out++ = (uint8_t)(w->pending << (8 - w->bits));
-    w->bits = 0;
+    *pending = (*pending << width) | value;
+    *waiting += width;
+    store_be64(*at, *pending << (64 - *waiting));
+    *at += *waiting >> 3;
+    *waiting &= 7;
 }
 
 /* The width of every block into widths; -1 unless the indices increase from 0. */
@@ -1505,44 +1482,39 @@ static PyObject *blockpack_encode(PyObject *module, PyObject *args)
         Py_ssize_t gaps = b + 1 < blocks ? BLOCK_GAPS : count - b * BLOCK_GAPS;
         size += (gaps * widths[b] + 7) / 8;
     }
-    data = PyBytes_FromStringAndSize(NULL, size);
+    /* 8 bytes of slack for append_field's stores, cut off at the end */
+    data = PyBytes_FromStringAndSize(NULL, size + 8);
     if (data == NULL)
         goto done;
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(data);
     memcpy(out, widths, (size_t)blocks);
     Py_BEGIN_ALLOW_THREADS
-    uint8_t *at = out + blocks, *end = out + size;
+    uint8_t *at = out + blocks;
     int64_t previous = -1;
     for (Py_ssize_t start = 0; start < count; start += BLOCK_GAPS) {
         Py_ssize_t gaps = count - start < BLOCK_GAPS ? count - start : BLOCK_GAPS;
         unsigned width = widths[start / BLOCK_GAPS];
         const int64_t *block = indices + start;
-        if (width <= FAST_WIDTH && end - at >= (Py_ssize_t)((gaps * width + 7) / 8) + 8) {
-            /* Every field ends in one unaligned 8-byte store of what waits (at most
-             * 7 + 56 bits), then the finished bytes are passed: no branch per field. */
-            uint64_t pending = 0;
-            unsigned bits = 0;
-            for (Py_ssize_t j = 0; j < gaps; j++) {
-                pending = (pending << width) | (uint64_t)(block[j] - previous - 1);
-                previous = block[j];
-                bits += width;
-                store_be64(at, pending << (64 - bits));
-                at += bits >> 3;
-                bits &= 7;
-            }
-            at += bits != 0;
+        if (width == 0) {  /* gaps of 0 only: no bytes */
+            previous = block[gaps - 1];
+            continue;
         }
-        else {
-            bit_writer_t writer = {at, 0, 0};
-            for (Py_ssize_t j = 0; j < gaps; j++) {
-                put_field(&writer, (uint64_t)(block[j] - previous - 1), width);
-                previous = block[j];
+        uint64_t pending = 0;
+        unsigned waiting = 0;
+        for (Py_ssize_t j = 0; j < gaps; j++) {
+            uint64_t gap = (uint64_t)(block[j] - previous - 1);
+            if (width <= FAST_WIDTH)
+                append_field(&at, &pending, &waiting, gap, width);
+            else {  /* (universes past 2**56) in two fields: width - 32 and 32 bits */
+                append_field(&at, &pending, &waiting, gap >> 32, width - 32);
+                append_field(&at, &pending, &waiting, gap & 0xFFFFFFFFu, 32);
             }
-            flush_fields(&writer);
-            at = writer.out;
+            previous = block[j];
         }
+        at += waiting != 0;  /* the zero-padded last byte, stored already */
     }
     Py_END_ALLOW_THREADS
+    _PyBytes_Resize(&data, size);  /* on failure: NULL, the error set */
 done:
     PyMem_Free(widths);
     PyBuffer_Release(&view);
@@ -1608,11 +1580,8 @@ static PyObject *blockpack_decode(PyObject *module, PyObject *args)
     (void)module;
     if (!PyArg_ParseTuple(args, "OKO:blockpack_decode", &objects[0], &n, &objects[1]))
         return NULL;
-    static const char *const names[2] = {"data", "out"};
-    static const kind_t kinds[2] = {BYTES, INT64};
-    static const int writable[2] = {0, 1};
     Py_buffer storage[2], *views[2] = {&storage[0], &storage[1]};
-    if (get_arrays(objects, views, names, kinds, writable, NULL, 2) < 0)
+    if (get_stream_and_out(objects, views) < 0)
         return NULL;
     Py_ssize_t count = views[1]->len / 8;
     PyObject *result = NULL;
@@ -1624,12 +1593,7 @@ static PyObject *blockpack_decode(PyObject *module, PyObject *args)
         problem = blockpack_read(views[0]->buf, (uint64_t)views[0]->len, count, n,
                                  views[1]->buf);
         Py_END_ALLOW_THREADS
-        if (problem)
-            result = PyUnicode_FromString(problem);
-        else {
-            Py_INCREF(Py_None);
-            result = Py_None;
-        }
+        result = problem_or_none(problem);
     }
     release_all(views, 2);
     return result;

@@ -9,7 +9,7 @@
  * its dequantised value. The dither is numpy's (the caller draws it), so both give
  * the same bits; the numpy code stays as the fallback and the tests compare them.
  *
- *   quantize(values, bucket, levels, bits, dither, norms, find_peaks, received) -> bytes
+ *   quantize(values, bucket, bits, dither, norms, find_peaks, received) -> bytes
  *
  * values: a C-contiguous one-dimensional float32 or float64 array of n values.
  * dither: float32, at least n draws from [0, 1). norms: writable float32, one per
@@ -23,7 +23,7 @@
  * (+-level) * (norm / levels) in double, rounded once to its type: the decoder's
  * values.
  *
- *   dequantize(data, norms, bucket, levels, bits, out) -> bool
+ *   dequantize(data, norms, bucket, bits, out) -> bool
  *
  * the decoder: out (writable float32 or float64 of n values) gets the values of the
  * n codes packed in data (at least ceil(n * bits / 8) bytes), as received above.
@@ -252,15 +252,15 @@ static int dequantize_codes(const uint8_t *data, const float *norms, Shape shape
 
 /* ------------------------------------------------------------ Python */
 
+/* Checks bucket and bits, and sets the levels they give: 2**(bits-1) - 1. */
 static int check_shape(Shape *shape)
 {
-    if (shape->bucket < 1 || shape->bits < MIN_BITS || shape->bits > MAX_BITS
-            || shape->levels != (1 << (shape->bits - 1)) - 1) {
-        PyErr_Format(PyExc_ValueError, "bad shape: bucket %zd, bits %d, levels %d "
-                     "(bucket >= 1, bits in [%d, %d], levels = 2**(bits-1) - 1)",
-                     shape->bucket, shape->bits, shape->levels, MIN_BITS, MAX_BITS);
+    if (shape->bucket < 1 || shape->bits < MIN_BITS || shape->bits > MAX_BITS) {
+        PyErr_Format(PyExc_ValueError, "bad shape: bucket %zd, bits %d (bucket >= 1, bits "
+                     "in [%d, %d])", shape->bucket, shape->bits, MIN_BITS, MAX_BITS);
         return -1;
     }
+    shape->levels = (1 << (shape->bits - 1)) - 1;
     return 0;
 }
 
@@ -280,9 +280,9 @@ static PyObject *quantize(PyObject *module, PyObject *args)
     Shape shape;
     int find_peaks;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OniiOOpO:quantize", &values_object, &shape.bucket,
-                          &shape.levels, &shape.bits, &dither_object, &norms_object,
-                          &find_peaks, &received_object) || check_shape(&shape) < 0)
+    if (!PyArg_ParseTuple(args, "OniOOpO:quantize", &values_object, &shape.bucket,
+                          &shape.bits, &dither_object, &norms_object, &find_peaks,
+                          &received_object) || check_shape(&shape) < 0)
         return NULL;
     Py_buffer values, dither, norms, received = {0};
     char format, received_format = 0;
@@ -323,8 +323,8 @@ static PyObject *dequantize(PyObject *module, PyObject *args)
     Shape shape;
     char out_format;
     (void)module;
-    if (!PyArg_ParseTuple(args, "y*OniiO:dequantize", &data, &norms_object, &shape.bucket,
-                          &shape.levels, &shape.bits, &out_object))
+    if (!PyArg_ParseTuple(args, "y*OniO:dequantize", &data, &norms_object, &shape.bucket,
+                          &shape.bits, &out_object))
         return NULL;
     PyObject *result = NULL;
     if (check_shape(&shape) < 0
@@ -353,13 +353,13 @@ release_data:
 
 static PyMethodDef methods[] = {
     {"quantize", quantize, METH_VARARGS,
-     "quantize(values, bucket, levels, bits, dither, norms, find_peaks, received) -> bytes\n\n"
+     "quantize(values, bucket, bits, dither, norms, find_peaks, received) -> bytes\n\n"
      "QSGD's packed codes of values (float32 or float64) with the dither draws (float32),\n"
      "finding each bucket's norm (find_peaks) or reading it from norms (float32), and\n"
      "the dequantised values into received (None, or float32 or float64). See\n"
      "deepreduce.codecs.qsgd."},
     {"dequantize", dequantize, METH_VARARGS,
-     "dequantize(data, norms, bucket, levels, bits, out) -> bool\n\n"
+     "dequantize(data, norms, bucket, bits, out) -> bool\n\n"
      "The values of the len(out) codes packed in data, into out (float32 or float64);\n"
      "False when a code is 1. See deepreduce.codecs.qsgd."},
     {NULL, NULL, 0, NULL},

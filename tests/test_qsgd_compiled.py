@@ -82,18 +82,20 @@ def test_compiled_loops_check_their_arguments():
     values, dither = np.ones(10, np.float32), np.zeros(10, np.float32)
     norms, quantize = np.empty(2, np.float32), qsgd._qsgd.quantize
     with pytest.raises(ValueError, match="bits"):
-        quantize(values, 8, 7, 3, dither, norms, True, None)  # levels must be 2**(bits-1)-1
+        quantize(values, 8, 9, dither, norms, True, None)  # bits in [2, 8]
+    with pytest.raises(ValueError, match="bucket"):
+        quantize(values, 0, 3, dither, norms, True, None)
     with pytest.raises(TypeError, match="values"):
-        quantize(values.astype(np.int32), 8, 3, 3, dither, norms, True, None)
+        quantize(values.astype(np.int32), 8, 3, dither, norms, True, None)
     with pytest.raises(ValueError, match="dither"):
-        quantize(values, 8, 3, 3, dither[:9], norms, True, None)
+        quantize(values, 8, 3, dither[:9], norms, True, None)
     with pytest.raises(ValueError, match="norms"):
-        quantize(values, 8, 3, 3, dither, norms[:1], True, None)
+        quantize(values, 8, 3, dither, norms[:1], True, None)
     with pytest.raises(TypeError, match="norms"):
-        quantize(values, 8, 3, 3, dither, np.frombuffer(bytes(8), np.float32), True, None)
+        quantize(values, 8, 3, dither, np.frombuffer(bytes(8), np.float32), True, None)
     with pytest.raises(ValueError, match="received"):
-        quantize(values, 8, 3, 3, dither, norms, True, np.empty(9, np.float32))
+        quantize(values, 8, 3, dither, norms, True, np.empty(9, np.float32))
     with pytest.raises(ValueError, match="codes need"):
-        qsgd._qsgd.dequantize(bytes(3), norms, 8, 3, 3, np.empty(10, np.float32))
+        qsgd._qsgd.dequantize(bytes(3), norms, 8, 3, np.empty(10, np.float32))
     with pytest.raises(TypeError, match="out"):
-        qsgd._qsgd.dequantize(bytes(4), norms, 8, 3, 3, np.empty(10, np.int64))
+        qsgd._qsgd.dequantize(bytes(4), norms, 8, 3, np.empty(10, np.int64))
