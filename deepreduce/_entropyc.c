@@ -62,6 +62,12 @@
 /* ------------------------------------------------------------ bit access */
 
 #if defined(__GNUC__) || defined(__clang__)
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE inline
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
 #define BSWAP64(x) __builtin_bswap64(x)
 #define LOG2_64(x) (63 - __builtin_clzll(x))
 #else
@@ -989,37 +995,53 @@ static inline void write_group(const golomb_t *g, const uint64_t *head, uint8_t 
     }
 }
 
-/* Per byte of a plane of 4, 2 or 1-bit digits: its digits, one per byte, in order. */
-static uint64_t spread_digits[3][256];
-
-static void fill_spread_digits(void)
+/* The `part` (8, 4, 2 or 1) bytes at the top of `word` as 8 digits of `part` bits,
+ * the first in byte 0: shifts and masks move the halves, quarters and eighths apart
+ * (no table, so nothing waits on a load). */
+static ALWAYS_INLINE uint64_t spread_digits(uint64_t word, unsigned part)
 {
-    for (unsigned byte = 0; byte < 256; byte++)
-        for (unsigned level = 0, part = 4; level < 3; level++, part >>= 1)
-            for (unsigned j = 0; j < 8 / part; j++)
-                spread_digits[level][byte] |= (uint64_t)((byte >> (8 - part * (j + 1)))
-                                                         & ((1u << part) - 1)) << (8 * j);
+    uint64_t x = word >> (64 - 8 * part);
+    if (part == 4) {
+        x = (x | x << 16) & 0x0000FFFF0000FFFFull;
+        x = (x | x << 8) & 0x00FF00FF00FF00FFull;
+        x = (x | x << 4) & 0x0F0F0F0F0F0F0F0Full;
+    }
+    else if (part == 2) {
+        x = (x | x << 24) & 0x000000FF000000FFull;
+        x = (x | x << 12) & 0x000F000F000F000Full;
+        x = (x | x << 6) & 0x0303030303030303ull;
+    }
+    else if (part == 1) {
+        x = (x | x << 28) & 0x0000000F0000000Full;
+        x = (x | x << 14) & 0x0003000300030003ull;
+        x = (x | x << 7) & 0x0101010101010101ull;
+    }
+    return BSWAP64(x);   /* the digits came out last first */
 }
 
-/* For widths up to 8: a group's 8 heads as the bytes of one word (head j in byte j), a
- * table lookup per plane byte. */
-static inline uint64_t read_lanes(const golomb_t *g, const uint8_t *data, uint64_t size,
-                                  Py_ssize_t group, Py_ssize_t groups)
+/* Shifts plane `part`'s digits of a group into `lanes`. */
+static ALWAYS_INLINE uint64_t add_plane(uint64_t lanes, unsigned width, unsigned part,
+                                        const uint8_t *data, uint64_t size, uint64_t *plane,
+                                        Py_ssize_t group, Py_ssize_t groups)
+{
+    if (!(width & part))
+        return lanes;
+    uint64_t word = window_at(data, size, *plane + (uint64_t)group * part);
+    *plane += (uint64_t)groups * part;
+    return (lanes << part) | spread_digits(word, part);
+}
+
+/* For widths up to 8: a group's 8 heads as the bytes of one word (head j in byte j).
+ * Written out rather than looped so that, inlined with a constant width, only that
+ * width's planes are left. */
+static ALWAYS_INLINE uint64_t read_lanes(unsigned width, const uint8_t *data, uint64_t size,
+                                         Py_ssize_t group, Py_ssize_t groups)
 {
     uint64_t plane = 0, lanes = 0;
-    for (unsigned p = 0; p < g->planes; p++) {
-        unsigned part = g->parts[p];
-        uint64_t word = window_at(data, size, plane + (uint64_t)group * part), digits = 0;
-        if (part == 8)
-            digits = BSWAP64(word);
-        else
-            for (unsigned b = 0, level = part == 4 ? 0 : part == 2 ? 1 : 2; b < part; b++)
-                digits |= spread_digits[level][(word >> (56 - 8 * b)) & 0xFF]
-                          << (64 / part * b);
-        lanes = (lanes << part) | digits;
-        plane += (uint64_t)groups * part;
-    }
-    return lanes;
+    lanes = add_plane(lanes, width, 8, data, size, &plane, group, groups);
+    lanes = add_plane(lanes, width, 4, data, size, &plane, group, groups);
+    lanes = add_plane(lanes, width, 2, data, size, &plane, group, groups);
+    return add_plane(lanes, width, 1, data, size, &plane, group, groups);
 }
 
 static inline void split_lanes(uint64_t lanes, uint64_t *head)
@@ -1028,11 +1050,12 @@ static inline void split_lanes(uint64_t lanes, uint64_t *head)
         head[j] = (lanes >> (8 * j)) & 0xFF;
 }
 
-static inline void read_group(const golomb_t *g, const uint8_t *data, uint64_t size,
-                              Py_ssize_t group, Py_ssize_t groups, uint64_t *head)
+static ALWAYS_INLINE void read_group(const golomb_t *g, unsigned width, const uint8_t *data,
+                                     uint64_t size, Py_ssize_t group, Py_ssize_t groups,
+                                     uint64_t *head)
 {
-    if (g->width <= 8) {
-        split_lanes(read_lanes(g, data, size, group, groups), head);
+    if (width <= 8) {
+        split_lanes(read_lanes(width, data, size, group, groups), head);
         return;
     }
     uint64_t plane = 0;
@@ -1070,12 +1093,6 @@ static void or_bits_at(uint8_t *dst, uint64_t at, const uint8_t *src, uint64_t b
 typedef struct {
     uint64_t quotients, long_codes, adjacent;
 } golomb_totals_t;
-
-#if defined(__GNUC__) || defined(__clang__)
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define ALWAYS_INLINE inline
-#endif
 
 /* Appends bit `bit` (0 or 1) at `position` of a zeroed, word-aligned stream. The word
  * holding it is stored after every change: no branch (on the bit either), no read back,
@@ -1262,29 +1279,32 @@ static inline unsigned LOWEST_BIT(uint64_t x)
 /* Decodes `count` indices below n < 2**58 into out; returns NULL or what is wrong.
  * A true Golomb code (not Rice) reads the heads twice, once to count its long codes (the
  * unary part starts after their extra bits) and once to add them up; `lanes` (room for
- * count / 8 words, or NULL) keeps them between the two when they are bytes. */
-static const char *golomb_read(const golomb_t *g, const uint8_t *data, uint64_t size,
-                               Py_ssize_t count, uint64_t n, int64_t *out, uint64_t *lanes)
+ * count / 8 words, or NULL) keeps them between the two when they are bytes. `width` is
+ * g->width, a constant where golomb_read inlines this for widths up to 8. */
+static ALWAYS_INLINE const char *golomb_read_width(const golomb_t *g, unsigned width,
+                                                   const uint8_t *data, uint64_t size,
+                                                   Py_ssize_t count, uint64_t n, int64_t *out,
+                                                   uint64_t *lanes)
 {
     Py_ssize_t aligned = count & ~(Py_ssize_t)7, groups = aligned / 8;
-    const uint8_t *tail = data + groups * g->width;
-    uint64_t tail_size = size - (uint64_t)groups * g->width, tail_bits = 8 * tail_size;
-    uint64_t lead = (uint64_t)(count - aligned) * g->width, long_codes = 0, head[8];
+    const uint8_t *tail = data + groups * width;
+    uint64_t tail_size = size - (uint64_t)groups * width, tail_bits = 8 * tail_size;
+    uint64_t lead = (uint64_t)(count - aligned) * width, long_codes = 0, head[8];
     const uint64_t m = g->m, threshold = g->threshold;
     if (!g->rice) {
         for (Py_ssize_t group = 0; group < groups; group++) {
             if (lanes) {
-                lanes[group] = read_lanes(g, data, size, group, groups);
+                lanes[group] = read_lanes(width, data, size, group, groups);
                 split_lanes(lanes[group], head);
             }
             else
-                read_group(g, data, size, group, groups, head);
+                read_group(g, width, data, size, group, groups, head);
             for (unsigned j = 0; j < 8; j++)
                 long_codes += head[j] >= threshold;
         }
         for (Py_ssize_t i = aligned; i < count; i++)
-            long_codes += read_bits(tail, tail_size, (uint64_t)(i - aligned) * g->width,
-                                    g->width) >= threshold;
+            long_codes += read_bits(tail, tail_size, (uint64_t)(i - aligned) * width,
+                                    width) >= threshold;
     }
     uint64_t start = lead + long_codes;
     if (start > tail_bits)
@@ -1325,11 +1345,11 @@ static const char *golomb_read(const golomb_t *g, const uint8_t *data, uint64_t 
         if (i < aligned && lanes)
             split_lanes(lanes[i / 8], head);
         else if (i < aligned)
-            read_group(g, data, size, i / 8, groups, head);
+            read_group(g, width, data, size, i / 8, groups, head);
         else
             for (unsigned j = 0; j < size_group; j++)
-                head[j] = read_bits(tail, tail_size, (uint64_t)(i + j - aligned) * g->width,
-                                    g->width);
+                head[j] = read_bits(tail, tail_size, (uint64_t)(i + j - aligned) * width,
+                                    width);
         /* Long and short codes come in random order: no branch on which. extra_at
          * stays below start, before the count terminators checked above, so the byte
          * read is in the stream even after the last long code. */
@@ -1350,6 +1370,25 @@ static const char *golomb_read(const golomb_t *g, const uint8_t *data, uint64_t 
             return "gaps add up to an index past n";
     }
     return NULL;
+}
+
+static const char *golomb_read(const golomb_t *g, const uint8_t *data, uint64_t size,
+                               Py_ssize_t count, uint64_t n, int64_t *out, uint64_t *lanes)
+{
+#define READ_WIDTH(w) golomb_read_width(g, w, data, size, count, n, out, lanes)
+    switch (g->width) {
+    case 0: return READ_WIDTH(0);
+    case 1: return READ_WIDTH(1);
+    case 2: return READ_WIDTH(2);
+    case 3: return READ_WIDTH(3);
+    case 4: return READ_WIDTH(4);
+    case 5: return READ_WIDTH(5);
+    case 6: return READ_WIDTH(6);
+    case 7: return READ_WIDTH(7);
+    case 8: return READ_WIDTH(8);
+    default: return READ_WIDTH(g->width);
+    }
+#undef READ_WIDTH
 }
 
 /* The buffers of a decoder's (data, out): a bytes-like stream, a writable int64 array. */
@@ -1699,6 +1738,5 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__entropyc(void)
 {
-    fill_spread_digits();
     return PyModule_Create(&module);
 }
