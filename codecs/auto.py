@@ -78,7 +78,7 @@ _LZ = ("deflate", "zstd")
 #: differences against the wire's ``8 / link_gbits`` ns per byte.
 CODING_NS = {
     #           call    index  run   element
-    "golomb":  (7.5e3,  3.8,   1.4,  0),
+    "golomb":  (8.3e3,  3.4,   1.1,  0),
     "huffman": (130e3,  9.1,   1.8,  0),
     "runs":    (140e3,  3.4,   44,   0),
     "bitmap":  (22e3,   11.4,  42,   0.18),
