@@ -8,7 +8,7 @@ is no variable-length code: each gap is a fixed-width field, a few instructions
 per index each way, and no branch on the data.
 On uniform supports the stream is 15-20% above the entropy bound (a block's
 width follows its largest gap, and gaps are geometric): a code for fast links,
-where coding time weighs more than bytes. ``auto`` does not choose it (yet).
+where coding time weighs more than bytes. ``auto`` does not choose it.
 
 Stream, for ``k >= 1`` indices: ``ceil(k / 128)`` width bytes, one per block, each
 the bit length of the block's largest gap (0 when all its gaps are 0); then the
@@ -136,7 +136,7 @@ class BlockpackIndices(IndexCodec):
     """Index gaps in blocks of 128, each packed at its largest gap's bit length.
 
     About 1.2x the entropy bound on uniform supports at 1% density (1.3x at 10%),
-    and 1.8x (1%) to 2.7x (10%) as fast to encode and decode as ``golomb``
+    and 1.5x (1%) to 2.8x (10%) as fast to encode and decode as ``golomb``
     (``benchmarks/results/index_codecs.md``; the module docstring has the stream).
     """
 
