@@ -26,15 +26,17 @@
  * block, while the block is in the L1 cache, reads the residual from memory once
  * instead of twice.
  *
- *   largest_at_least(values, low, k, addend=None) -> numpy int64 array or None
+ *   largest_at_least(values, low, k, addend=None) -> (positions, selected) or None
  *
  * the same scan (and addition), then the k positions of largest fabs(values) among
- * those found, increasing; ties at the k-th magnitude go to the lowest positions,
- * as sparsifiers._largest has it. None when fewer than k values reach low. The
- * scan keeps each hit's magnitude bits while the block is in the L1 cache, and a
- * radix select on them finds the k-th: where numpy gathers the candidates from a
- * gradient that has left the cache and partitions them, this costs two short
- * passes over the hits.
+ * those found, increasing, as a numpy int64 array, and the values there (after the
+ * addition), as an array of the values' dtype; ties at the k-th magnitude go to the
+ * lowest positions, as sparsifiers._largest has it. None when fewer than k values
+ * reach low. The scan keeps each hit's value and magnitude bits while the block is
+ * in the L1 cache, and a radix select on the bits finds the k-th: where numpy
+ * gathers the candidates from a gradient that has left the cache and partitions
+ * them, this costs two short passes over the hits, and the selected values need no
+ * second gather.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -185,11 +187,13 @@ static inline uint64_t double_key(double x)
 }
 
 /* What a scan found: the positions and, when key is not NULL, their values' keys
- * (raw memory: it is grown without the GIL). */
+ * and the values themselves, of itemsize bytes each (raw memory: it is grown
+ * without the GIL). */
 typedef struct {
     int64_t *position;
     uint64_t *key;
-    Py_ssize_t capacity;
+    char *value;
+    Py_ssize_t capacity, itemsize;
 } Hits;
 
 /* Room for `needed` hits, doubling up to `limit`, the values' count, which no result
@@ -210,6 +214,10 @@ static int reserve(Hits *hits, Py_ssize_t needed, Py_ssize_t limit)
         if (key == NULL)
             return -1;
         hits->key = key;
+        char *value = PyMem_RawRealloc(hits->value, (size_t)(grown * hits->itemsize));
+        if (value == NULL)
+            return -1;
+        hits->value = value;
     }
     hits->capacity = grown;
     return 0;
@@ -228,8 +236,10 @@ static int reserve(Hits *hits, Py_ssize_t needed, Py_ssize_t limit)
     do {                                                                               \
         int bit = LOWEST_BIT(mask | (1ull << 63));                                     \
         hits->position[found] = (int64_t)(base + bit);                                 \
-        if (hits->key != NULL)                                                         \
+        if (hits->key != NULL) {                                                       \
             hits->key[found] = key_of(value[base + bit]);                              \
+            ((type *)hits->value)[found] = value[base + bit];                          \
+        }                                                                              \
         found += mask != 0;                                                            \
         mask &= mask - 1;                                                              \
     } while (0)
@@ -265,8 +275,10 @@ static int reserve(Hits *hits, Py_ssize_t needed, Py_ssize_t limit)
                 if (reserve(hits, found + 1, count) < 0)                               \
                     return -1;                                                         \
                 hits->position[found] = (int64_t)base;                                 \
-                if (hits->key != NULL)                                                 \
+                if (hits->key != NULL) {                                               \
                     hits->key[found] = key_of(value[base]);                            \
+                    ((type *)hits->value)[found] = value[base];                        \
+                }                                                                      \
                 found++;                                                               \
             }                                                                          \
         }                                                                              \
@@ -326,14 +338,16 @@ static uint64_t kth_largest_key(const uint64_t *keys, Py_ssize_t count, Py_ssize
 }
 
 /* Writes to out, in order, the positions of the k hits of largest keys (ties: the
- * first ones). */
-static void take_largest(const Hits *hits, Py_ssize_t count, Py_ssize_t k, int64_t *out)
+ * first ones), and their values to selected. */
+static void take_largest(const Hits *hits, Py_ssize_t count, Py_ssize_t k, int64_t *out,
+                         char *selected)
 {
-    Py_ssize_t ties, taken = 0;
+    Py_ssize_t ties, taken = 0, itemsize = hits->itemsize;
     uint64_t threshold = kth_largest_key(hits->key, count, k, &ties);
     for (Py_ssize_t i = 0; i < count && taken < k; i++) {
         uint64_t key = hits->key[i];
         out[taken] = hits->position[i];
+        memcpy(selected + taken * itemsize, hits->value + i * itemsize, (size_t)itemsize);
         taken += key > threshold || (key == threshold && ties > 0);
         ties -= key == threshold;
     }
@@ -380,28 +394,46 @@ static int get_values(PyObject *object, Py_buffer *view, char *format, int writa
     return 0;
 }
 
-/* A new numpy int64 array of the positions of the count hits (k < 0) or of the k
- * largest of them. */
-static PyObject *positions_array(const Hits *hits, Py_ssize_t count, Py_ssize_t k)
+/* A new writable numpy array of `size` items of `dtype`, and its buffer in *view. */
+static PyObject *new_array(Py_ssize_t size, const char *dtype, Py_buffer *view)
 {
-    Py_ssize_t size = k < 0 ? count : k;
-    PyObject *array = PyObject_CallFunction(numpy_empty, "ns", size, "int64");
-    if (array == NULL || size == 0)
-        return array;
-    Py_buffer view;
-    if (PyObject_GetBuffer(array, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        Py_DECREF(array);
+    PyObject *array = PyObject_CallFunction(numpy_empty, "ns", size, dtype);
+    if (array != NULL && PyObject_GetBuffer(array, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        Py_CLEAR(array);
+    return array;
+}
+
+/* The positions of the count hits (k < 0, a numpy int64 array) or the k largest of
+ * them and their values (a tuple of two arrays, the values of `dtype`). */
+static PyObject *found_arrays(const Hits *hits, Py_ssize_t count, Py_ssize_t k,
+                              const char *dtype)
+{
+    Py_buffer positions_view, values_view;
+    PyObject *positions = new_array(k < 0 ? count : k, "int64", &positions_view);
+    if (positions == NULL)
+        return NULL;
+    if (k < 0) {
+        memcpy(positions_view.buf, hits->position, (size_t)count * sizeof *hits->position);
+        PyBuffer_Release(&positions_view);
+        return positions;
+    }
+    PyObject *values = new_array(k, dtype, &values_view);
+    if (values == NULL) {
+        PyBuffer_Release(&positions_view);
+        Py_DECREF(positions);
         return NULL;
     }
-    if (k < 0)
-        memcpy(view.buf, hits->position, (size_t)count * sizeof *hits->position);
-    else {
+    if (k > 0) {
         Py_BEGIN_ALLOW_THREADS
-        take_largest(hits, count, k, view.buf);
+        take_largest(hits, count, k, positions_view.buf, values_view.buf);
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&view);
-    return array;
+    PyBuffer_Release(&positions_view);
+    PyBuffer_Release(&values_view);
+    PyObject *result = PyTuple_Pack(2, positions, values);
+    Py_DECREF(positions);
+    Py_DECREF(values);
+    return result;
 }
 
 /* The scan of at_least and largest_at_least: k < 0 returns every hit, k >= 0 the k
@@ -429,10 +461,13 @@ static PyObject *scan(PyObject *values_object, double low, Py_ssize_t k,
     }
     Py_ssize_t capacity = (count >> FIRST_CAPACITY_SHIFT) + MIN_CAPACITY, found = -1;
     capacity = capacity < count ? capacity : count;
-    Hits hits = {PyMem_RawMalloc((size_t)capacity * sizeof *hits.position), NULL, capacity};
-    if (k >= 0)
+    Hits hits = {PyMem_RawMalloc((size_t)capacity * sizeof *hits.position), NULL, NULL,
+                 capacity, values.itemsize};
+    if (k >= 0) {
         hits.key = PyMem_RawMalloc((size_t)capacity * sizeof *hits.key);
-    if (hits.position != NULL && (k < 0 || hits.key != NULL)) {
+        hits.value = PyMem_RawMalloc((size_t)(capacity * values.itemsize));
+    }
+    if (hits.position != NULL && (k < 0 || (hits.key != NULL && hits.value != NULL))) {
         Py_BEGIN_ALLOW_THREADS
         found = format == 'f' ? scan_float(values.buf, addend.buf, count, (float)low, &hits)
                               : scan_double(values.buf, addend.buf, count, low, &hits);
@@ -446,9 +481,10 @@ static PyObject *scan(PyObject *values_object, double low, Py_ssize_t k,
         result = Py_None;
     }
     else
-        result = positions_array(&hits, found, k);
+        result = found_arrays(&hits, found, k, format == 'f' ? "float32" : "float64");
     PyMem_RawFree(hits.position);
     PyMem_RawFree(hits.key);
+    PyMem_RawFree(hits.value);
     if (adding)
         PyBuffer_Release(&addend);
     PyBuffer_Release(&values);
@@ -489,10 +525,10 @@ static PyMethodDef methods[] = {
      "length, values (writable) += addend first, in the same pass. See\n"
      "deepreduce.sparsifiers._at_least."},
     {"largest_at_least", largest_at_least, METH_VARARGS,
-     "largest_at_least(values, low, k, addend=None) -> numpy int64 array or None\n\n"
+     "largest_at_least(values, low, k, addend=None) -> (positions, selected) or None\n\n"
      "As at_least, then the k of those positions of largest abs(values), increasing\n"
-     "(ties at the k-th magnitude: the lowest positions); None when fewer than k\n"
-     "values reach low. See deepreduce.sparsifiers.TopK."},
+     "(ties at the k-th magnitude: the lowest positions), and the values there; None\n"
+     "when fewer than k values reach low. See deepreduce.sparsifiers.TopK."},
     {NULL, NULL, 0, NULL},
 };
 

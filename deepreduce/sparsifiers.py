@@ -230,7 +230,7 @@ class TopK(Sparsifier):
         low = self._sampled_low(values.size, k, values.__getitem__)
         if values.dtype.itemsize < 4:
             values = values.astype(np.float32)
-        return self._largest_reaching(values, low, k)
+        return self._largest_reaching(values, low, k)[0]
 
     def accumulate(self, target: np.ndarray, addend) -> SparseTensor:
         addend = np.asarray(addend)
@@ -246,8 +246,10 @@ class TopK(Sparsifier):
         # the sample is taken from the sums to be: the same values, drawn the same way,
         # as selecting from the finished sum would take
         low = self._sampled_low(flat.size, k, lambda positions: flat[positions] + addend[positions])
-        positions = self._largest_reaching(flat, low, k, addend)
-        return SparseTensor._trusted(flat[positions], positions, target.shape)
+        positions, selected = self._largest_reaching(flat, low, k, addend)
+        if selected is None:
+            selected = flat[positions]
+        return SparseTensor._trusted(selected, positions, target.shape)
 
     def _exact_for(self, size: int, k: int) -> bool:
         return self.exact or size < 2 * self.SAMPLE or k == size
@@ -269,20 +271,23 @@ class TopK(Sparsifier):
         return np.partition(sample, self.SAMPLE - j)[self.SAMPLE - j]
 
     @staticmethod
-    def _largest_reaching(values, low, k: int, addend=None) -> np.ndarray:
-        """The positions of the top ``k`` of ``values`` (after ``values += addend``),
-        chosen among those that reach ``low`` when they are enough, else among all."""
-        positions = None
+    def _largest_reaching(values, low, k: int, addend=None):
+        """``(positions, selected)``: the positions of the top ``k`` of ``values`` (after
+        ``values += addend``), chosen among those that reach ``low`` when they are
+        enough, else among all, and the values there when the compiled scan kept them
+        (else None)."""
         if np.isfinite(low) and _compiled_scan(values) and \
                 (addend is None or addend.flags.c_contiguous):
-            positions = _topkscan.largest_at_least(values, low, k, addend)
+            found = _topkscan.largest_at_least(values, low, k, addend)
+            if found is not None:
+                return found
         elif np.isfinite(low):
             candidates = _at_least(values, low, addend)
             if candidates.size >= k:
-                positions = candidates[_largest(_magnitudes(values[candidates]), k)]
+                return candidates[_largest(_magnitudes(values[candidates]), k)], None
         elif addend is not None:
             np.add(values, addend, out=values)
-        return _largest(_magnitudes(values), k) if positions is None else positions
+        return _largest(_magnitudes(values), k), None
 
 
 class RandomK(Sparsifier):

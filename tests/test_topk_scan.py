@@ -135,8 +135,12 @@ def test_compiled_largest_at_least_is_the_numpy_selection(dtype, size, seed, spe
         return
     ranked = np.where(np.isnan(total[candidates]), -np.inf, np.abs(total[candidates]))
     expected = candidates[sparsifiers._largest(ranked, k)]
-    assert got.dtype == np.int64
-    np.testing.assert_array_equal(got, expected)
+    positions, selected = got
+    assert positions.dtype == np.int64 and selected.dtype == dtype
+    np.testing.assert_array_equal(positions, expected)
+    # the values kept by the scan are the sums' own bits (NaN payloads, signed zeros)
+    np.testing.assert_array_equal(selected.view(f"u{x.itemsize}"),
+                                  total[expected].view(f"u{x.itemsize}"))
 
 
 @compiled_only
