@@ -97,6 +97,11 @@ class Split:
 
 def field_bits(values: np.ndarray, m: int) -> int:
     """Exact bit length of :func:`encode_fields` output (before byte padding)."""
+    compiled = _entropy._entropyc
+    if compiled is not None and values.dtype == np.int64:
+        bits = compiled.golomb_bits(np.ascontiguousarray(values), m)
+        if bits is not None:
+            return bits
     return Split(values, m, consume=False).bits()
 
 

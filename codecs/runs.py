@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from deepreduce import bits as _bits
-from deepreduce.codecs import golomb
+from deepreduce.codecs import _entropy, golomb
 from deepreduce.codecs.base import IndexCodec, expect_length
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
@@ -48,6 +48,22 @@ def run_fields(starts: np.ndarray, lengths: np.ndarray, unit: int):
     return zeros, lengths - 1
 
 
+def fields(indices: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(unit, zeros, extra)`` of a non-empty set that passed
+    :func:`deepreduce.bits.check_indices`: :func:`common_unit` and :func:`run_fields`
+    of its :func:`find_runs`, in one compiled pass when ``deepreduce._entropyc`` is built."""
+    compiled = _entropy._entropyc
+    if compiled is None:
+        starts, lengths = find_runs(indices)
+        unit = common_unit(starts, lengths)
+        return (unit, *run_fields(starts, lengths, unit))
+    indices = np.ascontiguousarray(indices, dtype=np.int64)
+    # one entry per index at most; np.empty's pages are only touched where written
+    zeros, extra = np.empty(indices.size, np.int64), np.empty(indices.size, np.int64)
+    unit, count = compiled.run_fields(indices, zeros, extra)
+    return unit, zeros[:count], extra[:count]
+
+
 def _values_size(values: np.ndarray) -> int:
     """Exact length of ``golomb.encode_values(values)``."""
     m = golomb.choose_parameter(float(values.mean()))
@@ -56,11 +72,9 @@ def _values_size(values: np.ndarray) -> int:
 
 def stream_size(indices: np.ndarray) -> int:
     """Exact byte length of ``RunsIndices().encode(indices, n)`` for a non-empty set."""
-    starts, lengths = find_runs(indices)
-    unit = common_unit(starts, lengths)
-    zeros, extra = run_fields(starts, lengths, unit)
+    unit, zeros, extra = fields(indices)
     zero_size = _values_size(zeros)
-    return (len(_bits.write_varint(unit)) + len(_bits.write_varint(starts.size - 1))
+    return (len(_bits.write_varint(unit)) + len(_bits.write_varint(zeros.size - 1))
             + len(_bits.write_varint(zero_size)) + zero_size + _values_size(extra))
 
 
@@ -105,11 +119,9 @@ class RunsIndices(IndexCodec):
         indices = _bits.check_indices(indices, n)
         if indices.size == 0:
             return b""
-        starts, lengths = find_runs(indices)
-        unit = common_unit(starts, lengths)
-        zeros, extra = run_fields(starts, lengths, unit)
+        unit, zeros, extra = fields(indices)
         zero_stream = golomb.encode_values(zeros)
-        return (_bits.write_varint(unit) + _bits.write_varint(starts.size - 1)
+        return (_bits.write_varint(unit) + _bits.write_varint(zeros.size - 1)
                 + _bits.write_varint(len(zero_stream)) + zero_stream
                 + golomb.encode_values(extra))
 

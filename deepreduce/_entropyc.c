@@ -35,6 +35,11 @@
  *       same pass.
  *   varint_encode(values) -> bytes
  *       deepreduce.bits.varint_encode, without numpy's fixed costs on short inputs.
+ *   run_fields(indices, zeros, lengths) -> (unit, runs)
+ *   golomb_bits(values, m) -> int or None
+ *       deepreduce.codecs.runs.fields and golomb.field_bits: the runs code's two
+ *       sequences and the exact size of a Golomb code, which auto weighs on every
+ *       clustered set, in one pass each instead of a dozen numpy ones.
  *
  * Decoders are handed untrusted streams: every read is bounded by the buffer's size
  * (bits past the end read as zeros, as numpy's zero padding does), and every write by
@@ -1669,6 +1674,117 @@ static PyObject *varint_encode(PyObject *module, PyObject *args)
     return data;
 }
 
+/* ------------------------------------------------------------ runs */
+
+static uint64_t gcd64(uint64_t a, uint64_t b)
+{
+    while (b) {
+        uint64_t rest = a % b;
+        a = b;
+        b = rest;
+    }
+    return a;
+}
+
+/* deepreduce.codecs.runs.fields: the runs of a strictly increasing set of indices
+ * >= 0 in units of the largest number dividing every run's start and length, as the
+ * zero gaps before each run and each length less one, written to zeros and lengths
+ * (room for one entry per index; only the first `runs` are written). */
+static PyObject *run_fields(PyObject *module, PyObject *args)
+{
+    PyObject *objects[3];
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OOO:run_fields", &objects[0], &objects[1], &objects[2]))
+        return NULL;
+    static const char *const names[3] = {"indices", "zeros", "lengths"};
+    static const kind_t kinds[3] = {INT64, INT64, INT64};
+    static const int writable[3] = {0, 1, 1};
+    Py_buffer storage[3], *views[3] = {&storage[0], &storage[1], &storage[2]};
+    if (get_arrays(objects, views, names, kinds, writable, NULL, 3) < 0)
+        return NULL;
+    Py_ssize_t count = views[0]->len / 8, runs = 0;
+    const int64_t *index = views[0]->buf;
+    int64_t *zeros = views[1]->buf, *lengths = views[2]->buf;
+    uint64_t unit = 0;
+    int bad = count < 1 || views[1]->len < views[0]->len || views[2]->len < views[0]->len;
+    if (!bad) {
+        Py_BEGIN_ALLOW_THREADS
+        /* Where each run starts, without a branch on it: every position is written
+         * to the current slot, which advances past the starts. */
+        bad = index[0] < 0;
+        zeros[0] = 0;
+        runs = 1;
+        for (Py_ssize_t i = 1; i < count; i++) {
+            zeros[runs] = i;
+            bad |= index[i] <= index[i - 1];
+            runs += index[i] != index[i - 1] + 1;
+        }
+        /* Each run's start and length, and the gcd of the lengths (then starts). */
+        for (Py_ssize_t j = 0; j < runs; j++) {
+            Py_ssize_t first = (Py_ssize_t)zeros[j], next = j + 1 < runs ? zeros[j + 1] : count;
+            zeros[j] = index[first];
+            lengths[j] = next - first;
+            if (unit != 1)
+                unit = gcd64(unit, (uint64_t)lengths[j]);
+        }
+        for (Py_ssize_t j = 0; j < runs && unit > 1; j++)
+            unit = gcd64(unit, (uint64_t)zeros[j]);
+        int64_t end = 0;   /* of the run before, in units */
+        for (Py_ssize_t j = 0; j < runs; j++) {
+            int64_t start = zeros[j] / (int64_t)unit, length = lengths[j] / (int64_t)unit;
+            zeros[j] = j ? start - end - 1 : start;
+            lengths[j] = length - 1;
+            end = start + length;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    release_all(views, 3);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "run_fields needs 1 or more strictly increasing "
+                        "indices >= 0 and room for as many fields");
+        return NULL;
+    }
+    return Py_BuildValue("Kn", (unsigned long long)unit, runs);
+}
+
+/* golomb.field_bits: the bits of the Golomb code of non-negative int64 values with
+ * parameter m; None when a value is negative or the total would pass 2**64. */
+static PyObject *golomb_bits(PyObject *module, PyObject *args)
+{
+    PyObject *object;
+    unsigned long long m;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OK:golomb_bits", &object, &m))
+        return NULL;
+    if (m < 1) {
+        PyErr_SetString(PyExc_ValueError, "golomb_bits needs m >= 1");
+        return NULL;
+    }
+    Py_buffer view;
+    if (get_array(object, &view, "values", INT64, 0) < 0)
+        return NULL;
+    Py_ssize_t count = view.len / 8;
+    const int64_t *value = view.buf;
+    golomb_t g;
+    golomb_layout(&g, m);
+    uint64_t quotients = 0, long_codes = 0;
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t remainder, q = golomb_divide(&g, (uint64_t)value[i], &remainder);
+        bad |= value[i] < 0;
+        quotients += q;
+        bad |= quotients < q;   /* wrapped */
+        long_codes += remainder >= g.threshold;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    uint64_t fixed = (uint64_t)count * (g.width + 1) + long_codes;
+    if (bad || quotients + fixed < fixed)
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(quotients + fixed);
+}
+
 static PyMethodDef methods[] = {
     {"bucket_symbols", bucket_symbols, METH_VARARGS,
      "bucket_symbols(values, precision, symbols, offset_bits, counts) -> None\n\n"
@@ -1727,6 +1843,17 @@ static PyMethodDef methods[] = {
      "blockpack_decode(data, n, out) -> None or str\n\n"
      "Decodes len(out) indices below n from a block-packed stream into out (int64);\n"
      "returns what is wrong with a malformed stream (out then unspecified)."},
+    {"run_fields", run_fields, METH_VARARGS,
+     "run_fields(indices, zeros, lengths) -> (unit, runs)\n\n"
+     "The runs of 1 or more strictly increasing int64 indices >= 0, in units of the\n"
+     "largest number dividing every run's start and length: the zero gaps before each\n"
+     "run and each length less one, in the first runs entries of zeros and lengths\n"
+     "(writable int64, as long as indices). See deepreduce.codecs.runs.fields."},
+    {"golomb_bits", golomb_bits, METH_VARARGS,
+     "golomb_bits(values, m) -> int or None\n\n"
+     "The bit length of the Golomb code of int64 values with parameter m (see\n"
+     "deepreduce.codecs.golomb.field_bits); None when a value is negative or the\n"
+     "total passes 2**64."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deepreduce import bits as _bits
-from deepreduce.codecs import _entropy, golomb
+from deepreduce.codecs import _entropy, golomb, runs
 from deepreduce.codecs.golomb import GolombIndices
 import extensions
 from index_sets import (COMPILED_SETTINGS, both_outcomes, bit_flipped, compiled_only, random_set,
@@ -151,3 +151,39 @@ def test_varints_are_identical(values, small):
         decoded, end = _bits.varint_decode_prefix(compiled, array.size, "test")
         np.testing.assert_array_equal(decoded, array)
         assert end == len(compiled)
+
+
+@compiled_only
+@COMPILED_SETTINGS
+@given(n=st.integers(1, 30_000), seed=st.integers(0, 2**32 - 1), offset=st.sampled_from([0, 2**40]),
+       kind=st.sampled_from(["uniform", "sparse", "runs", "blocks"]))
+def test_run_fields_and_their_sizes_are_numpy_s(n, seed, offset, kind):
+    """auto sizes the runs code of every clustered set: the compiled pass gives the same
+    unit, fields and Golomb sizes as numpy's, and so the same stream size."""
+    indices = random_set(np.random.default_rng(seed), n, kind) + offset
+    if indices.size == 0:
+        return
+    (unit, zeros, extra), (numpy_unit, numpy_zeros, numpy_extra) = extensions.both(
+        _entropy, "_entropyc", runs.fields, indices)
+    assert unit == numpy_unit
+    for got, expected in ((zeros, numpy_zeros), (extra, numpy_extra)):
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, expected)
+        for m in {1, 2, 3, golomb.choose_parameter(float(expected.mean())), 1000}:
+            same(extensions.both(_entropy, "_entropyc", golomb.field_bits, expected, m))
+    same(extensions.both(_entropy, "_entropyc", runs.stream_size, indices))
+
+
+@compiled_only
+def test_run_fields_and_golomb_bits_refuse_what_they_cannot_take():
+    compiled = _entropy._entropyc
+    room = np.empty(3, np.int64)
+    for indices in ([], [2, 1], [1, 1], [-1, 0]):
+        with pytest.raises(ValueError, match="strictly increasing"):
+            compiled.run_fields(np.array(indices, np.int64), room, room.copy())
+    with pytest.raises(ValueError, match="room"):
+        compiled.run_fields(np.arange(4, dtype=np.int64), room, room.copy())
+    assert compiled.golomb_bits(np.array([5, -1], np.int64), 4) is None
+    assert compiled.golomb_bits(np.full(4, 2**62, np.int64), 1) is None  # past 2**64
+    with pytest.raises(ValueError, match="m >= 1"):
+        compiled.golomb_bits(np.ones(2, np.int64), 0)
