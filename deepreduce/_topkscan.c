@@ -167,38 +167,34 @@ DEFINE_HITS(double_hits, double, fabs, int64_t)
 
 /* ------------------------------------------------------------ the scan */
 
-/* Keys that order magnitudes: with the sign cleared, the bits of a float grow with
- * its magnitude; NaN (bits above infinity's) gets 0, below every number, and the
- * numbers their bits plus one. */
-static inline uint64_t float_key(float x)
+/* Keys that order magnitudes, from a value's bits: with the sign cleared, the bits
+ * of a float grow with its magnitude; NaN (bits above infinity's) gets 0, below
+ * every number, and the numbers their bits plus one. */
+static inline uint64_t key_32(uint32_t bits)
 {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
     bits &= 0x7fffffffu;
     return bits > 0x7f800000u ? 0 : (uint64_t)bits + 1;
 }
 
-static inline uint64_t double_key(double x)
+static inline uint64_t key_64(uint64_t bits)
 {
-    uint64_t bits;
-    memcpy(&bits, &x, sizeof bits);
     bits &= 0x7fffffffffffffffull;
     return bits > 0x7ff0000000000000ull ? 0 : bits + 1;
 }
 
-/* What a scan found: the positions and, when key is not NULL, their values' keys
- * and the values themselves, of itemsize bytes each (raw memory: it is grown
- * without the GIL). */
+/* What a scan found: the positions and the values there, with room for `capacity`
+ * of each, values of up to 8 bytes (raw memory: it is grown without the GIL). */
 typedef struct {
     int64_t *position;
-    uint64_t *key;
     char *value;
-    Py_ssize_t capacity, itemsize;
+    Py_ssize_t capacity;
 } Hits;
 
+#define MAX_ITEMSIZE 8
+
 /* Room for `needed` hits, doubling up to `limit`, the values' count, which no result
- * exceeds; 0, or -1 when an allocation fails. Values are at least 4 bytes, so
- * 2 * limit positions cannot overflow a size. */
+ * exceeds; 0, or -1 when an allocation fails (what the buffers held is kept). Values
+ * are at least 4 bytes, so 2 * limit positions cannot overflow a size. */
 static int reserve(Hits *hits, Py_ssize_t needed, Py_ssize_t limit)
 {
     if (needed <= hits->capacity)
@@ -209,42 +205,62 @@ static int reserve(Hits *hits, Py_ssize_t needed, Py_ssize_t limit)
     if (position == NULL)
         return -1;
     hits->position = position;
-    if (hits->key != NULL) {
-        uint64_t *key = PyMem_RawRealloc(hits->key, (size_t)grown * sizeof *key);
-        if (key == NULL)
-            return -1;
-        hits->key = key;
-        char *value = PyMem_RawRealloc(hits->value, (size_t)(grown * hits->itemsize));
-        if (value == NULL)
-            return -1;
-        hits->value = value;
-    }
+    char *value = PyMem_RawRealloc(hits->value, (size_t)grown * MAX_ITEMSIZE);
+    if (value == NULL)
+        return -1;
+    hits->value = value;
     hits->capacity = grown;
     return 0;
 }
 
+/* The buffers of the last scan, lent to the next one. A large gradient's hits fill
+ * about a megabyte, and memory fresh from the allocator costs a page fault at the
+ * first write to each page: more than the scan's own stores. One slot, taken and
+ * given back while holding the GIL, so scans running together each have their own
+ * buffers; a slot larger than SPARE_CAPACITY hits is not kept. */
+static Hits spare;
+#define SPARE_CAPACITY ((Py_ssize_t)1 << 20)
+
+/* Buffers for at least `capacity` hits (of at most `limit`): the spare ones when
+ * there are; 0, or -1 when an allocation fails. Called with the GIL held. */
+static int borrow_hits(Hits *hits, Py_ssize_t capacity, Py_ssize_t limit)
+{
+    *hits = spare;
+    spare = (Hits){NULL, NULL, 0};
+    return reserve(hits, capacity < limit ? capacity : limit, limit);
+}
+
+/* Ends a scan's use of `hits`: they become the spare buffers, or are freed. Called
+ * with the GIL held. */
+static void return_hits(Hits *hits)
+{
+    if (spare.position == NULL && spare.value == NULL && hits->capacity <= SPARE_CAPACITY) {
+        spare = *hits;
+        return;
+    }
+    PyMem_RawFree(hits->position);
+    PyMem_RawFree(hits->value);
+}
+
 /* The scan for one value type. Each block's hits are written without a branch on
- * whether there is one (the position of the lowest hit, or junk, is stored, and the
- * count advances by one or zero): at Top-1% about half the blocks hold one and few
- * hold three, and a branch on "any hit" would be mispredicted about once per
- * candidate. ORing the top bit gives LOWEST_BIT a defined input when the mask is
- * empty. The keys are taken while the block is in the L1 cache; reading them later
- * from a gradient that has left it costs more than the scan (one cache miss each).
- * The last values (fewer than a block) go one by one. Returns the number of hits,
- * or -1 when the output could not grow. */
-#define TAKE_LOWEST(type, key_of)                                                      \
+ * whether there is one (the position and value of the lowest hit, or junk, are
+ * stored, and the count advances by one or zero): at Top-1% about half the blocks
+ * hold one and few hold three, and a branch on "any hit" would be mispredicted about
+ * once per candidate. ORing the top bit gives LOWEST_BIT a defined input when the
+ * mask is empty. The values are kept while the block is in the L1 cache; reading
+ * them later from a gradient that has left it costs more than the scan (one cache
+ * miss each). The last values (fewer than a block) go one by one. Returns the
+ * number of hits, or -1 when the output could not grow. */
+#define TAKE_LOWEST(type)                                                              \
     do {                                                                               \
         int bit = LOWEST_BIT(mask | (1ull << 63));                                     \
         hits->position[found] = (int64_t)(base + bit);                                 \
-        if (hits->key != NULL) {                                                       \
-            hits->key[found] = key_of(value[base + bit]);                              \
-            ((type *)hits->value)[found] = value[base + bit];                          \
-        }                                                                              \
+        ((type *)hits->value)[found] = value[base + bit];                              \
         found += mask != 0;                                                            \
         mask &= mask - 1;                                                              \
     } while (0)
 
-#define DEFINE_SCAN(name, type, absolute, block_hits, key_of)                          \
+#define DEFINE_SCAN(name, type, absolute, block_hits)                                  \
     static Py_ssize_t name(type *value, const type *addend, Py_ssize_t count, type low, \
                            Hits *hits)                                                 \
     {                                                                                  \
@@ -263,10 +279,10 @@ static int reserve(Hits *hits, Py_ssize_t needed, Py_ssize_t limit)
             uint64_t mask = block_hits(value + base, low);                             \
             if (reserve(hits, found + BLOCK, count) < 0)                               \
                 return -1;                                                             \
-            TAKE_LOWEST(type, key_of);                                                 \
-            TAKE_LOWEST(type, key_of);                                                 \
+            TAKE_LOWEST(type);                                                         \
+            TAKE_LOWEST(type);                                                         \
             while (mask)                                                               \
-                TAKE_LOWEST(type, key_of);                                             \
+                TAKE_LOWEST(type);                                                     \
         }                                                                              \
         for (; base < count; base++) {                                                 \
             if (addend)                                                                \
@@ -275,80 +291,80 @@ static int reserve(Hits *hits, Py_ssize_t needed, Py_ssize_t limit)
                 if (reserve(hits, found + 1, count) < 0)                               \
                     return -1;                                                         \
                 hits->position[found] = (int64_t)base;                                 \
-                if (hits->key != NULL) {                                               \
-                    hits->key[found] = key_of(value[base]);                            \
-                    ((type *)hits->value)[found] = value[base];                        \
-                }                                                                      \
+                ((type *)hits->value)[found] = value[base];                            \
                 found++;                                                               \
             }                                                                          \
         }                                                                              \
         return found;                                                                  \
     }
 
-DEFINE_SCAN(scan_float, float, fabsf, float_hits, float_key)
-DEFINE_SCAN(scan_double, double, fabs, double_hits, double_key)
+DEFINE_SCAN(scan_float, float, fabsf, float_hits)
+DEFINE_SCAN(scan_double, double, fabs, double_hits)
 
 /* ------------------------------------------------------------ the k largest hits */
 
 /* Bits of the keys the selection compares at a time. */
 #define DIGIT_BITS 11
 
-/* The key of the k-th largest of keys[0..count) (1 <= k <= count), and in *ties how
- * many keys equal to it belong to the k largest.
+/* The key of the k-th largest of the keys of value[0..count) (1 <= k <= count),
+ * and in *ties how many keys equal to it belong to the k largest.
  *
  * A radix select on the digits of key - smallest key: Top-k's candidates all lie a
  * little above a threshold, so their keys share their top bits, and a first digit
  * taken from the keys' own range spreads them over all its bins. Each digit counts
- * the keys that share the digits found so far, rereading the keys (a few hundred KB,
- * in the cache) rather than copying them. */
-static uint64_t kth_largest_key(const uint64_t *keys, Py_ssize_t count, Py_ssize_t k,
-                                Py_ssize_t *ties)
-{
-    uint64_t smallest = keys[0], largest = keys[0];
-    for (Py_ssize_t i = 1; i < count; i++) {
-        smallest = keys[i] < smallest ? keys[i] : smallest;
-        largest = keys[i] > largest ? keys[i] : largest;
+ * the keys that share the digits found so far, rereading the values (a few hundred
+ * KB, in the cache) rather than copying keys. One function per value width. */
+#define DEFINE_KTH_LARGEST(name, bits_type, key_of)                                    \
+    static uint64_t name(const bits_type *value, Py_ssize_t count, Py_ssize_t k,       \
+                         Py_ssize_t *ties)                                             \
+    {                                                                                  \
+        uint64_t smallest = key_of(value[0]), largest = smallest;                      \
+        for (Py_ssize_t i = 1; i < count; i++) {                                       \
+            uint64_t key = key_of(value[i]);                                           \
+            smallest = key < smallest ? key : smallest;                                \
+            largest = key > largest ? key : largest;                                   \
+        }                                                                              \
+        int shift = 0;                                                                 \
+        while (shift < 64 && (largest - smallest) >> shift)                            \
+            shift++;                                                                   \
+        Py_ssize_t rank = k;                                                           \
+        uint64_t found = 0; /* the digits found so far, of key - smallest */           \
+        while (shift > 0) {                                                            \
+            int width = shift < DIGIT_BITS ? shift : DIGIT_BITS;                       \
+            /* the digits already found */                                             \
+            uint64_t above = shift == 64 ? 0 : ~0ull << shift;                         \
+            shift -= width;                                                            \
+            uint64_t mask = (1ull << width) - 1;                                       \
+            Py_ssize_t histogram[1 << DIGIT_BITS] = {0};                               \
+            for (Py_ssize_t i = 0; i < count; i++) {                                   \
+                uint64_t key = key_of(value[i]) - smallest;                            \
+                if ((key & above) == found)                                            \
+                    histogram[(key >> shift) & mask]++;                                \
+            }                                                                          \
+            /* the digit of the rank-th largest, counting down from the top bin */     \
+            uint64_t digit = mask;                                                     \
+            while (histogram[digit] < rank) {                                          \
+                rank -= histogram[digit];                                              \
+                digit--;                                                               \
+            }                                                                          \
+            found |= digit << shift;                                                   \
+        }                                                                              \
+        *ties = rank;                                                                  \
+        return found + smallest;                                                       \
     }
-    int shift = 0;
-    while (shift < 64 && (largest - smallest) >> shift)
-        shift++;
-    Py_ssize_t rank = k;
-    uint64_t found = 0;  /* the digits found so far, of key - smallest */
-    while (shift > 0) {
-        int width = shift < DIGIT_BITS ? shift : DIGIT_BITS;
-        uint64_t above = shift == 64 ? 0 : ~0ull << shift;  /* the digits already found */
-        shift -= width;
-        uint64_t mask = (1ull << width) - 1;
-        Py_ssize_t histogram[1 << DIGIT_BITS] = {0};
-        for (Py_ssize_t i = 0; i < count; i++) {
-            uint64_t key = keys[i] - smallest;
-            if ((key & above) == found)
-                histogram[(key >> shift) & mask]++;
-        }
-        /* the digit of the rank-th largest, counting down from the top bin */
-        uint64_t digit = mask;
-        while (histogram[digit] < rank) {
-            rank -= histogram[digit];
-            digit--;
-        }
-        found |= digit << shift;
-    }
-    *ties = rank;
-    return found + smallest;
-}
 
 /* Writes to out, in order, the positions of the k hits of largest keys (ties: the
  * first ones), and their values' bits to selected: one function per value width, so
  * that each value is one move, not a call to memcpy. */
-#define DEFINE_TAKE(name, bits_type)                                                   \
+#define DEFINE_TAKE(name, bits_type, key_of, kth_largest)                              \
     static void name(const Hits *hits, Py_ssize_t count, Py_ssize_t k, int64_t *out,   \
                      bits_type *selected)                                              \
     {                                                                                  \
         const bits_type *value = (const bits_type *)hits->value;                       \
         Py_ssize_t ties, taken = 0;                                                    \
-        uint64_t threshold = kth_largest_key(hits->key, count, k, &ties);              \
+        uint64_t threshold = kth_largest(value, count, k, &ties);                      \
         for (Py_ssize_t i = 0; i < count && taken < k; i++) {                          \
-            uint64_t key = hits->key[i];                                               \
+            uint64_t key = key_of(value[i]);                                           \
             out[taken] = hits->position[i];                                            \
             selected[taken] = value[i];                                                \
             taken += key > threshold || (key == threshold && ties > 0);                \
@@ -356,8 +372,10 @@ static uint64_t kth_largest_key(const uint64_t *keys, Py_ssize_t count, Py_ssize
         }                                                                              \
     }
 
-DEFINE_TAKE(take_largest_32, uint32_t)
-DEFINE_TAKE(take_largest_64, uint64_t)
+DEFINE_KTH_LARGEST(kth_largest_32, uint32_t, key_32)
+DEFINE_KTH_LARGEST(kth_largest_64, uint64_t, key_64)
+DEFINE_TAKE(take_largest_32, uint32_t, key_32, kth_largest_32)
+DEFINE_TAKE(take_largest_64, uint64_t, key_64, kth_largest_64)
 
 /* ------------------------------------------------------------ argument checks */
 
@@ -412,7 +430,7 @@ static PyObject *new_array(Py_ssize_t size, const char *dtype, Py_buffer *view)
 /* The positions of the count hits (k < 0, a numpy int64 array) or the k largest of
  * them and their values (a tuple of two arrays, the values of `dtype`). */
 static PyObject *found_arrays(const Hits *hits, Py_ssize_t count, Py_ssize_t k,
-                              const char *dtype)
+                              const char *dtype, Py_ssize_t itemsize)
 {
     Py_buffer positions_view, values_view;
     PyObject *positions = new_array(k < 0 ? count : k, "int64", &positions_view);
@@ -431,7 +449,7 @@ static PyObject *found_arrays(const Hits *hits, Py_ssize_t count, Py_ssize_t k,
     }
     if (k > 0) {
         Py_BEGIN_ALLOW_THREADS
-        if (hits->itemsize == (Py_ssize_t)sizeof(uint32_t))
+        if (itemsize == (Py_ssize_t)sizeof(uint32_t))
             take_largest_32(hits, count, k, positions_view.buf, values_view.buf);
         else
             take_largest_64(hits, count, k, positions_view.buf, values_view.buf);
@@ -468,15 +486,9 @@ static PyObject *scan(PyObject *values_object, double low, Py_ssize_t k,
             return NULL;
         }
     }
-    Py_ssize_t capacity = (count >> FIRST_CAPACITY_SHIFT) + MIN_CAPACITY, found = -1;
-    capacity = capacity < count ? capacity : count;
-    Hits hits = {PyMem_RawMalloc((size_t)capacity * sizeof *hits.position), NULL, NULL,
-                 capacity, values.itemsize};
-    if (k >= 0) {
-        hits.key = PyMem_RawMalloc((size_t)capacity * sizeof *hits.key);
-        hits.value = PyMem_RawMalloc((size_t)(capacity * values.itemsize));
-    }
-    if (hits.position != NULL && (k < 0 || (hits.key != NULL && hits.value != NULL))) {
+    Hits hits;
+    Py_ssize_t found = -1;
+    if (borrow_hits(&hits, (count >> FIRST_CAPACITY_SHIFT) + MIN_CAPACITY, count) == 0) {
         Py_BEGIN_ALLOW_THREADS
         found = format == 'f' ? scan_float(values.buf, addend.buf, count, (float)low, &hits)
                               : scan_double(values.buf, addend.buf, count, low, &hits);
@@ -490,10 +502,9 @@ static PyObject *scan(PyObject *values_object, double low, Py_ssize_t k,
         result = Py_None;
     }
     else
-        result = found_arrays(&hits, found, k, format == 'f' ? "float32" : "float64");
-    PyMem_RawFree(hits.position);
-    PyMem_RawFree(hits.key);
-    PyMem_RawFree(hits.value);
+        result = found_arrays(&hits, found, k, format == 'f' ? "float32" : "float64",
+                              values.itemsize);
+    return_hits(&hits);
     if (adding)
         PyBuffer_Release(&addend);
     PyBuffer_Release(&values);

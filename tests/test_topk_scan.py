@@ -144,6 +144,30 @@ def test_compiled_largest_at_least_is_the_numpy_selection(dtype, size, seed, spe
 
 
 @compiled_only
+def test_scans_running_together_in_threads_each_get_their_own_buffers():
+    # the scan lends its buffers to the next one and drops the GIL while it runs:
+    # threads scanning at once, float32 and float64 of different sizes mixed, must
+    # get what each gets alone
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(7)
+    arrays = [rng.standard_normal(size).astype(dtype)
+              for size, dtype in [(300_000, np.float32), (70_001, np.float64),
+                                  (1 << 18, np.float32), (5_000, np.float64)]]
+
+    def select(x):
+        low = x.dtype.type(np.quantile(np.abs(x), 0.95))
+        return sparsifiers._topkscan.largest_at_least(x, low, x.size // 50)
+
+    alone = [select(x) for x in arrays]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(select, arrays * 25))
+    for i, (positions, values) in enumerate(together):
+        np.testing.assert_array_equal(positions, alone[i % len(arrays)][0])
+        np.testing.assert_array_equal(values, alone[i % len(arrays)][1])
+
+
+@compiled_only
 def test_compiled_scan_refuses_bad_arguments():
     x = np.ones(10, np.float32)
     with pytest.raises(ValueError, match="k must be"):
