@@ -214,8 +214,12 @@ class TopK(Sparsifier):
     array([-3.,  2.])
     """
 
-    #: Sample size of the fast mode; below twice this the exact path is cheaper.
-    SAMPLE = 1 << 14
+    #: Sample size of the fast mode; below twice this the exact path is as cheap. Each
+    #: sampled position costs a cache miss or two, and a smaller sample widens the
+    #: candidates' margin (four standard deviations of its count): at Top-1% of 4M
+    #: values, 4096 positions make 1.66k candidates instead of 16384's 1.32k, and one
+    #: rank's step of the e2e model encodes 0.9 ms faster.
+    SAMPLE = 1 << 12
 
     def __init__(self, ratio_or_k=None, *, ratio=None, k=None, exact=False):
         self.ratio, self.k = _check_ratio_or_k(ratio_or_k, ratio, k, "TopK")
