@@ -294,7 +294,7 @@ def worker(args):
             step = tf.function(step)
         runs.append(dict(label=label, kind=kind, model=model, step=step, info=info,
                          batches=np.random.default_rng(args.seed + rank), times=[],
-                         losses=[], wire=0, has_wire=True))
+                         losses=[], path=[], wire=0, has_wire=True))
 
     def run_steps(run, count, timed):
         for _ in range(count):
@@ -305,6 +305,8 @@ def worker(args):
             if timed:
                 run["times"].append(elapsed)
                 run["losses"].append(loss)
+                if "compression" in run["info"]:  # this step's encode, decode and codec times
+                    run["path"].append(run["info"]["compression"].stats.last.per_step())
 
     for run in runs:
         run_steps(run, args.warmup, timed=False)
@@ -345,9 +347,11 @@ def worker(args):
                                     for n in sizes)
         elif kind == "drh":
             per = (info["compression"].stats.snapshot() - run["snapshot"]).per_step()
-            row.update(bytes_sent=per["bytes_sent"], encode_ms=per["encode_ms"],
-                       decode_ms=per["decode_ms"], exchange_ms=per.get("exchange_ms"),
-                       codec_ms=per["codec_ms"])
+            row["bytes_sent"] = per["bytes_sent"]
+            # medians over the timed steps, as for the step time; the means beside them
+            for key in ("encode_ms", "decode_ms", "exchange_ms", "codec_ms"):
+                row[key] = float(np.median([step[key] for step in run["path"]]))
+                row[f"{key}_mean"] = per[key]
         else:
             row["bytes_sent"] = 0
         row["dense_bytes"] = dense_bytes
@@ -572,8 +576,9 @@ NOTES = [
     "## Notes", "",
     "* The ranks share two cores with each other and with other jobs: forward and backward "
     "run on one thread per rank, Horovod's and deepreduce's work competes with them. Times "
-    "are medians over turns spread across the run; the JSON file has every rank's median, "
-    "the mean and the minimum.",
+    "are medians over turns spread across the run, and so are the encode, decode, codec and "
+    "exchange times (each rank's own per step); the JSON file has every rank's median step, "
+    "the mean and the minimum, and the means of the encode, decode, codec and exchange times.",
     "* Horovod's fp16 compression can be slower than float32 here: converting and reducing "
     "float16 on the CPU costs more than the halved traffic saves when the link is fast.",
     "* `Top-k IndexedSlices` uses `tf.math.top_k`, a full sort-based selection that costs "
