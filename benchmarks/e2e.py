@@ -438,7 +438,8 @@ def is_ours(label) -> bool:
         and "golomb" not in label
 
 
-#: Runs before the prediction on the run's own pairs predicted from random supports only.
+#: How the prediction is described; runs saved before it was timed on the run's own pairs
+#: timed it on random supports only.
 ON_RUN_PAIRS = " on the pairs this rank sent in its last step"
 
 
@@ -664,8 +665,7 @@ def report(runs, args):
                               f"speed{ON_RUN_PAIRS if 'codec_prediction_random_ms' in run else ''}"
                               f": {t['codec_vs_prediction']:.2f}x (target <= 2)")
                 if run.get("codec_prediction_random_ms"):
-                    lines[-1] += (f"; on random supports of the same sizes, where `auto` "
-                                  f"chooses differently, they predict "
+                    lines[-1] += (f"; on random supports of the same sizes they predict "
                                   f"{run['codec_prediction_random_ms']:.1f} ms "
                                   f"({t['codec_ms'] / run['codec_prediction_random_ms']:.2f}x)")
                 lines[-1] += "."
