@@ -164,18 +164,29 @@ def _float64_to_float32_round_to_odd(x: np.ndarray) -> np.ndarray:
 
 def to_float32(values: np.ndarray) -> np.ndarray:
     """Float32 copy of supported values (exact for float16 and bfloat16)."""
-    if is_bfloat16(values.dtype):
-        return bfloat16_bits_to_float32(values.view(np.uint16))
     with np.errstate(**_QUIET_CASTS):
-        return values.astype(np.float32)
+        return _as_float32(values, copy=True)
 
 
 def from_float32(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Cast float32 values to ``dtype`` (round to nearest even when narrowing)."""
+    with np.errstate(**_QUIET_CASTS):
+        return _float32_as(x, dtype)
+
+
+# The two casts without their np.errstate, for codecs that already hold it: entering
+# one costs about as much as casting a small tensor's values.
+
+def _as_float32(values: np.ndarray, copy: bool = False) -> np.ndarray:
+    if is_bfloat16(values.dtype):
+        return bfloat16_bits_to_float32(values.view(np.uint16))
+    return values.astype(np.float32, copy=copy)
+
+
+def _float32_as(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if is_bfloat16(dtype):
         return float32_to_bfloat16_bits(x).view(BFLOAT16)
-    with np.errstate(**_QUIET_CASTS):
-        return x.astype(dtype, copy=False)
+    return x.astype(dtype, copy=False)
 
 
 # ----------------------------------------------------------------- codecs
@@ -270,10 +281,10 @@ class Float32Values(_NarrowingValues):
     wire_dtype = np.dtype("<f4")
 
     def _narrow(self, values):
-        return to_float32(values)
+        return _as_float32(values)
 
     def _widen(self, wire, dtype):
-        return from_float32(wire.astype(np.float32), dtype)
+        return _float32_as(wire.astype(np.float32), dtype)
 
 
 @register_codec
@@ -303,14 +314,14 @@ class Float16Values(_NarrowingValues):
 
     def _narrow(self, values):
         # Cast float64 directly: going through float32 could round twice.
-        wide = values if values.dtype == np.float64 else to_float32(values)
+        wide = values if values.dtype == np.float64 else _as_float32(values)
         if wide.size == 0 or max(wide.max(), -wide.min()) < self._OVERFLOW:
             return wide.astype(np.float16)  # nothing to saturate (two reductions, no copy)
         saturated = np.where(np.isfinite(wide), np.clip(wide, -self._LIMIT, self._LIMIT), wide)
         return saturated.astype(np.float16)
 
     def _widen(self, wire, dtype):
-        return from_float32(wire.astype(np.float32), dtype)
+        return _float32_as(wire.astype(np.float32), dtype)
 
 
 @register_codec
@@ -343,7 +354,7 @@ class BFloat16Values(_NarrowingValues):
             return values.view(np.uint16)
         if values.dtype == np.float64:
             return float32_to_bfloat16_bits(_float64_to_float32_round_to_odd(values))
-        return float32_to_bfloat16_bits(to_float32(values))
+        return float32_to_bfloat16_bits(_as_float32(values))
 
     def _widen(self, wire, dtype):
         if is_bfloat16(dtype):
