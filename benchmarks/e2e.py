@@ -363,8 +363,9 @@ def worker(args):
     ours = next((run for run in runs if is_ours(run["label"])), None)
     if rank == 0 and ours is not None:
         # the Top-k pairs this rank sent in its last step, for the codec-time prediction
-        payloads, _ = ours["info"]["compression"]._last_sent
-        pairs = [dr.decompress(bytes(payload)) for payload in payloads]
+        sent = ours["info"]["compression"]._last_sent  # per bundle group
+        pairs = [dr.decompress(bytes(payload))
+                 for group in sorted(sent) for payload in sent[group][0]]
         np.savez(pairs_path(args.worker_out), **{
             f"{field}{i}": value for i, pair in enumerate(pairs) if pair.size >= 1024
             for field, value in (("indices", pair.indices), ("values", pair.values),

@@ -266,7 +266,7 @@ class GradientExchange:
         # per tensor name, the pipeline with its own random streams (see _pipeline_of)
         self._pipelines = {}
         self._lock = threading.Lock()
-        self._last_sent = ([], [])
+        self._last_sent = {}  # per bundle group: (payloads, receiveds) of its last encode
         self._sums = _ReusedSums()
         self._codec_seconds = 0.0
 
@@ -280,7 +280,7 @@ class GradientExchange:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._lock, self._sums, self._last_sent = threading.Lock(), _ReusedSums(), ([], [])
+        self._lock, self._sums, self._last_sent = threading.Lock(), _ReusedSums(), {}
 
     def __repr__(self):
         memory = "None" if self.memory is None else f"ResidualMemory(beta={self.memory.beta})"
@@ -393,17 +393,22 @@ class GradientExchange:
         return corrected, selected, _as_float_array(corrected).reshape(-1)
 
     # -- one step -------------------------------------------------------------
-    def encode_bundle(self, names, tensors) -> bytes:
-        """Encode this rank's gradients (dense arrays or SparseTensors) into one bundle."""
+    def encode_bundle(self, names, tensors, group: int = 0) -> bytes:
+        """Encode this rank's gradients (dense arrays or SparseTensors) into one bundle.
+
+        A step whose gradients travel in several allgathers encodes one bundle per
+        ``group`` (0, 1, ...: consecutive slices of its tensors) and decodes them
+        together with :meth:`decode_groups`; the stats count them as one step.
+        """
         bundle, sent, encoded = self._encode_bundle(names, tensors)
         # what the other ranks will decode from this bundle, so that decoding it
-        # again here can be skipped (decode_bundles comes in a separate call)
-        self._last_sent = sent
+        # again here can be skipped (decoding comes in a separate call)
+        self._last_sent[group] = sent
         self.stats.record_encode(tensors=encoded.tensors,
                                  compressed_tensors=encoded.compressed_tensors,
                                  bytes_sent=encoded.bytes_sent, dense_bytes=encoded.dense_bytes,
                                  seconds=encoded.encode_seconds,
-                                 codec_seconds=encoded.codec_seconds)
+                                 codec_seconds=encoded.codec_seconds, group=group)
         return bundle
 
     def _encode_bundle(self, names, tensors):
@@ -454,24 +459,42 @@ class GradientExchange:
         list
             One reduced tensor per gradient, with the dtype its payloads carry.
         """
+        return self.decode_groups([gathered], ranks, rank, average, as_rows, out)
+
+    def decode_groups(self, groups, ranks: int, rank: int, average: bool = False,
+                      as_rows=None, out=None) -> list:
+        """:meth:`decode_bundles` for a step that travelled in several allgathers.
+
+        ``groups`` holds what each allgather gathered (in either form
+        :meth:`decode_bundles` takes), in group order: the bundles of
+        ``encode_bundle(..., group=g)``. Their tensors are decoded and reduced
+        as if one bundle had carried them all, in that order.
+        """
         with self._lock:
-            results, decoded = self._decode_bundles(gathered, ranks, rank, average, as_rows,
-                                                    out, self._last_sent)
+            own = [self._last_sent.get(group, ([], [])) for group in range(len(groups))]
+            sent = ([p for payloads, _ in own for p in payloads],
+                    [r for _, receiveds in own for r in receiveds])
+            results, decoded = self._decode_bundles(groups, ranks, rank, average, as_rows,
+                                                    out, sent)
         self.stats.record_decode(bytes_received=decoded.bytes_received,
                                  seconds=decoded.decode_seconds,
                                  codec_seconds=decoded.codec_seconds)
         return results
 
-    def _decode_bundles(self, gathered, ranks, rank, average, as_rows, out, sent):
+    def _decode_bundles(self, groups, ranks, rank, average, as_rows, out, sent):
         start = time.perf_counter()
-        if isinstance(gathered, (list, tuple)):
-            if len(gathered) != ranks:
-                raise DecodeError(f"{len(gathered)} bundles for {ranks} ranks")
-            bundles = [split_bundles(bundle, 1)[0] for bundle in gathered]
-            received = sum(memoryview(bundle).nbytes for bundle in gathered)
-        else:
-            bundles = split_bundles(gathered, ranks)
-            received = memoryview(gathered).nbytes
+        bundles, received = [[] for _ in range(ranks)], 0
+        for gathered in groups:
+            if isinstance(gathered, (list, tuple)):
+                if len(gathered) != ranks:
+                    raise DecodeError(f"{len(gathered)} bundles for {ranks} ranks")
+                per_rank = [split_bundles(bundle, 1)[0] for bundle in gathered]
+                received += sum(memoryview(bundle).nbytes for bundle in gathered)
+            else:
+                per_rank = split_bundles(gathered, ranks)
+                received += memoryview(gathered).nbytes
+            for payloads, more in zip(bundles, per_rank):
+                payloads += more
         count = len(bundles[rank])
         for r, bundle in enumerate(bundles):
             if len(bundle) != count:
@@ -653,7 +676,7 @@ class GradientExchange:
                 # no lock: decoding shares nothing with encoding (the next reduction's,
                 # running meanwhile), and the transport thread decodes one at a time
                 outputs, decoded = self._decode_bundles(
-                    gathered, transport.size, transport.rank, op == "average", as_rows, out,
+                    [gathered], transport.size, transport.rank, op == "average", as_rows, out,
                     sent)
                 # one record per exchange: exchanges may overlap, open/close pairs may not
                 self.stats.record_step(encoded + decoded + StepStats(

@@ -138,6 +138,7 @@ class CompressionStats:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("_pending_groups", set())  # pickled before groups
         self._lock = threading.Lock()
 
     def reset(self) -> None:
@@ -146,14 +147,28 @@ class CompressionStats:
             self.last = StepStats()
             self.total = StepStats()
             self._pending = None
+            self._pending_groups = set()
             self._encoded_at = 0.0
 
     def record_encode(self, *, tensors: int, compressed_tensors: int, bytes_sent: int,
-                      dense_bytes: int, seconds: float, codec_seconds: float = 0.0) -> None:
-        """Open a step with what the encoder did (the communicator calls this)."""
+                      dense_bytes: int, seconds: float, codec_seconds: float = 0.0,
+                      group: int = 0) -> None:
+        """Open a step with what the encoder did (the communicator calls this).
+
+        A step whose tensors travel in several bundles records one encode per
+        ``group``: a group the open step does not hold yet adds to it, and the
+        step closes at its decode.
+        """
         with self._lock:
-            self._pending = StepStats(1, tensors, compressed_tensors, bytes_sent, 0,
-                                      dense_bytes, seconds, codec_seconds=codec_seconds)
+            encoded = StepStats(1, tensors, compressed_tensors, bytes_sent, 0,
+                                dense_bytes, seconds, codec_seconds=codec_seconds)
+            if self._pending is not None and group not in self._pending_groups:
+                encoded = self._pending + encoded
+                encoded.steps = 1
+            else:
+                self._pending_groups = set()
+            self._pending_groups.add(group)
+            self._pending = encoded
             self._encoded_at = time.perf_counter()
 
     def record_decode(self, *, bytes_received: int, seconds: float,

@@ -141,6 +141,37 @@ def check_error_feedback(rank, value="fp16", communicator="allgather"):
             "ratio": compression.stats.last.ratio}
 
 
+def check_grouped_bundles(rank, groups=3):
+    """A tape reducing in one bundle, and ones reducing in ``groups`` inside a
+    tf.function and eagerly, with Top-k and error feedback: the same bits every
+    step."""
+    shapes = [(300, 40), (40,), (40, 200), (200,), (200, 10), (10,)]
+    variables = [tf.Variable(np.zeros(s, np.float32)) for s in shapes]
+    kinds = [(0, True), (groups, True), (groups, False)]  # (num_groups, in a graph)
+    compressions = [drh.Compression(dr.TopK(0.05), index=INDEX, value="fp16") for _ in kinds]
+
+    def make_step(compression, num_groups, graph):
+        def step(coefficients):
+            with tf.GradientTape() as tape:  # the gradients are the coefficients
+                loss = tf.add_n([tf.reduce_sum(v * c) for v, c in zip(variables, coefficients)])
+            tape = drh.DistributedGradientTape(tape, compression=compression,
+                                               num_groups=num_groups)
+            return tape.gradient(loss, variables)
+        return tf.function(step) if graph else step
+
+    steps = [make_step(c, *kind) for c, kind in zip(compressions, kinds)]
+    rng = np.random.default_rng(11 + rank)
+    same = []
+    for _ in range(4):
+        coefficients = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+        one, *grouped = ([r.numpy().tobytes() for r in step(coefficients)] for step in steps)
+        same.append([g == one for g in grouped])
+    stats = [c.stats.total for c in compressions]
+    return {"same": same, "steps": [s.steps for s in stats],
+            "tensors": [s.tensors for s in stats],
+            "dense_bytes": [s.dense_bytes for s in stats]}
+
+
 #: Every communicator of the wrappers, by the key its findings are stored under.
 COMMUNICATORS = {"allgather": ("allgather", None),
                  "sparse_allreduce": ("sparse_allreduce", None),
@@ -395,6 +426,7 @@ def main(out_dir):
                lambda: check_error_feedback(rank, "raw", "sparse_allreduce")),
               ("indexed_slices", lambda: check_indexed_slices(rank)),
               ("tape_options", lambda: check_tape_options(rank)),
+              ("grouped_bundles", lambda: check_grouped_bundles(rank)),
               ("misuse", lambda: check_misuse(rank)),
               ("keras_fit", lambda: check_keras_fit(rank, size, tempfile.mkdtemp())),
               ("custom_loop", lambda: check_custom_loop(rank, size))]

@@ -172,6 +172,30 @@ def test_own_bundle_is_not_decoded_again_and_gives_the_same_sums(value):
             np.testing.assert_array_equal(got, expected)
 
 
+def test_bundles_of_several_groups_decode_as_one_and_count_one_step(monkeypatch):
+    names, shapes = ["w", "b", "v"], ((200, 30), (500,), (64, 64))
+    one, grouped = ([GradientExchange(dr.TopK(0.1), index="auto", value="fp16", seed=r)
+                     for r in range(2)] for _ in range(2))
+    decoded = []
+    monkeypatch.setattr(exchange, "decode", lambda payload: decoded.append(1) or
+                        dr.decompress(payload))
+    for step in range(3):
+        grads = [gradients(10 * step + r, shapes) for r in range(2)]
+        data = b"".join(c.encode_bundle(names, g) for c, g in zip(one, grads))
+        # the second group first, as a graph may run the two encodes
+        second = [c.encode_bundle(names[2:], g[2:], group=1) for c, g in zip(grouped, grads)]
+        first = [c.encode_bundle(names[:2], g[:2], group=0) for c, g in zip(grouped, grads)]
+        expected = one[0].decode_bundles(data, ranks=2, rank=0)
+        decoded.clear()
+        got = grouped[0].decode_groups([b"".join(first), b"".join(second)], ranks=2, rank=0)
+        assert len(decoded) == 3  # rank 1's payloads only: rank 0 reuses what it encoded
+        for a, b in zip(got, expected):
+            assert a.tobytes() == b.tobytes()
+        last = grouped[0].stats.last
+        assert grouped[0].stats.total.steps == step + 1 and last.tensors == 3
+        assert last.bytes_sent == len(first[0]) + len(second[0])
+
+
 def address(array) -> int:
     return array.__array_interface__["data"][0]
 
@@ -527,6 +551,15 @@ def test_topk_with_error_feedback_loses_no_mass(ranks, check, min_ratio):
         assert all(a <= 40 and b <= 80 for a, b in f["nonzeros"])
         assert f["ratio"] > min_ratio
     assert found[0]["delivered_checksum"] == found[1]["delivered_checksum"]
+
+
+def test_gradients_in_several_bundles_reduce_to_the_same_bits(ranks):
+    for found in findings(ranks, "grouped_bundles"):
+        assert found["same"] == [[True, True]] * 4  # in a graph and eagerly
+        # each training step counts once, whatever the number of bundles
+        assert found["steps"] == [4, 4, 4]
+        assert found["tensors"] == [4 * 6] * 3
+        assert len(set(found["dense_bytes"])) == 1
 
 
 def test_every_communicator_equals_horovod_allreduce(ranks):

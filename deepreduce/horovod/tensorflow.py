@@ -72,18 +72,21 @@ MISUSE_HINT = (
 _plain_python = tf.autograph.experimental.do_not_convert
 
 
-def _host_call(fn, inputs, tout):
+def _host_call(fn, inputs, tout, ordered=True):
     """Run numpy ``fn`` on ``inputs``: directly when eager, as a graph op otherwise.
 
     Returns a list of tensors (one per dtype in ``tout``). Eager calls raise
     ``fn``'s own exceptions; inside a graph TensorFlow reports them as
     ``tf.errors.InvalidArgumentError`` (for ValueError and DecodeError) with
-    the same message.
+    the same message. ``ordered=False`` leaves the op out of the order a
+    ``tf.function`` keeps among its stateful ops (Horovod's collectives are
+    some), so it may run while one of them is under way: for calls whose only
+    effects are on state no other op reads, and whose output is used.
     """
     if tf.executing_eagerly():
         outputs = fn(*[t.numpy() for t in inputs])
         return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outputs, tout)]
-    return tf.numpy_function(fn, inputs, tout, stateful=True)
+    return tf.numpy_function(fn, inputs, tout, stateful=ordered)
 
 
 class Compression(GradientExchange):
@@ -212,7 +215,7 @@ class _Reducer:
     """
 
     def __init__(self, compression, op, sparse_as_dense, gradient_predivide_factor,
-                 process_set):
+                 process_set, num_groups=0):
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("op must be hvd.Average or hvd.Sum (deepreduce sums decoded "
                              f"payloads), got {op!r}")
@@ -222,6 +225,9 @@ class _Reducer:
         self.op, self.sparse_as_dense = op, bool(sparse_as_dense)
         self.predivide = float(gradient_predivide_factor)
         self.process_set = process_set
+        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+            raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
+        self.num_groups = num_groups
 
     @_plain_python
     def __call__(self, grads, keys):
@@ -245,7 +251,7 @@ class _Reducer:
             names.append(keys[i])
             templates.append(g)
 
-        def unpack(arrays):
+        def unpack(arrays, kinds=kinds):
             """The host arrays of the inputs as dense arrays and SparseTensors."""
             tensors, pos = [], 0
             for kind in kinds:
@@ -276,19 +282,29 @@ class _Reducer:
         average = self.op == hvd.Average
         if compression.communicator == "allgather":
             ranks, rank = self.process_set.size(), self.process_set.rank()
+            # tensor i's host arrays are inputs[starts[i]:starts[i + 1]]
+            starts = np.cumsum([0] + [1 if kind == "dense" else 3 for kind in kinds]).tolist()
+            gathered = []
+            for group, (lo, hi) in enumerate(_balanced_groups(templates, self.num_groups)):
+                def encode(*arrays, lo=lo, hi=hi, group=group):
+                    bundle = compression.encode_bundle(names[lo:hi],
+                                                       unpack(arrays, kinds[lo:hi]), group)
+                    return (np.frombuffer(bundle, dtype=np.uint8),)
 
-            def encode(*arrays):
-                bundle = compression.encode_bundle(names, unpack(arrays))
-                return (np.frombuffer(bundle, dtype=np.uint8),)
+                # in a graph the groups' encodes are not chained to the allgathers (as
+                # stateful ops would be): the next group encodes while this one is on
+                # the wire. Their effects (residuals, stats) belong to the exchange,
+                # which decode_all, a stateful op after every allgather, reads.
+                (bundle,) = _host_call(encode, inputs[starts[lo]:starts[hi]], [tf.uint8],
+                                       ordered=self.num_groups <= 1)
+                bundle.set_shape([None])
+                gathered.append(hvd.allgather(bundle, process_set=self.process_set))
 
-            def decode_all(gathered):
-                return pack(compression.decode_bundles(gathered, ranks, rank, average,
-                                                       as_rows=as_rows))
+            def decode_all(*groups):
+                return pack(compression.decode_groups(list(groups), ranks, rank, average,
+                                                      as_rows=as_rows))
 
-            (bundle,) = _host_call(encode, inputs, [tf.uint8])
-            bundle.set_shape([None])
-            gathered = hvd.allgather(bundle, process_set=self.process_set)
-            outputs = _host_call(decode_all, [gathered], tout)
+            outputs = _host_call(decode_all, gathered, tout)
         else:
             op, process_set = "average" if average else "sum", self.process_set
             if not tf.executing_eagerly() and \
@@ -327,6 +343,26 @@ class _Reducer:
                           if isinstance(result, tf.IndexedSlices) else result * self.predivide)
             reduced[i] = result
         return reduced
+
+
+def _balanced_groups(templates, num_groups: int) -> list[tuple[int, int]]:
+    """``num_groups`` (at least 1, at most one per tensor) consecutive ranges of the
+    tensors, ``(start, stop)``, of about equal numbers of elements."""
+    sizes = []
+    for template in templates:
+        shape = (template.values if isinstance(template, tf.IndexedSlices) else template).shape
+        sizes.append(max(1, shape.num_elements() or 1))
+    count = max(1, min(num_groups, len(sizes)))
+    total, cuts, running = sum(sizes), [0], 0
+    for i, size in enumerate(sizes[:-1]):
+        running += size
+        still_to_start = count - len(cuts)
+        # a group ends once the running total reaches its share, or when each group
+        # still to start needs one of the tensors left
+        if still_to_start and (running * count >= len(cuts) * total
+                               or len(sizes) - (i + 1) == still_to_start):
+            cuts.append(i + 1)
+    return list(zip(cuts, cuts[1:] + [len(sizes)]))
 
 
 def _slices_to_sparse(values, indices, dense_shape) -> SparseTensor:
@@ -445,11 +481,11 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     """A tape whose ``gradient()`` returns gradients reduced through deepreduce payloads.
 
     Drop-in replacement for ``hvd.DistributedGradientTape`` with the same
-    arguments. All gradients of one ``gradient()`` call travel together (one
-    bundle per rank over one ``hvd.allgather``, or one set of collectives per
-    dtype with the compression's ``communicator="sparse_allreduce"`` or
-    ``"block"``), so ``num_groups``/``groups`` (Horovod's allreduce grouping)
-    have nothing left to group and are accepted for compatibility only, as are
+    arguments. All gradients of one ``gradient()`` call travel together: one
+    bundle per rank over one ``hvd.allgather``, or ``num_groups`` of them (see
+    below), or one set of collectives per dtype with the compression's
+    ``communicator="sparse_allreduce"`` or ``"block"``. ``groups`` (Horovod's
+    explicit allreduce grouping) is accepted for compatibility only, as are
     ``device_dense``/``device_sparse`` (codecs run on the host CPU).
 
     Parameters
@@ -469,10 +505,19 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     scale_local_gradients : bool
         Divide gradients of sources registered with ``register_local_source``
         by the number of ranks, as Horovod does.
+    num_groups : int, default 0
+        With the allgather communicator, the gradients travel in this many
+        bundles (consecutive gradients, about equal in size; 0 or 1: one
+        bundle), one ``hvd.allgather`` each. Inside a ``tf.function`` a group
+        is encoded while the groups before it are on the wire (and the last
+        layers' gradients while backward still computes the first ones'); the
+        reduced gradients are the same bits. That needs a core to spare: with
+        two ranks on two cores (``benchmarks/e2e.py``, 3 groups) the step was
+        no shorter at 1 Gbit/s or 100 Mbit/s. Other communicators ignore it.
     """
-    del device_dense, device_sparse, num_groups, groups  # one bundle; host codecs
+    del device_dense, device_sparse, groups  # host codecs; num_groups groups the bundles
     reducer = _Reducer(compression, op, sparse_as_dense, gradient_predivide_factor,
-                                process_set)
+                       process_set, num_groups)
     cls = type(gradtape.__class__.__name__, (_DistributedTapeMixin, gradtape.__class__), {})
     return cls(gradtape, reducer, gradtape._persistent, gradtape._watch_accessed_variables,
                scale_local_gradients)
@@ -527,9 +572,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``optimizer.minimize`` reduce the gradients in one exchange per step
     (through the compression's communicator).
     The returned optimizer has the wrapped optimizer's class name and config,
-    so saved models load without deepreduce. ``name``, ``device_*``,
-    ``num_groups`` and ``groups`` are accepted for compatibility (one exchange
-    per step leaves nothing to group); ``backward_passes_per_step`` must be 1.
+    so saved models load without deepreduce. ``name``, ``device_*`` and
+    ``groups`` are accepted for compatibility; ``backward_passes_per_step``
+    must be 1.
     Gradients passed straight to ``apply_gradients`` are not reduced (as in
     Horovod): custom loops use :func:`DistributedGradientTape`.
 
@@ -540,11 +585,13 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         Defaults to a lossless ``Compression()``.
     sparse_as_dense, gradient_predivide_factor, op, process_set, scale_local_gradients
         As for :func:`DistributedGradientTape`.
+    num_groups : int, default 0
+        The bundles of a step, as for :func:`DistributedGradientTape`.
     """
-    del name, device_dense, device_sparse, num_groups, groups
+    del name, device_dense, device_sparse, groups
     _check_unsupported(backward_passes_per_step, average_aggregated_gradients)
     reducer = _Reducer(compression, op, sparse_as_dense, gradient_predivide_factor,
-                                process_set)
+                       process_set, num_groups)
     base = optimizer.__class__
     # hook the methods this optimizer generation calls; same class name, so
     # saved models load without deepreduce
