@@ -174,8 +174,8 @@ def from_float32(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
         return _float32_as(x, dtype)
 
 
-# The two casts without their np.errstate, for codecs that already hold it: entering
-# one costs about as much as casting a small tensor's values.
+# The two casts without their np.errstate, for codecs that already hold it (here and
+# in qsgd): entering one costs about as much as casting a small tensor's values.
 
 def _as_float32(values: np.ndarray, copy: bool = False) -> np.ndarray:
     if is_bfloat16(values.dtype):

@@ -47,8 +47,8 @@ import numpy as np
 from deepreduce import bits as _bits
 from deepreduce.codecs._murmur import murmur3_32
 from deepreduce.codecs.base import ValueCodec
-from deepreduce.codecs.floats import (check_nnz, check_values, from_float32, to_float32,
-                                      value_dtype)
+from deepreduce.codecs.floats import (_QUIET_CASTS, _float32_as, check_nnz, check_values,
+                                      to_float32, value_dtype)
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
@@ -100,8 +100,8 @@ def cast_back(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     narrower); ``x`` itself when it has that dtype."""
     if x.dtype == dtype:
         return x
-    with np.errstate(over="ignore", invalid="ignore"):
-        return from_float32(x.astype(np.float32, copy=False), dtype)
+    with np.errstate(**_QUIET_CASTS):  # the narrowing to float32 as well as the cast after
+        return _float32_as(x.astype(np.float32, copy=False), dtype)
 
 
 def float32_at_least(x: np.ndarray) -> np.ndarray:
