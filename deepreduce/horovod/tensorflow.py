@@ -284,8 +284,8 @@ class _Reducer:
             ranks, rank = self.process_set.size(), self.process_set.rank()
             # tensor i's host arrays are inputs[starts[i]:starts[i + 1]]
             starts = np.cumsum([0] + [1 if kind == "dense" else 3 for kind in kinds]).tolist()
-            gathered = []
-            for group, (lo, hi) in enumerate(_balanced_groups(templates, self.num_groups)):
+            gathered, ranges = [], _balanced_groups(templates, self.num_groups)
+            for group, (lo, hi) in enumerate(ranges):
                 def encode(*arrays, lo=lo, hi=hi, group=group):
                     bundle = compression.encode_bundle(names[lo:hi],
                                                        unpack(arrays, kinds[lo:hi]), group)
@@ -296,7 +296,7 @@ class _Reducer:
                 # the wire. Their effects (residuals, stats) belong to the exchange,
                 # which decode_all, a stateful op after every allgather, reads.
                 (bundle,) = _host_call(encode, inputs[starts[lo]:starts[hi]], [tf.uint8],
-                                       ordered=self.num_groups <= 1)
+                                       ordered=len(ranges) == 1)
                 bundle.set_shape([None])
                 gathered.append(hvd.allgather(bundle, process_set=self.process_set))
 
