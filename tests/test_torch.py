@@ -5,12 +5,14 @@ tests/torch_workers.py); the rest on one process.
 """
 
 import doctest
+import gc
 import json
 import os
 import pickle
 import socket
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ import torch.distributed as dist  # noqa: E402
 
 import deepreduce as dr  # noqa: E402
 import deepreduce.torch as drt  # noqa: E402
+from deepreduce.collectives import Traffic  # noqa: E402
 from deepreduce.torch import ddp  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -93,14 +96,11 @@ def world_of_one():
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
-    ddp._TRANSPORTS.clear()
 
 
 def test_docstring_examples():
-    ddp._TRANSPORTS.clear()
     result = doctest.testmod(ddp, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted and result.failed == 0
-    ddp._TRANSPORTS.clear()
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -119,6 +119,23 @@ def test_bad_settings_fail_when_the_state_is_built(kwargs, message):
 def test_state_needs_an_initialised_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         drt.DeepReduceState()
+
+
+def test_a_destroyed_group_is_not_kept_alive():
+    # a group that outlives destroy_process_group is destroyed at interpreter exit,
+    # when gloo's threads can no longer take the GIL to free their tensors: the
+    # process then aborts ("terminate called without an active exception")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    group = weakref.ref(dist.group.WORLD)
+    state = drt.DeepReduceState(sparsifier=None, index="varint", value="raw", start_iter=0)
+    total = drt.allreduce(torch.ones(10), state, op="sum")
+    transport = state.transport
+    dist.destroy_process_group()
+    gc.collect()
+    assert torch.equal(total, torch.ones(10)) and group() is None
+    with pytest.raises(RuntimeError, match="destroyed"):
+        transport.allgather(b"frame", Traffic(), "test")
 
 
 def test_non_float_tensors_are_refused(world_of_one):

@@ -16,6 +16,7 @@ and the caller's thread stays free to encode the next tensor.
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -146,7 +147,9 @@ class TorchTransport(Transport):
     ----------
     process_group : torch.distributed.ProcessGroup, optional
         The group to communicate in; the default (world) group when None.
-        Its backend must be gloo or NCCL.
+        Its backend must be gloo or NCCL. The transport holds it weakly, so
+        ``destroy_process_group`` really destroys it; the transport's
+        collectives then raise RuntimeError.
     device : torch.device or str, optional
         Where the byte tensors live; by default the CPU for gloo and
         ``cuda:<current device>`` for NCCL.
@@ -162,20 +165,33 @@ class TorchTransport(Transport):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialised: call "
                                "torch.distributed.init_process_group first")
-        self.group = dist.group.WORLD if process_group is None else process_group
-        backend = str(dist.get_backend(self.group)).lower()
+        group = dist.group.WORLD if process_group is None else process_group
+        # held weakly: a group kept alive after destroy_process_group is destroyed at
+        # interpreter exit instead, when gloo's threads can no longer take the GIL
+        # to free the tensors they hold, and the process aborts
+        self._group = weakref.ref(group)
+        backend = str(dist.get_backend(group)).lower()
         if backend not in self.BACKENDS:
             raise ValueError(f"process group backend {backend!r} is not supported; deepreduce "
                              f"runs over {' or '.join(self.BACKENDS)}")
-        self.rank = dist.get_rank(self.group)
+        self.rank = dist.get_rank(group)
         if self.rank < 0:
             raise ValueError("this process is not a member of the given process group")
-        self.size = dist.get_world_size(self.group)
+        self.size = dist.get_world_size(group)
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                       else torch.device("cpu"))
         self.device, self.backend = torch.device(device), backend
         self._torch, self._dist = torch, dist
+
+    @property
+    def group(self):
+        """The process group; RuntimeError once it has been destroyed."""
+        group = self._group()
+        if group is None:
+            raise RuntimeError("the process group of this transport has been destroyed "
+                               "(torch.distributed.destroy_process_group)")
+        return group
 
     def _to_device(self, array: np.ndarray):
         return self._torch.from_numpy(array).to(self.device)

@@ -23,6 +23,7 @@ import math
 import numbers
 import re
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -38,7 +39,8 @@ from deepreduce.stats import StepStats
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "transport_of", "host_array", "from_host"]
 
-_TRANSPORTS: dict = {}
+# weak keys: a destroyed process group must not be kept alive (see TorchTransport)
+_TRANSPORTS = weakref.WeakKeyDictionary()
 _TRANSPORTS_LOCK = threading.Lock()
 
 
@@ -50,6 +52,8 @@ def transport_of(process_group=None) -> TorchTransport:
     the order it was started, which is the same on every rank.
     """
     group = dist.group.WORLD if process_group is None else process_group
+    if group is None:  # torch.distributed is not initialised: TorchTransport says so
+        return TorchTransport()
     with _TRANSPORTS_LOCK:
         transport = _TRANSPORTS.get(group)
         if transport is None:
