@@ -12,6 +12,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 import weakref
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 import deepreduce as dr  # noqa: E402
 import deepreduce.torch as drt  # noqa: E402
 from deepreduce.collectives import Traffic  # noqa: E402
+from deepreduce.collectives import transport as transport_module  # noqa: E402
 from deepreduce.torch import ddp  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -136,6 +138,27 @@ def test_a_destroyed_group_is_not_kept_alive():
     assert torch.equal(total, torch.ones(10)) and group() is None
     with pytest.raises(RuntimeError, match="destroyed"):
         transport.allgather(b"frame", Traffic(), "test")
+
+
+def test_exit_waits_until_no_collective_holds_the_last_tensors(world_of_one):
+    # A gloo thread that drops the last reference to a Python-made tensor takes the
+    # GIL to free it; while the interpreter finalises that aborts the process
+    # (pytorch/pytorch#179291). The transport keeps the last collective's tensors,
+    # and at exit waits until it holds the last reference to each of them.
+    transport = ddp.transport_of()
+    transport.allgather(b"frame", Traffic(), "test")
+    held = transport._held
+    assert held and all(t._use_count() == 1 for t in held)
+    other_owner = torch.ones(held[0].shape, requires_grad=True) * held[0]  # saves it
+    assert held[0]._use_count() == 2
+    start = time.monotonic()
+    transport_module._release_at_exit(timeout=0.2)
+    assert time.monotonic() - start >= 0.2    # waited for the other owner, then gave up
+    del other_owner
+    start = time.monotonic()
+    transport_module._release_at_exit(timeout=30)
+    assert time.monotonic() - start < 5       # nothing else holds them: no wait
+    assert transport in transport_module._WITH_HELD_TENSORS
 
 
 def test_non_float_tensors_are_refused(world_of_one):

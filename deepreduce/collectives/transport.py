@@ -15,7 +15,9 @@ and the caller's thread stays free to encode the next tensor.
 
 from __future__ import annotations
 
+import atexit
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -183,6 +185,14 @@ class TorchTransport(Transport):
                       else torch.device("cpu"))
         self.device, self.backend = torch.device(device), backend
         self._torch, self._dist = torch, dist
+        # The tensors of the last collective, kept until the next one starts (and, at
+        # exit, until gloo lets go of them: _release_at_exit). A gloo thread drops its
+        # references just after a collective completes; if it dropped the last one it
+        # would take the GIL to free their Python objects, and a thread that waits for
+        # the GIL while the interpreter finalises aborts the process ("terminate
+        # called without an active exception", pytorch/pytorch#179291).
+        self._held = []
+        _WITH_HELD_TENSORS.add(self)
 
     @property
     def group(self):
@@ -199,11 +209,22 @@ class TorchTransport(Transport):
     def _to_host(self, tensor) -> np.ndarray:
         return tensor.cpu().numpy()
 
-    def _lengths(self, mine: np.ndarray) -> np.ndarray:
-        """Every member's ``mine`` (int64 vector), stacked in rank order."""
-        local = self._to_device(np.ascontiguousarray(mine, dtype=np.int64))
+    def _wait_until_released(self, deadline: float) -> None:
+        """Wait (until ``deadline``, a ``time.monotonic()``) until no collective holds
+        the tensors of the last one: then this thread is the one that frees them."""
+        while any(t._use_count() > 1 for t in self._held) and time.monotonic() < deadline:
+            time.sleep(0.001)  # lets a gloo thread take the GIL and drop its references
+
+    def _all_gather(self, local) -> list:
         everyone = [self._torch.empty_like(local) for _ in range(self.size)]
         self._dist.all_gather(everyone, local, group=self.group)
+        self._held += [local, *everyone]
+        return everyone
+
+    def _lengths(self, mine: np.ndarray) -> np.ndarray:
+        """Every member's ``mine`` (int64 vector), stacked in rank order."""
+        self._held = []  # a new collective: the last one's tensors are free to go
+        everyone = self._all_gather(self._to_device(np.ascontiguousarray(mine, dtype=np.int64)))
         return np.stack([self._to_host(t) for t in everyone])
 
     def allgather(self, frame, traffic, stage):
@@ -212,9 +233,7 @@ class TorchTransport(Transport):
         longest = int(lengths.max())
         padded = np.zeros(longest, dtype=np.uint8)
         padded[:data.size] = data
-        local = self._to_device(padded)
-        everyone = [self._torch.empty_like(local) for _ in range(self.size)]
-        self._dist.all_gather(everyone, local, group=self.group)
+        everyone = self._all_gather(self._to_device(padded))
         gathered = self._to_host(self._torch.cat(everyone)) if longest else padded
         traffic.add(stage, 8 + longest, (self.size - 1) * (8 + longest))
         view = memoryview(gathered).cast("B")
@@ -227,10 +246,24 @@ class TorchTransport(Transport):
                              dtype=np.uint8)
         received = self._torch.empty(int(incoming.sum()), dtype=self._torch.uint8,
                                      device=self.device)
-        self._dist.all_to_all_single(received, self._to_device(data.copy()),
-                                     incoming.tolist(), sizes.tolist(), group=self.group)
+        outgoing = self._to_device(data.copy())
+        self._dist.all_to_all_single(received, outgoing, incoming.tolist(), sizes.tolist(),
+                                     group=self.group)
+        self._held += [received, outgoing]
         traffic.add(stage, 8 * self.size + data.size, 8 * self.size + received.numel())
         return _split(self._to_host(received), incoming)
+
+
+_WITH_HELD_TENSORS = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit(timeout: float = 2.0) -> None:
+    """Before the interpreter finalises, let gloo's threads drop the last collectives'
+    tensors, so that it is the exiting thread that frees them (see TorchTransport)."""
+    deadline = time.monotonic() + timeout
+    for transport in list(_WITH_HELD_TENSORS):
+        transport._wait_until_released(deadline)
 
 
 def _split(buffer: np.ndarray, lengths) -> list:
