@@ -1,6 +1,6 @@
 """Only the compiled part of the build; the metadata is in setup.cfg.
 
-The five extensions are optional: where they cannot be compiled (no C compiler)
+The six extensions are optional: where they cannot be compiled (no C compiler)
 the install goes on and deepreduce falls back to numpy, which gives the same
 results more slowly. deepreduce._bloomscan is the Bloom-filter scan and build
 (deepreduce.codecs.bloom, a quarter of the speed or less without it);
@@ -14,7 +14,10 @@ deepreduce._topkscan the candidate scan and selection of the Top-k sparsifier
 deepreduce._sparsesum the sum of the ranks' sparse parts into the dense result
 (deepreduce.collectives.base.sum_sorted_into);
 deepreduce._qsgd the quantisation and dequantisation of the QSGD value codec
-(deepreduce.codecs.qsgd), which must give numpy's bits: no fused multiply-adds.
+(deepreduce.codecs.qsgd), which must give numpy's bits: no fused multiply-adds;
+deepreduce._halfcast the float16 casts of the fp16 value codec
+(deepreduce.codecs.floats), with the F16C instructions of x86-64 (elsewhere it is
+not built, or not imported where the processor lacks them).
 """
 
 import sys
@@ -35,4 +38,6 @@ setup(ext_modules=[
               extra_compile_args=OPTIMISE, optional=True),
     Extension("deepreduce._qsgd", ["deepreduce/_qsgd.c"],
               extra_compile_args=OPTIMISE + EXACT, optional=True),
+    Extension("deepreduce._halfcast", ["deepreduce/_halfcast.c"],
+              extra_compile_args=OPTIMISE, optional=True),
 ])

@@ -25,6 +25,15 @@ try:
 except ImportError:  # the core works without it; only bfloat16 values need it
     ml_dtypes = None
 
+try:
+    from deepreduce import _halfcast
+except ImportError:  # not built, or no F16C here: numpy's casts give the same bits
+    _halfcast = None
+
+#: How ``fp16`` casts float32: ``"compiled"`` (``deepreduce._halfcast``, F16C) or
+#: ``"numpy"``. Both give the same bits.
+HALF_IMPLEMENTATION = "numpy" if _halfcast is None else "compiled"
+
 #: ``np.dtype(ml_dtypes.bfloat16)``, or None when ml_dtypes is missing.
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16) if ml_dtypes is not None else None
 
@@ -315,13 +324,21 @@ class Float16Values(_NarrowingValues):
     def _narrow(self, values):
         # Cast float64 directly: going through float32 could round twice.
         wide = values if values.dtype == np.float64 else _as_float32(values)
+        if _halfcast is not None and wide.dtype == np.float32:
+            half = np.empty(wide.shape, np.float16)  # saturating in the same pass
+            _halfcast.to_half(np.ascontiguousarray(wide).reshape(-1), half.reshape(-1))
+            return half
         if wide.size == 0 or max(wide.max(), -wide.min()) < self._OVERFLOW:
             return wide.astype(np.float16)  # nothing to saturate (two reductions, no copy)
         saturated = np.where(np.isfinite(wide), np.clip(wide, -self._LIMIT, self._LIMIT), wide)
         return saturated.astype(np.float16)
 
     def _widen(self, wire, dtype):
-        return _float32_as(wire.astype(np.float32), dtype)
+        if _halfcast is None:
+            return _float32_as(wire.astype(np.float32), dtype)
+        single = np.empty(wire.shape, np.float32)
+        _halfcast.to_single(np.ascontiguousarray(wire).reshape(-1), single.reshape(-1))
+        return _float32_as(single, dtype)
 
 
 @register_codec

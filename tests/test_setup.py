@@ -43,6 +43,7 @@ def test_codecs_subpackage_maps_to_codecs_folder_and_stdlib_codecs_stays():
     ("deepreduce.sparsifiers", "SCAN_IMPLEMENTATION", "_topkscan"),    # TopK's candidate scan
     ("deepreduce.collectives.base", "SUM_IMPLEMENTATION", "_sparsesum"),  # the ranks' sum
     ("deepreduce.codecs.qsgd", "IMPLEMENTATION", "_qsgd"),             # QSGD's quantisation
+    ("deepreduce.codecs.floats", "HALF_IMPLEMENTATION", "_halfcast"),  # fp16's casts (F16C)
 ])
 def test_install_compiled_the_c_extensions(module, implementation, extension):
     # The extensions are optional so that installs without a compiler work; this
