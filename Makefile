@@ -56,7 +56,7 @@ help:
 
 venv: $(STAMP)
 
-C_SOURCES := $(wildcard deepreduce/*.c)
+C_SOURCES := $(wildcard deepreduce/*.c deepreduce/*.h)
 
 # The stamp lives inside .venv, so deleting .venv starts over. Every step below is
 # idempotent; re-running after an edit of setup.cfg only installs what changed, and

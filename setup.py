@@ -26,18 +26,13 @@ from setuptools import Extension, setup
 
 OPTIMISE = [] if sys.platform == "win32" else ["-O3"]
 EXACT = [] if sys.platform == "win32" else ["-ffp-contract=off"]
+SHARED = ["deepreduce/_buffer.h"]  # included by every extension
 
-setup(ext_modules=[
-    Extension("deepreduce._bloomscan", ["deepreduce/_bloomscan.c"],
-              extra_compile_args=OPTIMISE, optional=True),
-    Extension("deepreduce._entropyc", ["deepreduce/_entropyc.c"],
-              extra_compile_args=OPTIMISE, optional=True),
-    Extension("deepreduce._topkscan", ["deepreduce/_topkscan.c"],
-              extra_compile_args=OPTIMISE, optional=True),
-    Extension("deepreduce._sparsesum", ["deepreduce/_sparsesum.c"],
-              extra_compile_args=OPTIMISE, optional=True),
-    Extension("deepreduce._qsgd", ["deepreduce/_qsgd.c"],
-              extra_compile_args=OPTIMISE + EXACT, optional=True),
-    Extension("deepreduce._halfcast", ["deepreduce/_halfcast.c"],
-              extra_compile_args=OPTIMISE, optional=True),
-])
+
+def extension(name, extra=()):
+    return Extension(f"deepreduce.{name}", [f"deepreduce/{name}.c"], depends=SHARED,
+                     extra_compile_args=OPTIMISE + list(extra), optional=True)
+
+
+setup(ext_modules=[extension("_bloomscan"), extension("_entropyc"), extension("_topkscan"),
+                   extension("_sparsesum"), extension("_qsgd", EXACT), extension("_halfcast")])

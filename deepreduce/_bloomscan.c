@@ -22,6 +22,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_buffer.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -203,17 +204,11 @@ static inline void build_keys(const filter_t *f, uint64_t *words, const int64_t 
 
 /* ------------------------------------------------------------ argument checks */
 
-/* numpy exports uint64 as 'L' (or 'Q' where long is 4 bytes), int64 as 'l'/'q';
- * an optional native/little-endian prefix is fine on a little-endian host. */
+/* Whether the buffer holds signed (or unsigned) 8-byte integers. */
 static int is_8_byte_integer(const Py_buffer *view, int is_signed)
 {
-    const char *format = view->format ? view->format : "B";
-    if (*format == '@' || *format == '=' || (*format == '<' && PY_LITTLE_ENDIAN)
-            || (*format == '>' && !PY_LITTLE_ENDIAN))
-        format++;
-    if (view->itemsize != 8 || strlen(format) != 1)
-        return 0;
-    return is_signed ? (*format == 'q' || *format == 'l') : (*format == 'Q' || *format == 'L');
+    char code = native_item_code(view);
+    return view->itemsize == 8 && code != 0 && strchr(is_signed ? "ql" : "QL", code) != NULL;
 }
 
 /* A C-contiguous one-dimensional buffer of 8-byte integers, else TypeError. */

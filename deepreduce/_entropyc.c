@@ -51,6 +51,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_buffer.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -139,15 +140,11 @@ static inline uint64_t read_bits(const uint8_t *data, uint64_t size, uint64_t po
 
 /* ------------------------------------------------------------ argument checks */
 
-/* numpy exports uint8 as 'B', uint64 as 'L' (or 'Q' where long is 4 bytes), int64 as
- * 'l'/'q'; an optional native/little-endian prefix is fine on a little-endian host. */
+/* Whether the buffer's items are itemsize bytes of one of the struct codes. */
 static int has_format(const Py_buffer *view, Py_ssize_t itemsize, const char *codes)
 {
-    const char *format = view->format ? view->format : "B";
-    if (*format == '@' || *format == '=' || (*format == '<' && PY_LITTLE_ENDIAN)
-            || (*format == '>' && !PY_LITTLE_ENDIAN))
-        format++;
-    return view->itemsize == itemsize && strlen(format) == 1 && strchr(codes, *format);
+    char code = native_item_code(view);
+    return view->itemsize == itemsize && code != 0 && strchr(codes, code) != NULL;
 }
 
 typedef enum { BYTES, UINT8, INT64, UINT64 } kind_t;

@@ -31,6 +31,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_buffer.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -120,16 +121,6 @@ TARGET static void widen(const uint16_t *halves, float *out, Py_ssize_t n)
 
 /* ------------------------------------------------------------ arguments */
 
-/* The single struct code of a one-dimensional C-contiguous buffer (after a native or
- * little-endian prefix on a little-endian host), or 0. */
-static char item_code(const Py_buffer *view)
-{
-    const char *format = view->format ? view->format : "B";
-    if (*format == '@' || *format == '=' || (*format == '<' && PY_LITTLE_ENDIAN))
-        format++;
-    return view->ndim == 1 && strlen(format) == 1 ? *format : 0;
-}
-
 /* Gets `source` (codes source_codes, items of source_size bytes) and the writable
  * `target` (target_codes, target_size bytes) of the same length, or raises. */
 static int get_pair(PyObject *source_object, PyObject *target_object, Py_buffer *source,
@@ -143,9 +134,10 @@ static int get_pair(PyObject *source_object, PyObject *target_object, Py_buffer 
         PyBuffer_Release(source);
         return -1;
     }
-    char s = item_code(source), t = item_code(target);
-    if (!s || !strchr(source_codes, s) || source->itemsize != source_size
-            || !t || !strchr(target_codes, t) || target->itemsize != target_size
+    char s = native_item_code(source), t = native_item_code(target);
+    if (source->ndim != 1 || !s || !strchr(source_codes, s) || source->itemsize != source_size
+            || target->ndim != 1 || !t || !strchr(target_codes, t)
+            || target->itemsize != target_size
             || source->len / source_size != target->len / target_size) {
         PyErr_SetString(PyExc_TypeError, what);
         PyBuffer_Release(source);

@@ -36,6 +36,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_buffer.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -45,22 +46,6 @@
 #define MAX_BITS 8
 
 /* ------------------------------------------------------------ buffers */
-
-/* 'f' for float32, 'd' for float64 (native order), else 0. */
-static char float_format(const Py_buffer *view)
-{
-    const char *format = view->format ? view->format : "B";
-    if (*format == '@' || *format == '=' || (*format == '<' && PY_LITTLE_ENDIAN)
-            || (*format == '>' && !PY_LITTLE_ENDIAN))
-        format++;
-    if (strlen(format) != 1)
-        return 0;
-    if (*format == 'f' && view->itemsize == (Py_ssize_t)sizeof(float))
-        return 'f';
-    if (*format == 'd' && view->itemsize == (Py_ssize_t)sizeof(double))
-        return 'd';
-    return 0;
-}
 
 /* A C-contiguous one-dimensional float buffer named `name` with at least `count`
  * items (count < 0: any), of format `want` ('f', 'd', or 0 for either), writable when
@@ -74,7 +59,7 @@ static int get_floats(PyObject *object, const char *name, Py_buffer *view, char 
                      writable ? ", writable" : "");
         return -1;
     }
-    char found = float_format(view);
+    char found = native_float_code(view);
     if (view->ndim != 1 || found == 0 || (want && found != want)) {
         PyErr_Format(PyExc_TypeError, "%s must be a one-dimensional %s array", name,
                      want == 'f' ? "float32" : want == 'd' ? "float64" : "float32 or float64");

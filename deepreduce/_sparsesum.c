@@ -36,6 +36,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_buffer.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -220,17 +221,6 @@ static const int64_t *union_of(const Part *parts, Py_ssize_t nparts, int64_t *sp
 
 /* ------------------------------------------------------------ arguments */
 
-/* The single-character struct code of a buffer, after an optional native or
- * little-endian prefix (on a little-endian host), or 0. */
-static char item_code(const Py_buffer *view)
-{
-    const char *format = view->format ? view->format : "B";
-    if (*format == '@' || *format == '=' || (*format == '<' && PY_LITTLE_ENDIAN)
-            || (*format == '>' && !PY_LITTLE_ENDIAN))
-        format++;
-    return strlen(format) == 1 ? *format : 0;
-}
-
 /* A C-contiguous one-dimensional buffer of int64 ('i') or of the float code, or an
  * exception naming `what`. */
 static int get_array(PyObject *object, Py_buffer *view, char kind, int writable,
@@ -242,7 +232,7 @@ static int get_array(PyObject *object, Py_buffer *view, char kind, int writable,
                      writable ? ", writable" : "");
         return -1;
     }
-    char code = item_code(view);
+    char code = native_item_code(view);
     int fits = kind == 'i' ? view->itemsize == 8 && (code == 'q' || code == 'l')
                            : code == kind && view->itemsize == (kind == 'f' ? 4 : 8);
     if (view->ndim != 1 || !fits) {
@@ -265,7 +255,7 @@ static PyObject *sum_sorted(PyObject *module, PyObject *args)
     if (PyObject_GetBuffer(total_object, &total, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
                            | PyBUF_WRITABLE) < 0)
         return NULL;
-    char kind = item_code(&total);
+    char kind = native_item_code(&total);
     if (total.ndim != 1 || !((kind == 'f' && total.itemsize == 4)
                              || (kind == 'd' && total.itemsize == 8))) {
         PyErr_SetString(PyExc_TypeError, "total must be a one-dimensional float32 or "

@@ -41,6 +41,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_buffer.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -384,23 +385,6 @@ DEFINE_TAKE(take_largest_64, uint64_t, key_64, kth_largest_64)
 
 /* ------------------------------------------------------------ argument checks */
 
-/* numpy exports float32 as 'f' and float64 as 'd'; an optional native/little-endian
- * prefix is fine on a little-endian host. The item code, or 0 for anything else. */
-static char float_format(const Py_buffer *view)
-{
-    const char *format = view->format ? view->format : "B";
-    if (*format == '@' || *format == '=' || (*format == '<' && PY_LITTLE_ENDIAN)
-            || (*format == '>' && !PY_LITTLE_ENDIAN))
-        format++;
-    if (strlen(format) != 1)
-        return 0;
-    if (*format == 'f' && view->itemsize == (Py_ssize_t)sizeof(float))
-        return 'f';
-    if (*format == 'd' && view->itemsize == (Py_ssize_t)sizeof(double))
-        return 'd';
-    return 0;
-}
-
 /* A C-contiguous one-dimensional float32 or float64 buffer (writable when asked),
  * else TypeError. */
 static int get_values(PyObject *object, Py_buffer *view, char *format, int writable)
@@ -411,7 +395,7 @@ static int get_values(PyObject *object, Py_buffer *view, char *format, int writa
                      "float64", writable ? ", writable" : "");
         return -1;
     }
-    *format = float_format(view);
+    *format = native_float_code(view);
     if (view->ndim != 1 || *format == 0) {
         PyErr_Format(PyExc_TypeError, "values must be a one-dimensional float32 or float64 "
                      "array, got format '%s' with %zd dimensions and %zd-byte items",
