@@ -2,10 +2,10 @@
  * Compiled float32 <-> IEEE float16 casts of the fp16 value codec
  * (deepreduce.codecs.floats.Float16Values), with the F16C instructions of x86-64.
  *
- * numpy 1.x casts to and from float16 one value at a time in software, about 1.5 ns
- * per value: a Top-1% step of the e2e benchmark's 8.5M parameters spends a third of
- * a millisecond in them (narrow and widen on the sender, widen on the receiver).
- * F16C converts eight values per instruction.
+ * numpy casts to and from float16 one value at a time with integer arithmetic, and
+ * every value a rank sends is cast three times (narrowed and widened again by the
+ * sender for its residual, widened by each receiver). F16C converts eight values per
+ * instruction (benchmarks/index_codecs.py times the codec).
  *
  *   to_half(values, out)
  *
