@@ -212,7 +212,7 @@ class TorchTransport(Transport):
     def _wait_until_released(self, deadline: float) -> None:
         """Wait (until ``deadline``, a ``time.monotonic()``) until no collective holds
         the tensors of the last one: then this thread is the one that frees them."""
-        while any(t._use_count() > 1 for t in self._held) and time.monotonic() < deadline:
+        while any(_held_elsewhere(t) for t in self._held) and time.monotonic() < deadline:
             time.sleep(0.001)  # lets a gloo thread take the GIL and drop its references
 
     def _all_gather(self, local) -> list:
@@ -255,6 +255,13 @@ class TorchTransport(Transport):
 
 
 _WITH_HELD_TENSORS = weakref.WeakSet()
+
+
+def _held_elsewhere(tensor) -> bool:
+    """Whether something besides this Python object holds ``tensor`` (a collective's
+    work, say); False where torch cannot tell (``Tensor._use_count`` is private API)."""
+    use_count = getattr(tensor, "_use_count", None)
+    return use_count is not None and use_count() > 1
 
 
 @atexit.register
