@@ -328,7 +328,9 @@ static PyObject *sum_sorted(PyObject *module, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     failed = kind == 'f' ? zero_float(total.buf, count, stale.buf, stales)
                          : zero_double(total.buf, count, stale.buf, stales);
-    if (!failed && nparts <= 2) {
+    if (failed)
+        ;
+    else if (nparts <= 2) {
         Part none = {NULL, NULL, 0};
         const Part *a = nparts ? &parts[0] : &none, *b = nparts == 2 ? &parts[1] : &none;
         union_size = (kind == 'f' ? (scaled ? scaled_sum_two_float : sum_two_float)(
@@ -337,16 +339,18 @@ static PyObject *sum_sorted(PyObject *module, PyObject *args)
                           total.buf, count, a, b, scale, merged));
         failed = union_size < 0;
     }
-    for (Py_ssize_t p = 0; nparts > 2 && p < nparts && !failed; p++)
-        failed = kind == 'f' ? add_float(total.buf, count, &parts[p])
-                             : add_double(total.buf, count, &parts[p]);
-    if (!failed && nparts > 2) {
-        positions = union_of(parts, nparts, merged + entries, merged, run, length,
-                             &union_size);
-        if (scaled && kind == 'f')
-            scale_float(total.buf, positions, union_size, scale);
-        else if (scaled)
-            scale_double(total.buf, positions, union_size, scale);
+    else {
+        for (Py_ssize_t p = 0; p < nparts && !failed; p++)
+            failed = kind == 'f' ? add_float(total.buf, count, &parts[p])
+                                 : add_double(total.buf, count, &parts[p]);
+        if (!failed) {
+            positions = union_of(parts, nparts, merged + entries, merged, run, length,
+                                 &union_size);
+            if (scaled && kind == 'f')
+                scale_float(total.buf, positions, union_size, scale);
+            else if (scaled)
+                scale_double(total.buf, positions, union_size, scale);
+        }
     }
     Py_END_ALLOW_THREADS
     if (failed) {
