@@ -121,13 +121,16 @@ TARGET static void widen(const uint16_t *halves, float *out, Py_ssize_t n)
 
 /* ------------------------------------------------------------ arguments */
 
-/* Gets `source` (codes source_codes, items of source_size bytes) and the writable
- * `target` (target_codes, target_size bytes) of the same length, or raises. */
-static int get_pair(PyObject *source_object, PyObject *target_object, Py_buffer *source,
-                    Py_buffer *target, const char *source_codes, Py_ssize_t source_size,
-                    const char *target_codes, Py_ssize_t target_size, const char *what)
+/* Parses args (`format`: two objects) into `source` (codes source_codes, items of
+ * source_size bytes) and the writable `target` (target_codes, target_size bytes) of
+ * the same length, or raises `usage` as a TypeError. */
+static int get_pair(PyObject *args, const char *format, Py_buffer *source, Py_buffer *target,
+                    const char *source_codes, Py_ssize_t source_size,
+                    const char *target_codes, Py_ssize_t target_size, const char *usage)
 {
-    if (PyObject_GetBuffer(source_object, source, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    PyObject *source_object, *target_object;
+    if (!PyArg_ParseTuple(args, format, &source_object, &target_object)
+            || PyObject_GetBuffer(source_object, source, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return -1;
     if (PyObject_GetBuffer(target_object, target, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
                            | PyBUF_WRITABLE) < 0) {
@@ -139,7 +142,7 @@ static int get_pair(PyObject *source_object, PyObject *target_object, Py_buffer 
             || target->ndim != 1 || !t || !strchr(target_codes, t)
             || target->itemsize != target_size
             || source->len / source_size != target->len / target_size) {
-        PyErr_SetString(PyExc_TypeError, what);
+        PyErr_SetString(PyExc_TypeError, usage);
         PyBuffer_Release(source);
         PyBuffer_Release(target);
         return -1;
@@ -147,44 +150,44 @@ static int get_pair(PyObject *source_object, PyObject *target_object, Py_buffer 
     return 0;
 }
 
+/* Releases both buffers of get_pair; None. */
+static PyObject *release_pair(Py_buffer *source, Py_buffer *target)
+{
+    PyBuffer_Release(source);
+    PyBuffer_Release(target);
+    Py_RETURN_NONE;
+}
+
 static PyObject *to_half(PyObject *module, PyObject *args)
 {
-    PyObject *values_object, *out_object;
     Py_buffer values, out;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OO:to_half", &values_object, &out_object)
-            || get_pair(values_object, out_object, &values, &out, "f", 4, "HhBe", 2,
-                        "to_half takes a one-dimensional float32 array and a writable "
-                        "2-byte array of the same length") < 0)
+    if (get_pair(args, "OO:to_half", &values, &out, "f", 4, "HhBe", 2,
+                 "to_half takes a one-dimensional float32 array and a writable 2-byte "
+                 "array of the same length") < 0)
         return NULL;
 #ifdef HAVE_F16C
     Py_BEGIN_ALLOW_THREADS
     narrow(values.buf, out.buf, values.len / 4);
     Py_END_ALLOW_THREADS
 #endif
-    PyBuffer_Release(&values);
-    PyBuffer_Release(&out);
-    Py_RETURN_NONE;
+    return release_pair(&values, &out);
 }
 
 static PyObject *to_single(PyObject *module, PyObject *args)
 {
-    PyObject *halves_object, *out_object;
     Py_buffer halves, out;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OO:to_single", &halves_object, &out_object)
-            || get_pair(halves_object, out_object, &halves, &out, "Hhe", 2, "f", 4,
-                        "to_single takes a one-dimensional 2-byte array and a writable "
-                        "float32 array of the same length") < 0)
+    if (get_pair(args, "OO:to_single", &halves, &out, "Hhe", 2, "f", 4,
+                 "to_single takes a one-dimensional 2-byte array and a writable float32 "
+                 "array of the same length") < 0)
         return NULL;
 #ifdef HAVE_F16C
     Py_BEGIN_ALLOW_THREADS
     widen(halves.buf, out.buf, halves.len / 2);
     Py_END_ALLOW_THREADS
 #endif
-    PyBuffer_Release(&halves);
-    PyBuffer_Release(&out);
-    Py_RETURN_NONE;
+    return release_pair(&halves, &out);
 }
 
 static PyMethodDef methods[] = {
