@@ -681,6 +681,42 @@ def test_reduce_async_over_a_transport_fails_on_every_rank_instead_of_hanging():
     assert kind1 is not None and kind1 is not PeerError
 
 
+@pytest.mark.parametrize("average", [False, True])
+def test_reduce_async_reusing_out_resets_only_what_it_wrote(average):
+    from deepreduce.collectives import ThreadTransport
+
+    names, shapes = ["w", "b"], ((200, 30), (500,))
+    reused, fresh = ([GradientExchange(dr.TopK(0.05), index="auto", value="fp16", seed=r)
+                      for r in range(2)] for _ in range(2))
+    kept = [[np.empty(shape, np.float32) for shape in shapes] for _ in range(2)]
+    op = "average" if average else "sum"
+
+    def rank_main(member, step):
+        grads = gradients(10 * step + member.rank, shapes)
+        mine = reused[member.rank].reduce_async(names, [g.copy() for g in grads], member, op,
+                                                out=kept[member.rank], reuse_out=True)
+        return mine.result(timeout=60)[0]
+
+    def reference_main(member, step):
+        grads = gradients(10 * step + member.rank, shapes)
+        return fresh[member.rank].reduce_async(names, grads, member, op).result(timeout=60)[0]
+
+    for step in range(4):  # Top-k's support moves: last step's positions must go back to 0
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(rank_main, ThreadTransport.group(2), [step] * 2))
+            expected = list(pool.map(reference_main, ThreadTransport.group(2), [step] * 2))
+        for rank in range(2):
+            for out, result, reference in zip(kept[rank], got[rank], expected[rank]):
+                assert np.shares_memory(result, out) and out.tobytes() == reference.tobytes()
+    # another array under the same name was never written by the exchange: reset whole
+    other = [np.full(shape, np.nan, np.float32) for shape in shapes]
+    kept[0], kept[1] = other, [np.full(shape, np.nan, np.float32) for shape in shapes]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(rank_main, ThreadTransport.group(2), [9] * 2))
+        expected = list(pool.map(reference_main, ThreadTransport.group(2), [9] * 2))
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got[0], expected[0]))
+
+
 @pytest.mark.parametrize("settings", [{"sparsifier": "randomk:0.05"},
                                       {"sparsifier": dr.TopK(0.05), "value": "qsgd:bits=4"}])
 def test_random_streams_are_per_tensor_and_checkpointable(settings):

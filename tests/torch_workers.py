@@ -146,6 +146,23 @@ def check_resume(rank):
             "pickled_residuals": len(restored.exchange.memory)}
 
 
+def check_gradient_layouts(rank):
+    """Top-k trains bit for bit alike whether DDP's gradients are views of its buckets
+    (the hook writes the bucket, zeroed whole) or not (a tensor the hook keeps between
+    steps, where only last step's positions are reset)."""
+    data = batches(rank, 6, seed=5)
+    out = {}
+    for as_view in (False, True):
+        ddp = DDP(model(), gradient_as_bucket_view=as_view)
+        state = drt.DeepReduceState(sparsifier=dr.TopK(0.05), start_iter=1,
+                                    min_compression_rate=0)
+        ddp.register_comm_hook(state, drt.deepreduce_hook)
+        train(ddp, data)
+        out[as_view] = params(ddp), len(state._results)
+    return {"identical": same(out[False][0], out[True][0]), "kept": out[False][1],
+            "kept_with_views": out[True][1]}
+
+
 def check_allreduce(rank):
     """drt.allreduce: dense and sparse COO inputs, every communicator, lossless."""
     out = {}
@@ -196,8 +213,8 @@ def check_misconfigured(rank):
     return {"raised": False, "message": ""}
 
 
-CHECKS = [check_transport, check_lossless, check_error_feedback, check_resume, check_allreduce,
-          check_misconfigured]
+CHECKS = [check_transport, check_lossless, check_error_feedback, check_gradient_layouts,
+          check_resume, check_allreduce, check_misconfigured]
 
 
 def main(rank, out_dir, port):

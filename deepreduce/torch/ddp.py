@@ -199,6 +199,7 @@ class DeepReduceState:
         self._agreed = False     # settings compared across ranks
         self._failure = None     # an error every rank raised: no collective after it
         self._guarded = _GuardedTransport(self)
+        self._results = {}       # bucket index -> the tensor its reductions are written into
 
     # -- checkpointing ------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -225,7 +226,7 @@ class DeepReduceState:
     def __getstate__(self):
         state = dict(self.__dict__)
         for runtime in ("process_group", "_transport", "_keys", "_estimates", "_agreed",
-                        "_failure", "_guarded"):
+                        "_failure", "_guarded", "_results"):
             state.pop(runtime)
         return state
 
@@ -281,6 +282,22 @@ class DeepReduceState:
             # the same model), so checkpoints survive DDP's bucket rebuild
             self._keys.setdefault(id(p), f"{bucket.index()}.{position}")
         return [self._keys[id(p)] for p in params], [tuple(p.shape) for p in params]
+
+    def _result_tensor(self, bucket, buffer):
+        """The tensor the reduction of ``bucket`` (on the CPU) is written into and handed
+        to DDP: with DDP's default gradient layout (``gradient_as_bucket_view=False``)
+        DDP copies the result into every ``.grad`` whichever tensor it is, so it is one
+        of our own, kept from step to step, and only the positions the last step made
+        non-zero are reset; when the gradients are views of the bucket, it is the bucket,
+        which then has to be zeroed whole."""
+        grad = bucket.parameters()[0].grad
+        if grad is not None and grad.untyped_storage().data_ptr() == \
+                buffer.untyped_storage().data_ptr():
+            return buffer, False
+        kept = self._results.get(bucket.index())
+        if kept is None or kept.shape != buffer.shape or kept.dtype != buffer.dtype:
+            kept = self._results[bucket.index()] = torch.empty_like(buffer)
+        return kept, True
 
     def _compresses(self, shapes, dtype) -> bool:
         if self.iter < self.start_iter:
@@ -349,22 +366,30 @@ def deepreduce_hook(state: DeepReduceState,
     if sum(sizes) != array.size:  # not a layout of whole parameters: one tensor
         keys, shapes, sizes = [f"bucket{bucket.index()}"], [(array.size,)], [array.size]
     ends = np.cumsum(sizes).tolist()
-    views = [array[end - n:end].reshape(shape) for end, n, shape in zip(ends, sizes, shapes)]
+
+    def per_parameter(flat):
+        return [flat[end - n:end].reshape(shape) for end, n, shape in zip(ends, sizes, shapes)]
+
+    views = per_parameter(array)
     compressed = state._compresses(shapes, array.dtype)
     result = torch.futures.Future()
+    reduced, reuse = buffer, False
+    if compressed and on_host:
+        reduced, reuse = state._result_tensor(bucket, buffer)
 
     def deliver(future):
         try:
             future.result()
             if compressed and not on_host:  # decoded into the host copy
                 buffer.copy_(host)
-            result.set_result(buffer)
+            result.set_result(reduced)
         except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
             result.set_exception(exc)
 
     if compressed:
-        started = state.exchange.reduce_async(keys, views, state._guarded, "average",
-                                              out=views)
+        out = views if reduced is buffer else per_parameter(host_array(reduced))
+        started = state.exchange.reduce_async(keys, views, state._guarded, "average", out=out,
+                                              reuse_out=reuse)
     else:
         memory = state.exchange.memory
         for key, view in zip(keys, views):   # what error feedback still owes goes now
