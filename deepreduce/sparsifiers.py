@@ -214,12 +214,18 @@ class TopK(Sparsifier):
     array([-3.,  2.])
     """
 
-    #: Sample size of the fast mode; below twice this the exact path is as cheap. Each
-    #: sampled position costs a cache miss or two, and a smaller sample widens the
-    #: candidates' margin (four standard deviations of its count): at Top-1% of 4M
-    #: values, 4096 positions make 1.66k candidates instead of 16384's 1.32k, and one
-    #: rank's encode of the e2e benchmark's gradients (8.5M values) takes 0.9 ms less.
+    #: Below this many values the exact path is as cheap as the fast mode.
+    EXACT_BELOW = 1 << 13
+    #: Largest sample of the fast mode, taken from tensors of 1M values and more; smaller
+    #: ones take one value in 256, at least MIN_SAMPLE. Each sampled position costs a
+    #: cache miss or two, and a smaller sample widens the candidates' margin (four
+    #: standard deviations of its count), which costs the scan more hits to keep: at
+    #: Top-1% of 4M values, 4096 positions make 1.66k candidates instead of 16384's
+    #: 1.32k, and one rank's encode of the e2e benchmark's gradients (8.5M values) took
+    #: 0.9 ms less. On 16K-64K values the sample is the cost: 256 positions instead of
+    #: 4096 take the selection from about 60 to 20-40 us.
     SAMPLE = 1 << 12
+    MIN_SAMPLE = 1 << 8
 
     def __init__(self, ratio_or_k=None, *, ratio=None, k=None, exact=False):
         self.ratio, self.k = _check_ratio_or_k(ratio_or_k, ratio, k, "TopK")
@@ -256,23 +262,24 @@ class TopK(Sparsifier):
         return SparseTensor._trusted(selected, positions, target.shape)
 
     def _exact_for(self, size: int, k: int) -> bool:
-        return self.exact or size < 2 * self.SAMPLE or k == size
+        return self.exact or size < self.EXACT_BELOW or k == size
 
     def _sampled_low(self, size: int, k: int, values_at):
         """A magnitude that about ``k`` plus a safe margin of the ``size`` values reach,
         from a sample (``values_at(positions)`` gives the values there)."""
-        # one position drawn in each of SAMPLE equal strata: increasing addresses, which
+        # one position drawn in each of `count` equal strata: increasing addresses, which
         # the prefetcher follows, and a sample at least as representative as a uniform one
-        stride = size // self.SAMPLE
-        positions = self._rng.integers(0, stride, self.SAMPLE)
-        positions += np.arange(0, self.SAMPLE * stride, stride)
+        count = min(self.SAMPLE, max(self.MIN_SAMPLE, size >> 8))
+        stride = size // count
+        positions = self._rng.integers(0, stride, count)
+        positions += np.arange(0, count * stride, stride)
         sample = _magnitudes(values_at(positions))
         # Rank j of the sample, counted from the top, sits k/n of the way down with a
         # margin of four standard deviations, so the candidates hold the top k with
         # overwhelming probability; when they do not, the exact path runs instead.
-        expected = self.SAMPLE * k / size
-        j = min(self.SAMPLE, int(expected + 4 * math.sqrt(expected) + 2))
-        return np.partition(sample, self.SAMPLE - j)[self.SAMPLE - j]
+        expected = count * k / size
+        j = min(count, int(expected + 4 * math.sqrt(expected) + 2))
+        return np.partition(sample, count - j)[count - j]
 
     @staticmethod
     def _largest_reaching(values, low, k: int, addend=None):

@@ -243,7 +243,7 @@ def test_topk_selects_the_same_under_both_scans(dtype, ratio):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), k=st.integers(0, 3000),
-       size=st.integers(2 * dr.TopK.SAMPLE, 2 * dr.TopK.SAMPLE + 3 * BLOCK))
+       size=st.integers(dr.TopK.EXACT_BELOW, dr.TopK.EXACT_BELOW + 3 * BLOCK))
 def test_topk_sampled_and_exact_agree_under_both_scans(seed, k, size):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(size).astype(np.float32)
