@@ -64,6 +64,8 @@ class Header:
 class _Reader:
     """Bounded reads from the header bytes with DecodeError on every shortfall."""
 
+    __slots__ = ("data", "pos")
+
     def __init__(self, data: memoryview):
         self.data, self.pos = data, 0
 
@@ -74,7 +76,13 @@ class _Reader:
         return self.data[self.pos - 1]
 
     def varint(self, what: str, limit: int = MAX_SIZE) -> int:
-        value, self.pos = read_varint(self.data, self.pos, f"header field {what}", limit)
+        pos = self.pos
+        if pos < len(self.data):
+            value = self.data[pos]
+            if value <= limit and value < 0x80:  # one byte: most fields of most headers
+                self.pos = pos + 1
+                return value
+        value, self.pos = read_varint(self.data, pos, f"header field {what}", limit)
         return value
 
     def text(self, what: str) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 from deepreduce import container
 from deepreduce.bits import pack_fixed, unpack_fixed
 from deepreduce.errors import DecodeError
-from deepreduce.registry import get_codec
+from deepreduce.registry import decoding_codec, get_codec
 from deepreduce.sparse import SparseTensor, check_dtype
 from deepreduce.sparsifiers import _as_float_array, get_sparsifier
 
@@ -132,8 +132,8 @@ def decode(payload, max_elements: int | None = None) -> SparseTensor:
     header, index_stream, value_stream = container.unpack(payload)
     n, nnz = header.size, header.nnz
     try:
-        value_codec = get_codec(header.value_spec, family="value")
-        index_codec = None if header.value_order else get_codec(header.index_spec, family="index")
+        value_codec = decoding_codec(header.value_spec, "value")
+        index_codec = None if header.value_order else decoding_codec(header.index_spec, "index")
     except ValueError as exc:
         raise DecodeError(f"payload names a codec this library cannot build: {exc}") from None
     if header.value_order != value_codec.sorts_values:

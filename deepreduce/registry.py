@@ -14,6 +14,7 @@ payload headers, so what ``deepreduce inspect`` prints can be pasted back.
 
 from __future__ import annotations
 
+import functools
 import math
 
 FAMILIES = ("index", "value")
@@ -37,6 +38,7 @@ def register_codec(cls, replace: bool = False):
         raise ValueError(f"{family} codec {codec_id!r} is already registered "
                          f"({table[codec_id].__name__}); pass replace=True to override")
     table[codec_id] = cls
+    decoding_codec.cache_clear()
     return cls
 
 
@@ -152,3 +154,12 @@ def get_codec(spec, family: str | None = None):
         return cls(*args, **kwargs)
     except TypeError as exc:
         raise ValueError(f"bad parameters in codec spec {spec!r}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def decoding_codec(spec: str, family: str):
+    """``get_codec(spec, family)``, built once per spec: a payload names its codecs in
+    its header, and building them again for every payload of a many-tensor step costs
+    more than decoding a small one. Decoding leaves a codec unchanged, so one instance
+    serves every payload (and thread); registering a codec empties the cache."""
+    return get_codec(spec, family)

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 import deepreduce as dr
@@ -60,3 +61,26 @@ def test_register_custom_codec():
         _REGISTRY["index"].pop("mine-test", None)
     with pytest.raises(ValueError, match="codec_id"):
         dr.register_codec(type("Bad", (IndexCodec,), {"codec_id": "a b"}))
+
+
+def test_decoding_uses_the_codec_registered_now():
+    from deepreduce.codecs.varint import VarintIndices
+
+    payload = dr.compress(np.array([0.0, 2.0, 0.0, 3.0]), index="varint", value="raw")
+    dr.decompress(payload)  # its codecs are built and kept for the next payloads
+
+    class Counting(VarintIndices):
+        calls = 0
+
+        def decode(self, data, n, nnz):
+            Counting.calls += 1
+            return super().decode(data, n, nnz)
+
+    try:
+        dr.register_codec(Counting, replace=True)
+        np.testing.assert_array_equal(dr.decompress(payload).indices, [1, 3])
+        assert Counting.calls == 1
+    finally:
+        dr.register_codec(VarintIndices, replace=True)
+    dr.decompress(payload)
+    assert Counting.calls == 1
