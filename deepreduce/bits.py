@@ -447,16 +447,25 @@ def positions_to_bitmap(positions: np.ndarray, nbits: int) -> bytes:
 
     Bit ``p`` is bit ``p % 8`` of byte ``p // 8`` (``np.packbits`` with
     ``bitorder="little"``). Costs O(len(positions)) plus zeroing the bitmap;
-    never builds an ``nbits``-byte array.
+    builds an ``nbits``-byte array only when at least one bit in eight is set.
     """
-    out = np.zeros(packed_bytes(nbits), dtype=np.uint8)
     positions = np.asarray(positions, dtype=np.int64)
+    if 8 * positions.size >= nbits:
+        # dense (a small tensor sent whole): one mask costs less than grouping by byte
+        mask = np.zeros(nbits, dtype=bool)
+        mask[positions] = True
+        return np.packbits(mask, bitorder="little").tobytes()
+    out = np.zeros(packed_bytes(nbits), dtype=np.uint8)
     if positions.size:
         byte = positions >> 3
         masks = np.left_shift(1, positions & 7).astype(np.uint8)
         run_starts = np.flatnonzero(np.diff(byte, prepend=-1))
         out[byte[run_starts]] = np.bitwise_or.reduceat(masks, run_starts)
     return out.tobytes()
+
+
+#: Bitmaps up to this many bytes are expanded whole when decoded.
+_SMALL_BITMAP = 256
 
 
 def bitmap_to_positions(data, nbits: int, what: str) -> np.ndarray:
@@ -473,6 +482,8 @@ def bitmap_to_positions(data, nbits: int, what: str) -> np.ndarray:
     buffer = np.frombuffer(data, dtype=np.uint8)
     if nbits % 8 and buffer[-1] >> (nbits % 8):
         raise DecodeError(f"{what}: padding bits of the bitmap's last byte are not zero")
+    if expected <= _SMALL_BITMAP:  # expanding every byte costs less than finding them
+        return np.flatnonzero(np.unpackbits(buffer, bitorder="little"))
     nonzero_bytes = np.flatnonzero(buffer)
     # (one flat scan of the expanded bytes: 1.3-1.6x faster than a 2-D np.nonzero)
     bits = np.flatnonzero(np.unpackbits(buffer[nonzero_bytes], bitorder="little"))

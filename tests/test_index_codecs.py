@@ -449,8 +449,10 @@ def test_pack_fixed_errors():
 
 
 @settings(max_examples=100, deadline=None)
-@given(nbits=st.integers(0, 300), seed=st.integers(0, 2**32 - 1))
+@given(nbits=st.one_of(st.integers(0, 300), st.integers(8 * _bits._SMALL_BITMAP - 16, 5000)),
+       seed=st.integers(0, 2**32 - 1))
 def test_bitmap_helpers_match_packbits(nbits, seed):
+    # small bitmaps are expanded whole, larger ones byte by non-zero byte
     rng = np.random.default_rng(seed)
     positions = np.flatnonzero(rng.random(nbits) < rng.random())
     data = _bits.positions_to_bitmap(positions, nbits)
