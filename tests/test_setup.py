@@ -4,6 +4,7 @@ They run in subprocesses so that TensorFlow, Horovod's launcher and TensorFlow's
 op-determinism switch stay out of the test process.
 """
 
+import json
 import importlib.util
 import os
 import pathlib
@@ -119,3 +120,12 @@ def test_gradient_capture_layout_and_determinism(tmp_path):
         np.testing.assert_allclose(scattered, dense, rtol=1e-6, atol=1e-9)
         untouched = np.setdiff1d(np.arange(dense.shape[0]), rows)
         assert untouched.size and not dense[untouched].any()
+
+
+def test_model_steps_benchmark_reports_every_shape_list(tmp_path):
+    out = tmp_path / "steps.md"
+    run_python("benchmarks/model_steps.py", "--steps", "1", "--warmup", "0", "--out", str(out))
+    text = out.read_text()
+    assert "| ResNet-50 | 161 (76) | 25,557,032 |" in text
+    assert "| e2e MLP | 8 (7) | 8,546,314 |" in text
+    assert json.loads(out.with_suffix(".json").read_text())["copy_gbytes_s"] > 0
