@@ -4,8 +4,8 @@ They run in subprocesses so that TensorFlow, Horovod's launcher and TensorFlow's
 op-determinism switch stay out of the test process.
 """
 
-import json
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
