@@ -260,6 +260,8 @@ def varint_decode(data, count: int | None, what: str) -> np.ndarray:
 
 def write_varint(value: int) -> bytes:
     """LEB128 bytes of one non-negative integer below 2**64 (for small headers)."""
+    if 0 <= value < 0x80:  # one byte: most header fields
+        return bytes((value,))
     if not 0 <= value < 2**64:
         raise ValueError(f"varint value must be in [0, 2**64), got {value}")
     out = bytearray()
