@@ -68,8 +68,8 @@ def test_topk_error_feedback_conserves_the_gradient_sum(two_ranks):
 def test_hook_trains_alike_whether_gradients_are_bucket_views_or_not(two_ranks):
     for found in findings(two_ranks, "check_gradient_layouts"):
         assert found["identical"] is True
-        # a result tensor of its own for the one bucket, none when .grad views the bucket
-        assert (found["kept"], found["kept_with_views"]) == (1, 0)
+        # a result tensor of its own per bucket, none when .grad views the bucket
+        assert found["kept"] > 1 and found["kept_with_views"] == 0
 
 
 def test_resume_from_checkpoint_equals_uninterrupted_run(two_ranks):

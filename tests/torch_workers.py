@@ -152,15 +152,18 @@ def check_gradient_layouts(rank):
     steps, where only last step's positions are reset)."""
     data = batches(rank, 6, seed=5)
     out = {}
-    for as_view in (False, True):
-        ddp = DDP(model(), gradient_as_bucket_view=as_view)
-        state = drt.DeepReduceState(sparsifier=dr.TopK(0.05), start_iter=1,
-                                    min_compression_rate=0)
-        ddp.register_comm_hook(state, drt.deepreduce_hook)
-        train(ddp, data)
-        out[as_view] = params(ddp), len(state._results)
-    return {"identical": same(out[False][0], out[True][0]), "kept": out[False][1],
-            "kept_with_views": out[True][1]}
+    # from the first iteration on, before DDP rebuilds its buckets, and from the second
+    for start_iter in (0, 1):
+        for as_view in (False, True):
+            # small buckets: several of them, as in a real model
+            ddp = DDP(model(), gradient_as_bucket_view=as_view, bucket_cap_mb=0.1)
+            state = drt.DeepReduceState(sparsifier=dr.TopK(0.05), start_iter=start_iter,
+                                        min_compression_rate=0)
+            ddp.register_comm_hook(state, drt.deepreduce_hook)
+            train(ddp, data)
+            out[start_iter, as_view] = params(ddp), len(state._results)
+    return {"identical": all(same(out[s, False][0], out[s, True][0]) for s in (0, 1)),
+            "kept": out[1, False][1], "kept_with_views": out[1, True][1]}
 
 
 def check_allreduce(rank):

@@ -296,7 +296,9 @@ class DeepReduceState:
             return buffer, False
         kept = self._results.get(bucket.index())
         if kept is None or kept.shape != buffer.shape or kept.dtype != buffer.dtype:
-            kept = self._results[bucket.index()] = torch.empty_like(buffer)
+            # zeros: what the exchange remembers having written into a tensor this one
+            # replaces (and whose memory it may reuse) is then still a safe thing to reset
+            kept = self._results[bucket.index()] = torch.zeros_like(buffer)
         return kept, True
 
     def _compresses(self, shapes, dtype) -> bool:
