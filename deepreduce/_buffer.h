@@ -1,11 +1,13 @@
 /*
- * What deepreduce's C extensions share: reading the item type of a buffer argument.
+ * What deepreduce's C extensions share: reading the item type of a buffer argument,
+ * and the lowest set bit of a mask.
  */
 
 #ifndef DEEPREDUCE_BUFFER_H
 #define DEEPREDUCE_BUFFER_H
 
 #include <Python.h>
+#include <stdint.h>
 
 /* The struct code of a buffer's items when its format is one code, after an optional
  * native-order prefix ('@', '=', or the host's own '<' or '>'); else 0. numpy exports
@@ -30,5 +32,20 @@ static inline char native_float_code(const Py_buffer *view)
         return 'd';
     return 0;
 }
+
+/* Lowest set bit of a non-zero mask. */
+#if defined(__GNUC__) || defined(__clang__)
+#define LOWEST_BIT(x) __builtin_ctzll(x)
+#else
+static inline int LOWEST_BIT(uint64_t x)
+{
+    int bit = 0;
+    while (!(x & 1u)) {
+        x >>= 1;
+        bit++;
+    }
+    return bit;
+}
+#endif
 
 #endif /* DEEPREDUCE_BUFFER_H */

@@ -1264,20 +1264,6 @@ static inline uint64_t reversed_window(const uint8_t *data, uint64_t size, uint6
     return ((x >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((x & 0x0F0F0F0F0F0F0F0Full) << 4);
 }
 
-#if defined(__GNUC__) || defined(__clang__)
-#define LOWEST_BIT(x) ((unsigned)__builtin_ctzll(x))
-#else
-static inline unsigned LOWEST_BIT(uint64_t x)
-{
-    unsigned bit = 0;
-    while (!(x & 1)) {
-        x >>= 1;
-        bit++;
-    }
-    return bit;
-}
-#endif
-
 /* Decodes `count` indices below n < 2**58 into out; returns NULL or what is wrong.
  * A true Golomb code (not Rice) reads the heads twice, once to count its long codes (the
  * unary part starts after their extra bits) and once to add them up; `lanes` (room for

@@ -11,9 +11,13 @@
  * positions are zeroed, then, for one or two parts (two ranks, the usual case
  * here), one merge writes every position of their union once, in increasing order,
  * with no branch on which part comes next (one that branches mispredicts about once
- * per entry and was slower than numpy). More parts are added one after the other
- * and scaled once per position of their union, which branch-free merges find. All
- * the scattered loops announce their writes ahead.
+ * per entry and was slower than numpy). More parts are summed a window of positions
+ * at a time: each part adds its entries in the window, in part order, into sums
+ * that stay in the L1 cache, and a bitmap of the touched positions gives the union
+ * in increasing order, written to total once. Added one after the other into total,
+ * then scaled, they cost three scattered passes instead of one, and a merge of the
+ * growing running sum with each part grows with the square of the parts. The
+ * scattered loops announce their writes ahead.
  *
  *   sum_sorted(total, indices, values, scale, stale) -> numpy int64 array
  *
@@ -76,41 +80,8 @@ typedef struct {
         return 0;                                                                        \
     }
 
-/* Adds one part into total; -1 when its positions do not increase or leave [0, count). */
-#define DEFINE_ADD(name, type)                                                           \
-    static int name(type *total, Py_ssize_t count, const Part *part)                     \
-    {                                                                                    \
-        const int64_t *index = part->index;                                              \
-        const type *value = part->value;                                                 \
-        for (Py_ssize_t i = 0; i < part->length; i++) {                                  \
-            if (index[i] < (i ? index[i - 1] + 1 : 0) || index[i] >= count)              \
-                return -1;                                                               \
-            if (i + AHEAD < part->length && index[i + AHEAD] >= 0                        \
-                    && index[i + AHEAD] < count)                                         \
-                PREFETCH_WRITE(total + index[i + AHEAD]);                                \
-            total[index[i]] += value[i];                                                 \
-        }                                                                                \
-        return 0;                                                                        \
-    }
-
-/* Multiplies total at the positions in order[0..size) (in [0, count)) by scale in
- * double precision. */
-#define DEFINE_SCALE(name, type)                                                         \
-    static void name(type *total, const int64_t *order, Py_ssize_t size, double scale)   \
-    {                                                                                    \
-        for (Py_ssize_t i = 0; i < size; i++) {                                          \
-            if (i + AHEAD < size)                                                        \
-                PREFETCH_WRITE(total + order[i + AHEAD]);                                \
-            total[order[i]] = (type)((double)total[order[i]] * scale);                   \
-        }                                                                                \
-    }
-
 DEFINE_ZERO(zero_float, float)
 DEFINE_ZERO(zero_double, double)
-DEFINE_ADD(add_float, float)
-DEFINE_ADD(add_double, double)
-DEFINE_SCALE(scale_float, float)
-DEFINE_SCALE(scale_double, double)
 
 /* One or two parts (b may be empty), total zero at their positions: at each position
  * of either, in increasing order, total = (0 + a's value + b's value) times scale
@@ -171,53 +142,70 @@ DEFINE_SUM_TWO(sum_two_double, double, uint64_t, 0)
 DEFINE_SUM_TWO(scaled_sum_two_float, float, uint32_t, 1)
 DEFINE_SUM_TWO(scaled_sum_two_double, double, uint64_t, 1)
 
-/* The increasing union of the increasing a[0..na) and b[0..nb) into out; its size.
- * No branch on which comes first: a conditional move picks the smaller, and each
- * side advances by its comparison. */
-static Py_ssize_t merge_two(const int64_t *a, Py_ssize_t na, const int64_t *b,
-                            Py_ssize_t nb, int64_t *out)
-{
-    Py_ssize_t i = 0, j = 0, size = 0;
-    while (i < na && j < nb) {
-        int64_t x = a[i], y = b[j];
-        out[size++] = x < y ? x : y;
-        i += x <= y;
-        j += y <= x;
-    }
-    memcpy(out + size, a + i, (size_t)(na - i) * sizeof *out);
-    size += na - i;
-    memcpy(out + size, b + j, (size_t)(nb - j) * sizeof *out);
-    return size + nb - j;
-}
+/* Positions summed at a time by sum_many: their sums (16 or 32 KB) stay in the L1 cache. */
+#define WINDOW 4096
 
-/* The union of the parts' positions (all checked increasing), merged pairwise, level by
- * level; spare and out hold the parts' total length each. Returns where it is, its
- * size in *size. run and length have room for nparts entries. */
-static const int64_t *union_of(const Part *parts, Py_ssize_t nparts, int64_t *spare,
-                               int64_t *out, const int64_t **run, Py_ssize_t *length,
-                               Py_ssize_t *size)
-{
-    for (Py_ssize_t p = 0; p < nparts; p++) {
-        run[p] = parts[p].index;
-        length[p] = parts[p].length;
+/* Three or more parts, total zero at their positions: as DEFINE_SUM_TWO, a window of
+ * WINDOW positions at a time. window holds WINDOW sums, +0 on entry (and on return,
+ * unless it fails); next holds nparts cursors, 0 on entry. Returns the union's size,
+ * or -1 when a part does not increase or leaves [0, count). */
+#define DEFINE_SUM_MANY(name, type, bits_type, quiet_bit)                               \
+    static Py_ssize_t name(type *total, Py_ssize_t count, const Part *parts,             \
+                           Py_ssize_t nparts, int scaled, double scale, int64_t *out,    \
+                           type *window, Py_ssize_t *next)                               \
+    {                                                                                    \
+        uint64_t touched[WINDOW / 64];                                                   \
+        Py_ssize_t size = 0;                                                             \
+        for (;;) {                                                                       \
+            int64_t first = INT64_MAX;                                                   \
+            for (Py_ssize_t p = 0; p < nparts; p++)                                      \
+                if (next[p] < parts[p].length && parts[p].index[next[p]] < first)        \
+                    first = parts[p].index[next[p]];                                     \
+            if (first == INT64_MAX)                                                      \
+                return size;                                                             \
+            if (first < 0 || first >= count)                                             \
+                return -1;                                                               \
+            int64_t base = first - first % WINDOW, end = base + WINDOW;                  \
+            memset(touched, 0, sizeof touched);                                          \
+            for (Py_ssize_t p = 0; p < nparts; p++) {                                    \
+                const int64_t *index = parts[p].index;                                   \
+                const type *value = parts[p].value;                                      \
+                Py_ssize_t i = next[p];                                                  \
+                int64_t previous = i ? index[i - 1] : -1;                                \
+                for (; i < parts[p].length && index[i] < end; i++) {                     \
+                    int64_t position = index[i];                                         \
+                    if (position <= previous || position >= count)                       \
+                        return -1;                                                       \
+                    previous = position;                                                 \
+                    type add = value[i], sum = window[position - base] + add;            \
+                    if (sum != sum && add != add) {                                      \
+                        /* both NaN: numpy's add.at keeps the value's, quieted; the      \
+                         * compiler may put either operand first */                      \
+                        bits_type bits;                                                  \
+                        memcpy(&bits, &add, sizeof bits);                                \
+                        bits |= quiet_bit;                                               \
+                        memcpy(&sum, &bits, sizeof sum);                                 \
+                    }                                                                    \
+                    window[position - base] = sum;                                       \
+                    touched[(position - base) >> 6] |= (uint64_t)1 << ((position - base) & 63); \
+                }                                                                        \
+                next[p] = i;                                                             \
+            }                                                                            \
+            for (int word = 0; word < WINDOW / 64; word++)                               \
+                for (uint64_t bits = touched[word]; bits; bits &= bits - 1) {            \
+                    Py_ssize_t slot = 64 * word + LOWEST_BIT(bits);                      \
+                    type sum = window[slot];                                             \
+                    window[slot] = 0;                                                    \
+                    if (scaled)                                                          \
+                        sum = (type)((double)sum * scale);                               \
+                    total[base + slot] = sum;                                            \
+                    out[size++] = base + slot;                                           \
+                }                                                                        \
+        }                                                                                \
     }
-    int64_t *buffer[2] = {out, spare};
-    for (int level = 0; nparts > 1; level++) {
-        int64_t *into = buffer[level % 2];
-        Py_ssize_t runs = 0;
-        for (Py_ssize_t p = 0; p < nparts; p += 2, runs++) {
-            Py_ssize_t merged = p + 1 < nparts
-                ? merge_two(run[p], length[p], run[p + 1], length[p + 1], into)
-                : (memcpy(into, run[p], (size_t)length[p] * sizeof *into), length[p]);
-            run[runs] = into;
-            length[runs] = merged;
-            into += merged;
-        }
-        nparts = runs;
-    }
-    *size = nparts ? length[0] : 0;
-    return nparts ? run[0] : out;
-}
+
+DEFINE_SUM_MANY(sum_many_float, float, uint32_t, (uint32_t)1 << 22)
+DEFINE_SUM_MANY(sum_many_double, double, uint64_t, (uint64_t)1 << 51)
 
 /* ------------------------------------------------------------ arguments */
 
@@ -275,9 +263,9 @@ static PyObject *sum_sorted(PyObject *module, PyObject *args)
     Py_ssize_t nparts = indices ? PySequence_Fast_GET_SIZE(indices) : 0, held = 0;
     Py_buffer *views = NULL;
     Part *parts = NULL;
-    const int64_t **run = NULL;
-    Py_ssize_t *length = NULL;
+    Py_ssize_t *next = NULL;
     int64_t *merged = NULL;
+    void *window = NULL;
     PyObject *result = NULL;
     if (values == NULL)
         goto done;
@@ -289,9 +277,9 @@ static PyObject *sum_sorted(PyObject *module, PyObject *args)
         goto done;
     views = PyMem_Calloc(2 * (size_t)nparts + 1, sizeof *views);
     parts = PyMem_Calloc((size_t)nparts + 1, sizeof *parts);
-    run = PyMem_Calloc((size_t)nparts + 1, sizeof *run);
-    length = PyMem_Calloc((size_t)nparts + 1, sizeof *length);
-    if (views == NULL || parts == NULL || run == NULL || length == NULL) {
+    next = PyMem_Calloc((size_t)nparts + 1, sizeof *next);
+    window = PyMem_Calloc(WINDOW, (size_t)total.itemsize);
+    if (views == NULL || parts == NULL || next == NULL || window == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -316,7 +304,7 @@ static PyObject *sum_sorted(PyObject *module, PyObject *args)
         parts[held] = (Part){index->buf, value->buf, index->len / 8};
         entries += index->len / 8;
     }
-    merged = PyMem_RawMalloc((2 * (size_t)entries + 1) * sizeof *merged);
+    merged = PyMem_RawMalloc(((size_t)entries + 1) * sizeof *merged);
     if (merged == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -340,17 +328,11 @@ static PyObject *sum_sorted(PyObject *module, PyObject *args)
         failed = union_size < 0;
     }
     else {
-        for (Py_ssize_t p = 0; p < nparts && !failed; p++)
-            failed = kind == 'f' ? add_float(total.buf, count, &parts[p])
-                                 : add_double(total.buf, count, &parts[p]);
-        if (!failed) {
-            positions = union_of(parts, nparts, merged + entries, merged, run, length,
-                                 &union_size);
-            if (scaled && kind == 'f')
-                scale_float(total.buf, positions, union_size, scale);
-            else if (scaled)
-                scale_double(total.buf, positions, union_size, scale);
-        }
+        union_size = kind == 'f'
+            ? sum_many_float(total.buf, count, parts, nparts, scaled, scale, merged, window, next)
+            : sum_many_double(total.buf, count, parts, nparts, scaled, scale, merged, window,
+                              next);
+        failed = union_size < 0;
     }
     Py_END_ALLOW_THREADS
     if (failed) {
@@ -374,8 +356,8 @@ done:
         PyBuffer_Release(&views[2 * p + 1]);
     }
     PyMem_RawFree(merged);
-    PyMem_Free(length);
-    PyMem_Free(run);
+    PyMem_Free(window);
+    PyMem_Free(next);
     PyMem_Free(parts);
     PyMem_Free(views);
     if (stale.buf)

@@ -77,21 +77,6 @@
 #define SSE2_SCAN 0
 #endif
 
-/* Lowest set bit of a non-zero mask. */
-#if defined(__GNUC__) || defined(__clang__)
-#define LOWEST_BIT(x) __builtin_ctzll(x)
-#else
-static inline int LOWEST_BIT(uint64_t x)
-{
-    int bit = 0;
-    while (!(x & 1u)) {
-        x >>= 1;
-        bit++;
-    }
-    return bit;
-}
-#endif
-
 /* numpy.empty, looked up once: the result is a numpy array that owns its data. */
 static PyObject *numpy_empty;
 

@@ -45,8 +45,10 @@ def bits(array):
 @pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # numpy on inf and NaN
 @settings(max_examples=200, deadline=None)
 @given(dtype=st.sampled_from([np.float32, np.float64]),
-       size=st.one_of(st.integers(0, 70), st.integers(0, 5000)),
-       ranks=st.sampled_from([0, 1, 2, 3, 5]), density=st.sampled_from([0.0, 0.01, 0.3, 1.0]),
+       # up to several of the compiled sum's windows of 4096 positions (three parts and more)
+       size=st.one_of(st.integers(0, 70), st.integers(0, 5000), st.integers(8000, 30000)),
+       ranks=st.sampled_from([0, 1, 2, 3, 4, 5, 8]),
+       density=st.sampled_from([0.0, 0.001, 0.01, 0.3, 1.0]),
        special_share=st.sampled_from([0.0, 0.1]),
        scale=st.sampled_from([None, 0.5, 1 / 3, 1.0]), steps=st.integers(1, 3),
        seed=st.integers(0, 2**32 - 1))
@@ -77,13 +79,19 @@ def test_compiled_and_numpy_sums_write_the_same_bits(dtype, size, ranks, density
 
 
 @compiled_only
-@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_compiled_sum_refuses_parts_that_do_not_increase_or_leave_the_tensor(ranks):
     good = dr.SparseTensor(np.ones(3, np.float32), [1, 4, 6], (8,))
     for indices in ([1, 1, 2], [3, 2, 5], [-1, 2, 3], [1, 2, 8]):
         bad = dr.SparseTensor._trusted(np.ones(3, np.float32), np.array(indices), (8,))
-        with pytest.raises(ValueError, match="strictly increasing"):
-            sum_sorted_into(np.zeros(8, np.float32), [good] * (ranks - 1) + [bad])
+        for where in range(ranks):  # the first part, the last, one between
+            parts = [good] * where + [bad] + [good] * (ranks - 1 - where)
+            with pytest.raises(ValueError, match="strictly increasing"):
+                sum_sorted_into(np.zeros(8, np.float32), parts)
+    # out of order across windows of the sum of three parts and more
+    far = dr.SparseTensor._trusted(np.ones(2, np.float32), np.array([9000, 10]), (10000,))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        sum_sorted_into(np.zeros(10000, np.float32), [far] * ranks)
     for stale in ([2, 2], [5, 1], [8], [-1]):
         with pytest.raises(ValueError, match="strictly increasing"):
             sum_sorted_into(np.zeros(8, np.float32), [good] * ranks, None, np.array(stale))
