@@ -1,12 +1,13 @@
 """The exchange's CPU work per step on the parameter shapes of real models, no network.
 
 ``benchmarks/e2e.py`` trains a model of 8 tensors; most models have hundreds, and
-every tensor costs the exchange a few calls whatever its size. Here ``--ranks``
-:class:`~deepreduce.exchange.GradientExchange` objects play the ranks in one process
+every tensor costs the exchange a few calls whatever its size. Here P (``--ranks``, 2 and
+4) :class:`~deepreduce.exchange.GradientExchange` objects play the ranks in one process
 on each model's parameter shapes: every step each rank encodes its own Gaussian
 gradients (Top-k 1% with error feedback, ``auto:link_gbits=1.0`` indices, fp16
 values; tensors under 1,024 values go losslessly), and rank 0 decodes and sums all
-bundles, as the allgather communicator does. Timed: rank 0's encode and decode, and
+bundles, as the allgather communicator does (decoding the P - 1 others' payloads: the
+part of a step that grows with the ranks). Timed: rank 0's encode and decode, and
 of them the part inside the index and value codecs; the rest (error feedback, Top-k,
 container, sums) is set against its memory-traffic floor, 16 bytes per parameter
 (gradient and residual read, residual and sum written once) at the copy bandwidth
@@ -110,30 +111,30 @@ def measure(shapes, ranks: int, steps: int, warmup: int, seed: int) -> dict:
     return out
 
 
-def report(results: dict, args, bandwidth: float, load: float) -> str:
+def report(results: list, args, bandwidth: float, load: float) -> str:
     lines = ["# The exchange's CPU work per step, on the shapes of real models", "",
-             f"{args.ranks} ranks played in one process ({platform.machine()}, "
+             f"P ranks played in one process ({platform.machine()}, "
              f"{os.cpu_count()} cores, load average {load:.1f} at the start); Top-k 1% with "
              "error feedback, `auto:link_gbits=1.0` + fp16, tensors under 1,024 values "
              "losslessly; Gaussian gradients. Rank 0's encode of its bundle and decode of "
-             f"all {args.ranks} bundles into dense averages, median of {args.steps} steps "
+             f"all P bundles into dense averages, median of {args.steps} steps "
              f"after {args.warmup} (quartiles in the JSON file). *Rest*: encode + decode less "
              f"the codecs (error feedback, Top-k, container, sums), against its floor of "
              f"{FLOOR_BYTES_PER_PARAMETER} bytes per parameter at the copy bandwidth measured "
              f"here, {bandwidth:.1f} GB/s (bytes read + written). Produced by "
              "`python benchmarks/model_steps.py`.", "",
-             "| shapes | tensors (Top-k) | parameters | KB sent per rank | encode ms | "
+             "| shapes | P | tensors (Top-k) | parameters | KB sent per rank | encode ms | "
              "decode ms | of which codecs ms | rest ms | rest's floor ms | per tensor us |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for label, r in results.items():
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in results:
         encode, decode = r["encode"]["median_ms"], r["decode"]["median_ms"]
         codecs = r["encode codecs"]["median_ms"] + r["decode codecs"]["median_ms"]
         floor = FLOOR_BYTES_PER_PARAMETER * r["parameters"] / (bandwidth * 1e6)
-        lines.append(f"| {label} | {r['tensors']} ({r['compressed_tensors']}) | "
+        lines.append(f"| {r['shapes']} | {r['ranks']} | {r['tensors']} ({r['compressed_tensors']}) | "
                      f"{r['parameters']:,} | {r['bytes_per_rank'] / 1e3:.1f} | {encode:.2f} | "
                      f"{decode:.2f} | {codecs:.2f} | {encode + decode - codecs:.2f} | "
                      f"{floor:.2f} | {1e3 * (encode + decode) / r['tensors']:.0f} |")
-    lines += ["", "*Per tensor*: encode + decode over the tensors; for the last two rows, "
+    lines += ["", "*Per tensor*: encode + decode over the tensors; for the last four rows, "
               "whose tensors are small, that is the fixed cost of a tensor in the exchange "
               "(its calls through the sparsifier, the codecs, the container and the sum), "
               "paid again for every other rank's payload that is decoded.", ""]
@@ -142,7 +143,7 @@ def report(results: dict, args, bandwidth: float, load: float) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -150,12 +151,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     load = os.getloadavg()[0]
     bandwidth = copy_bandwidth()
-    results = {}
+    results = []
     for label, shapes in MODELS.items():
-        results[label] = measure(shapes(), args.ranks, args.steps, args.warmup, args.seed)
-        r = results[label]
-        print(f"{label}: encode {r['encode']['median_ms']:.2f} ms, decode "
-              f"{r['decode']['median_ms']:.2f} ms", flush=True)
+        for ranks in args.ranks:
+            r = measure(shapes(), ranks, args.steps, args.warmup, args.seed)
+            results.append(dict(shapes=label, ranks=ranks, **r))
+            print(f"{label}, {ranks} ranks: encode {r['encode']['median_ms']:.2f} ms, decode "
+                  f"{r['decode']['median_ms']:.2f} ms", flush=True)
     text = report(results, args, bandwidth, load)
     out = Path(args.out)
     out.write_text(text)

@@ -126,6 +126,6 @@ def test_model_steps_benchmark_reports_every_shape_list(tmp_path):
     out = tmp_path / "steps.md"
     run_python("benchmarks/model_steps.py", "--steps", "1", "--warmup", "0", "--out", str(out))
     text = out.read_text()
-    assert "| ResNet-50 | 161 (76) | 25,557,032 |" in text
-    assert "| e2e MLP | 8 (7) | 8,546,314 |" in text
+    assert "| ResNet-50 | 2 | 161 (76) | 25,557,032 |" in text
+    assert "| e2e MLP | 4 | 8 (7) | 8,546,314 |" in text
     assert json.loads(out.with_suffix(".json").read_text())["copy_gbytes_s"] > 0
