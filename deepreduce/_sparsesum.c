@@ -222,7 +222,7 @@ static int get_array(PyObject *object, Py_buffer *view, char kind, int writable,
     }
     char code = native_item_code(view);
     int fits = kind == 'i' ? view->itemsize == 8 && (code == 'q' || code == 'l')
-                           : code == kind && view->itemsize == (kind == 'f' ? 4 : 8);
+                           : native_float_code(view) == kind;
     if (view->ndim != 1 || !fits) {
         PyErr_Format(PyExc_TypeError, "%s must be a one-dimensional %s array", what,
                      kind == 'i' ? "int64" : kind == 'f' ? "float32" : "float64");
@@ -243,9 +243,8 @@ static PyObject *sum_sorted(PyObject *module, PyObject *args)
     if (PyObject_GetBuffer(total_object, &total, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
                            | PyBUF_WRITABLE) < 0)
         return NULL;
-    char kind = native_item_code(&total);
-    if (total.ndim != 1 || !((kind == 'f' && total.itemsize == 4)
-                             || (kind == 'd' && total.itemsize == 8))) {
+    char kind = native_float_code(&total);
+    if (total.ndim != 1 || !kind) {
         PyErr_SetString(PyExc_TypeError, "total must be a one-dimensional float32 or "
                         "float64 array");
         PyBuffer_Release(&total);
