@@ -61,7 +61,7 @@ PAYLOADS = {
 }
 
 #: Framings around payloads: the Horovod bundle and the collectives' frames.
-FRAMINGS = ("bundle_two_tensors", "frame_sparse", "frame_dense", "frame_blocks",
+FRAMINGS = ("bundle_two_tensors", "bundle_shared_payload", "frame_sparse", "frame_dense", "frame_blocks",
             "frame_counts")
 
 
@@ -82,6 +82,13 @@ def encode_framing(name) -> bytes:
     if name == "bundle_two_tensors":
         second = dr.compress(case_input((40, 5), np.float64, 7), None, "bitmap", "raw")
         return pack_bundle([first, second])
+    if name == "bundle_shared_payload":
+        # version 2: tensors 0 and 2 (shapes (4, 5) and (7,)) share payload 1, flattened
+        # and concatenated; tensor 1 is payload 0
+        small = np.concatenate([case_input((4, 5), np.float32, 3).ravel(),
+                                np.zeros(3, np.float32), case_input((4,), np.float32, 4)])
+        return pack_bundle([first, dr.compress(small, None, "bitmap", "raw")], [1, 0, 1],
+                           [(4, 5), (7,)])
     if name == "frame_sparse":
         return frames.sparse_frame(first)
     if name == "frame_dense":
@@ -102,10 +109,9 @@ def decode_case(name, data) -> dict:
     if name in PAYLOADS:
         st = dr.decompress(data)
         return {"values": st.values, "indices": st.indices, "shape": np.array(st.shape)}
-    if name == "bundle_two_tensors":
-        out = {}
-        for i, payload in enumerate(split_bundles(data, 1)[0]):
-            st = dr.decompress(payload)
+    if name.startswith("bundle_"):
+        bundle, out = split_bundles(data, 1)[0], {}
+        for i, st in enumerate(bundle.tensors([dr.decompress(p) for p in bundle.payloads])):
             out.update({f"values{i}": st.values, f"indices{i}": st.indices,
                         f"shape{i}": np.array(st.shape)})
         return out

@@ -41,7 +41,8 @@ payload_lists = st.lists(st.lists(st.binary(max_size=300), max_size=6), min_size
 def test_bundles_round_trip(bundles):
     data = b"".join(pack_bundle(b) for b in bundles)
     split = split_bundles(data, len(bundles))
-    assert [[bytes(p) for p in bundle] for bundle in split] == bundles
+    assert [[bytes(p) for p in bundle.payloads] for bundle in split] == bundles
+    assert [bundle.slots for bundle in split] == [list(range(len(b))) for b in bundles]
 
 
 def test_every_truncation_and_extension_raises_decode_error():
@@ -58,7 +59,8 @@ def test_every_truncation_and_extension_raises_decode_error():
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=64), st.integers(1, 3))
 def test_garbage_raises_only_decode_error(data, ranks):
-    for candidate in (data, exchange.BUNDLE_MAGIC + bytes((1,)) + data):
+    for candidate in (data, exchange.BUNDLE_MAGIC + bytes((1,)) + data,
+                      exchange.BUNDLE_MAGIC + bytes((2,)) + data):
         try:
             split_bundles(candidate, ranks)
         except dr.DecodeError:
@@ -66,15 +68,65 @@ def test_garbage_raises_only_decode_error(data, ranks):
 
 
 def test_lying_headers_are_rejected_before_allocating():
-    head = exchange.BUNDLE_MAGIC + bytes((exchange.BUNDLE_VERSION,))
-    with pytest.raises(dr.DecodeError, match="declares"):
-        split_bundles(head + b"\xff\xff\xff\xff\x0f", 1)          # 2**32 - 1 payloads
+    for version in exchange.BUNDLE_VERSIONS:
+        head = exchange.BUNDLE_MAGIC + bytes((version,))
+        with pytest.raises(dr.DecodeError, match="declares"):
+            split_bundles(head + b"\xff\xff\xff\xff\x0f", 1)          # 2**32 - 1 payloads
+    head = exchange.BUNDLE_MAGIC + b"\x01"
     with pytest.raises(dr.DecodeError, match="add up to more"):
         split_bundles(head + b"\x01\xff\xff\xff\xff\x0f" + b"abc", 1)  # one huge payload
     with pytest.raises(dr.DecodeError, match="version"):
         split_bundles(exchange.BUNDLE_MAGIC + b"\x07\x00", 1)
     with pytest.raises(dr.DecodeError, match="magic"):
         split_bundles(b"DR\x01\x00", 1)
+
+
+@pytest.mark.parametrize("table, match", [
+    (b"\xff\xff\xff\xff\x0f", "declares"),         # 2**32 - 1 tensors
+    (b"\x02\x00\x05", "in payload 5 of 2"),
+    (b"\x02\x00\x00", "payload 1 holds no tensor"),
+    (b"\x03\x00\x01\x00\x41\x01", "65 dimensions"),
+    (b"\x03\x00\x01\x00\x02\x01", "shapes"),          # 3 dims declared, 2 follow
+])
+def test_lying_tables_of_version_2_are_rejected(table, match):
+    # two payloads of 1 and 0 bytes, then the table, then the payloads
+    data = exchange.BUNDLE_MAGIC + b"\x02\x02\x01\x00" + table + b"z"
+    with pytest.raises(dr.DecodeError, match=match):
+        split_bundles(data, 1)
+
+
+@st.composite
+def shared_bundles(draw):
+    """``(payloads, slots, shapes)`` of a bundle whose tensors may share payloads."""
+    payloads = draw(st.lists(st.binary(max_size=50), min_size=1, max_size=5))
+    extra = draw(st.lists(st.integers(0, len(payloads) - 1), max_size=6))
+    slots = draw(st.permutations(list(range(len(payloads))) + extra))
+    shared = [t for t, slot in enumerate(slots) if slots.count(slot) > 1]
+    shapes = draw(st.lists(st.lists(st.integers(0, 2**40), max_size=4).map(tuple),
+                           min_size=len(shared), max_size=len(shared)))
+    return payloads, slots, shapes
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(shared_bundles(), min_size=1, max_size=3))
+def test_bundles_with_shared_payloads_round_trip(bundles):
+    data = b"".join(pack_bundle(*b) for b in bundles)
+    for bundle, (payloads, slots, shapes) in zip(split_bundles(data, len(bundles)), bundles):
+        assert [bytes(p) for p in bundle.payloads] == payloads and bundle.slots == slots
+        shared = [t for t, slot in enumerate(slots) if slots.count(slot) > 1]
+        assert bundle.shapes == dict(zip(shared, shapes))
+    for cut in range(len(data)):
+        with pytest.raises(dr.DecodeError):
+            split_bundles(data[:cut], len(bundles))
+
+
+def test_pack_bundle_refuses_inconsistent_tables():
+    with pytest.raises(ValueError, match="must name each"):
+        pack_bundle([b"a", b"b"], [0, 0])
+    with pytest.raises(ValueError, match="must name each"):
+        pack_bundle([b"a"], [0, 1])
+    with pytest.raises(ValueError, match="1 shapes for the 2 tensors"):
+        pack_bundle([b"a", b"b"], [0, 0, 1], [(3,)])
 
 
 def gradients(seed, shapes=((100, 50), (10,), (300,))):
@@ -96,6 +148,78 @@ def test_lossless_sum_and_average_match_numpy():
             assert result.dtype == np.float32 and np.array_equal(result, expected)
 
 
+SHARED_CASE = [((40, 30), np.float32), ((10,), np.float32), ((3, 4), np.float64),
+               ((7,), np.float32), ((5,), np.float64), ((0,), np.float32), ((2, 3), np.float16)]
+
+
+def shared_case_gradients(seed):
+    rng = np.random.default_rng(seed)
+    grads = [(rng.standard_normal(shape) * (rng.random(shape) < 0.7)).astype(dtype)
+             for shape, dtype in SHARED_CASE]
+    return grads + [dr.SparseTensor([1.5 + seed], [2 + seed], (6,))]
+
+
+def test_small_dense_tensors_share_one_payload_per_dtype_and_sum_exactly():
+    names = [f"t{i}" for i in range(len(SHARED_CASE) + 1)]
+    ranks = [GradientExchange(dr.TopK(0.05), index="golomb", min_size=100, seed=r)
+             for r in range(3)]
+    grads = [shared_case_gradients(r) for r in range(3)]
+    bundles = [c.encode_bundle(names, g) for c, g in zip(ranks, grads)]
+    read = split_bundles(bundles[0], 1)[0]
+    # the Top-k tensor, the float32 ones, the float64 ones, float16 and the sparse input
+    # alone: a group needs two tensors of a dtype, and a sparse input stays sparse
+    assert read.slots == [0, 1, 2, 1, 2, 1, 3, 4] and len(read.payloads) == 5
+    assert read.shapes == {1: (10,), 2: (3, 4), 3: (7,), 4: (5,), 5: (0,)}
+    assert bundles[0][3] == 2   # version 2 only because of the sharing
+    assert GradientExchange(min_size=100).encode_bundle(names[:2], grads[0][:2])[3] == 1
+    as_rows = [False] * len(names)
+    as_rows[2] = True
+    outputs = [None] * len(names)
+    outputs[4] = np.full(5, np.nan)
+    for rank in range(3):
+        results = ranks[rank].decode_bundles(b"".join(bundles), ranks=3, rank=rank,
+                                             as_rows=as_rows, out=outputs)
+        for t in range(1, len(SHARED_CASE)):
+            expected = grads[0][t] + grads[1][t] + grads[2][t]
+            got = results[t]
+            if as_rows[t]:
+                values, rows = got
+                got = np.zeros_like(expected)
+                got[rows] = values
+            assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes(), t
+        assert np.shares_memory(results[4], outputs[4])
+        assert results[-1].tolist() == [0, 0, 1.5, 2.5, 3.5, 0]
+        assert ranks[rank].stats.last.tensors == len(names)
+
+
+def test_bundles_of_either_version_reduce_together():
+    # a rank whose writer gives every tensor its own payload (version 1, as before
+    # payloads were shared) and ranks that share them reduce to the same bits
+    names = [f"t{i}" for i in range(len(SHARED_CASE) + 1)]
+    c = GradientExchange(None, index="golomb", min_size=100)
+    grads = [shared_case_gradients(r) for r in range(2)]
+    shared = [c.encode_bundle(names, g) for g in grads]
+    separate = exchange.pack_bundle([c.encode_tensor(x)[0] for x in grads[1]])
+    assert separate[3] == 1 and shared[1][3] == 2
+    for got, want in zip(GradientExchange(None).decode_bundles(shared[0] + separate, 2, 0),
+                         GradientExchange(None).decode_bundles(b"".join(shared), 2, 0)):
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+
+
+def test_a_shared_payload_must_hold_exactly_its_tensors():
+    payload = dr.compress(np.arange(6, dtype=np.float32), None, "bitmap", "raw")
+    for shapes in ([(2,), (3,)], [(2,), (2, 3)]):
+        bundle = pack_bundle([payload], [0, 0], shapes)
+        with pytest.raises(dr.DecodeError, match="does not hold its tensors' 5|8 elements"):
+            GradientExchange(None).decode_bundles(bundle, ranks=1, rank=0)
+    matrix = dr.compress(np.ones((2, 3), np.float32), None, "bitmap", "raw")
+    with pytest.raises(dr.DecodeError, match=r"shape \(2, 3\) does not hold"):
+        GradientExchange(None).decode_bundles(pack_bundle([matrix], [0, 0], [(3,), (3,)]), 1, 0)
+    parts = GradientExchange(None).decode_bundles(pack_bundle([payload], [0, 0], [(2,), (4,)]),
+                                                 ranks=1, rank=0)
+    assert [p.tolist() for p in parts] == [[0, 1], [2, 3, 4, 5]]
+
+
 def test_error_feedback_is_exact_and_small_tensors_are_lossless():
     c = GradientExchange(dr.TopK(0.05), index="varint", value="fp16", min_size=20)
     names = ["w", "b", "v"]
@@ -103,7 +227,7 @@ def test_error_feedback_is_exact_and_small_tensors_are_lossless():
     for step in range(4):
         grads = gradients(step)
         bundle = c.encode_bundle(names, grads)
-        payloads = split_bundles(bundle, 1)[0]
+        payloads = split_bundles(bundle, 1)[0].payloads
         for name, g, payload in zip(names, grads, payloads):
             received = dr.decompress(payload).to_dense()
             compensated = g + previous[name]
@@ -724,8 +848,8 @@ def test_random_streams_are_per_tensor_and_checkpointable(settings):
     a, b = (rng.standard_normal(3000).astype(np.float32) for _ in range(2))
 
     def payloads(exchange, names, tensors):
-        _, (sent, _), _ = exchange._encode_bundle(names, tensors)
-        return dict(zip(names, sent))
+        bundle = exchange.encode_bundle(names, tensors)
+        return dict(zip(names, (bytes(p) for p in split_bundles(bundle, 1)[0].payloads)))
 
     one, other = (GradientExchange(index="varint", memory=None, **settings) for _ in range(2))
     first = payloads(one, ["a", "b"], [a, b])

@@ -130,7 +130,7 @@ class DeepReduceState:
         depends only on shapes and settings and all ranks agree on it.
     min_size : int, default 1024
         Parameters with fewer elements (biases, norms) travel losslessly in
-        the same bundle.
+        the same bundle, those of one dtype in one payload.
     seed : int, default 0
         Seed of randomised sparsifiers and codecs. The same seed on every
         rank makes RandomK pick the same coordinates everywhere.
