@@ -24,9 +24,10 @@ Bundle layouts (``docs/format.md`` has the details)::
 (every count, length, number and dimension a varint). In version 1 payload ``i``
 is tensor ``i``. Version 2, written when tensors share a payload, says which
 payload holds each tensor; a payload holding several is their concatenation,
-flattened, in tensor order. The exchange writes one for the small dense
-tensors of each dtype, which then cost a slice of a payload each instead of a
-payload. Each payload is a complete deepreduce container (with its own
+flattened, in tensor order. The exchange shares payloads between the small
+tensors of a dtype, and between the selections of its compressed tensors below
+:data:`SHARED_BELOW` elements (:meth:`GradientExchange._shared_payloads`), which
+then cost a slice of a payload each instead of a payload. Each payload is a complete deepreduce container (with its own
 CRC32), so a bundle needs no checksum of its own; the framing is checked
 strictly and every inconsistency raises :class:`~deepreduce.DecodeError`.
 
@@ -73,6 +74,10 @@ BUNDLE_SIGNATURE = "exchange=bundles"
 _MAX_VARINT_BYTES = 10
 #: Most dimensions a tensor sharing a payload may have (numpy's limit).
 _MAX_DIMS = 64
+#: Compressed tensors below this many elements share a payload (see
+#: :meth:`GradientExchange._shared_payloads`); larger ones keep their own, and with it
+#: ``auto``'s choice of index code for them alone.
+SHARED_BELOW = 1 << 16
 
 #: The communicators the Horovod wrappers accept, by name.
 COMMUNICATORS = ("allgather", "sparse_allreduce", "block")
@@ -383,6 +388,13 @@ class GradientExchange:
                                if "threshold" in self.communicator_options
                                else self.communicator_options)
         index_codec = self.pipeline.index_codec
+        # coding the selections of several tensors as one (indices offset, values
+        # concatenated) delivers to each exactly what coding it alone would, so they
+        # may share a payload
+        self._selections_share = (
+            collectives.base.returns_only_what_ranks_lack(self.pipeline)
+            and all(getattr(codec, "seed", None) is None
+                    for codec in (index_codec, self.pipeline.value_codec)))
         # small tensors can share the reduction of the large ones when that loses nothing
         self._small_ride_along = (index_codec is not None and index_codec.lossless
                                   and self.pipeline.value_codec.lossless
@@ -550,25 +562,22 @@ class GradientExchange:
             if len(names) != len(tensors):
                 raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
             shared = self._shared_payloads(tensors)
-            sharing = {t: members for members in shared for t, _ in members}
+            sharing = {t: group for group in shared for t, _ in group[1]}
             payloads, slots, receiveds = [], [], [None] * len(tensors)
             for t, (name, x) in enumerate(zip(names, tensors)):
-                members = sharing.get(t)
-                if members is None:
+                group = sharing.get(t)
+                if group is None:
                     slots.append(len(payloads))
                     payload, receiveds[t] = self.encode_tensor(x, name)
                     payloads.append(payload)
-                elif t == members[0][0]:  # the group travels where its first tensor is
+                elif t == group[1][0][0]:  # the group travels where its first tensor is
                     slots.append(len(payloads))
-                    flat = np.concatenate([array.reshape(-1) for _, array in members])
-                    payload, whole = self._encode_timed(self.small_pipeline,
-                                                        *self.small_pipeline.sparsify(flat))
+                    payload, parts = self._encode_shared(*group, names)
                     payloads.append(payload)
-                    parts = split_shared(whole, [array.shape for _, array in members])
-                    for (member, _), part in zip(members, parts):
+                    for (member, _), part in zip(group[1], parts):
                         receiveds[member] = part
                 else:
-                    slots.append(slots[members[0][0]])
+                    slots.append(slots[group[1][0][0]])
             bundle = (pack_bundle(payloads, slots, [receiveds[t].shape for t in sorted(sharing)])
                       if shared else pack_bundle(payloads))
             encoded = StepStats(steps=1, tensors=len(tensors),
@@ -579,18 +588,58 @@ class GradientExchange:
                                 codec_seconds=self._codec_seconds)
         return bundle, (bundle, receiveds), encoded
 
-    def _shared_payloads(self, tensors) -> list[list[tuple[int, np.ndarray]]]:
-        """``(position, array)`` of the dense tensors below ``min_size`` that travel in one
-        payload: per dtype, when two or more have it. Each such tensor then costs a slice
-        of a payload instead of a payload (its header, checksum and codec calls, and
-        decoding them again for every rank)."""
-        by_dtype = {}
+    def _shared_payloads(self, tensors) -> list[tuple[bool, list]]:
+        """The tensors that travel in a shared payload: ``(selects, members)`` per payload,
+        ``members`` their ``(position, array)``.
+
+        Per dtype, the dense tensors below ``min_size`` share a lossless payload
+        (``selects`` False) and, when the codecs code each selection as they would
+        alone, those from ``min_size`` to :data:`SHARED_BELOW` elements share one of
+        their selections (``selects`` True): two or more tensors a payload. Each
+        of them then costs a slice of a payload instead of one (its header, checksum
+        and codec calls, and decoding them again for every rank).
+        """
+        groups = {}
         for t, x in enumerate(tensors):
-            if not isinstance(x, SparseTensor) and _size(x) < self.min_size:
-                array = x if isinstance(x, np.ndarray) and x.dtype.kind == "f" \
-                    else _as_float_array(x)
-                by_dtype.setdefault(array.dtype, []).append((t, array))
-        return [members for members in by_dtype.values() if len(members) > 1]
+            size = _size(x)
+            if isinstance(x, SparseTensor) or size >= SHARED_BELOW or (
+                    size >= self.min_size and not self._selections_share):
+                continue
+            array = x if isinstance(x, np.ndarray) and x.dtype.kind == "f" else _as_float_array(x)
+            groups.setdefault((size >= self.min_size, array.dtype), []).append((t, array))
+        return [(selects, members) for (selects, _), members in groups.items()
+                if len(members) > 1]
+
+    def _encode_shared(self, selects: bool, members, names) -> tuple[bytes, list]:
+        """``(payload, tensors)``: the payload of ``members`` (see :meth:`_shared_payloads`)
+        and what the receivers decode of each."""
+        shapes = [array.shape for _, array in members]
+        if not selects:
+            flat = np.concatenate([array.reshape(-1) for _, array in members])
+            payload, whole = self._encode_timed(self.small_pipeline,
+                                                *self.small_pipeline.sparsify(flat))
+            return payload, split_shared(whole, shapes)
+        # each tensor's own error feedback and selection, then one coding of them all
+        feedback, values, indices, offset = [], [], [], 0
+        for t, array in members:
+            pipeline = self._pipeline_of(names[t])
+            if self.memory is None or names[t] is None:
+                corrected, selected = None, pipeline.sparsify(array)[0]
+            else:
+                corrected, selected, _ = self._corrected_selection(names[t], array, pipeline)
+            feedback.append((corrected, selected))
+            values.append(selected.values)
+            indices.append(selected.indices + offset)
+            offset += array.size
+        whole = SparseTensor._trusted(np.concatenate(values), np.concatenate(indices), (offset,))
+        payload, received = self._encode_timed(self.pipeline, whole, None)
+        parts = split_shared(received, shapes)
+        for (t, _), (corrected, selected), part in zip(members, feedback, parts):
+            if corrected is not None:
+                # (the index code is exact: the part's indices are the selection's)
+                self.memory.settle(names[t], corrected, part, SparseTensor._trusted(
+                    selected.values, part.indices, part.shape))
+        return payload, parts
 
     def decode_bundles(self, gathered, ranks: int, rank: int, average: bool = False,
                        as_rows=None, out=None) -> list:

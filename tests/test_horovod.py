@@ -192,6 +192,43 @@ def test_small_dense_tensors_share_one_payload_per_dtype_and_sum_exactly():
         assert ranks[rank].stats.last.tensors == len(names)
 
 
+@pytest.mark.parametrize("value", ["fp16", "raw"])
+def test_selections_sharing_a_payload_deliver_what_they_would_alone(value):
+    # tensors from min_size up to SHARED_BELOW elements share one payload of their
+    # selections; each delivers what coding it alone would, so the sums and the
+    # residuals are the same bits
+    shapes = [(60, 50), (300,), (exchange.SHARED_BELOW,), (50, 40), (5,)]
+    names = ["a", "b", "big", "c", "tiny"]
+
+    def ranks():
+        return [GradientExchange(dr.TopK(0.05), index="auto", value=value, min_size=200,
+                                 seed=r) for r in range(2)]
+
+    shared, alone = ranks(), ranks()
+    for step in range(3):
+        grads = [gradients(10 * step + r, shapes) for r in range(2)]
+        bundles = [c.encode_bundle(names, g) for c, g in zip(shared, grads)]
+        assert split_bundles(bundles[0], 1)[0].slots == [0, 0, 1, 0, 2]
+        separate = [pack_bundle([c.encode_tensor(x, name)[0] for name, x in zip(names, g)])
+                    for c, g in zip(alone, grads)]
+        for got, want in zip(shared[0].decode_bundles(b"".join(bundles), 2, 0),
+                             alone[0].decode_bundles(b"".join(separate), 2, 0)):
+            assert got.tobytes() == want.tobytes()
+        for name in names[:4]:
+            assert shared[1].memory.residual(name).tobytes() == \
+                alone[1].memory.residual(name).tobytes()
+    assert sum(map(len, bundles)) < sum(map(len, separate))
+
+
+@pytest.mark.parametrize("index, value", [("auto", "qsgd"), ("bloom:fpr=0.01", "fp16")])
+def test_selections_do_not_share_when_coding_them_together_would_change_them(index, value):
+    # QSGD's buckets and random rounding, a Bloom filter's false positives: coding a
+    # tensor with others would deliver something else than coding it alone
+    c = GradientExchange(dr.TopK(0.05), index=index, value=value, min_size=200)
+    bundle = c.encode_bundle(["a", "b", "c"], gradients(0, [(60, 50), (300,), (50, 40)]))
+    assert split_bundles(bundle, 1)[0].slots == [0, 1, 2] and bundle[3] == 1
+
+
 def test_bundles_of_either_version_reduce_together():
     # a rank whose writer gives every tensor its own payload (version 1, as before
     # payloads were shared) and ranks that share them reduce to the same bits
@@ -227,9 +264,11 @@ def test_error_feedback_is_exact_and_small_tensors_are_lossless():
     for step in range(4):
         grads = gradients(step)
         bundle = c.encode_bundle(names, grads)
-        payloads = split_bundles(bundle, 1)[0].payloads
-        for name, g, payload in zip(names, grads, payloads):
-            received = dr.decompress(payload).to_dense()
+        read = split_bundles(bundle, 1)[0]
+        assert read.slots == [0, 1, 0]  # w and v share a payload
+        parts = read.tensors([dr.decompress(p) for p in read.payloads])
+        for name, g, part in zip(names, grads, parts):
+            received = part.to_dense()
             compensated = g + previous[name]
             if g.size < 20:
                 assert np.array_equal(received, g) and c.memory.residual(name) is None
@@ -848,8 +887,10 @@ def test_random_streams_are_per_tensor_and_checkpointable(settings):
     a, b = (rng.standard_normal(3000).astype(np.float32) for _ in range(2))
 
     def payloads(exchange, names, tensors):
-        bundle = exchange.encode_bundle(names, tensors)
-        return dict(zip(names, (bytes(p) for p in split_bundles(bundle, 1)[0].payloads)))
+        """What each tensor delivers (tensors may share a payload)."""
+        read = split_bundles(exchange.encode_bundle(names, tensors), 1)[0]
+        parts = read.tensors([dr.decompress(p) for p in read.payloads])
+        return {name: (p.indices.tobytes(), p.values.tobytes()) for name, p in zip(names, parts)}
 
     one, other = (GradientExchange(index="varint", memory=None, **settings) for _ in range(2))
     first = payloads(one, ["a", "b"], [a, b])

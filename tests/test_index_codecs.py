@@ -450,11 +450,14 @@ def test_pack_fixed_errors():
 
 @settings(max_examples=100, deadline=None)
 @given(nbits=st.one_of(st.integers(0, 300), st.integers(8 * _bits._SMALL_BITMAP - 16, 5000)),
-       seed=st.integers(0, 2**32 - 1))
-def test_bitmap_helpers_match_packbits(nbits, seed):
-    # small bitmaps are expanded whole, larger ones byte by non-zero byte
+       seed=st.integers(0, 2**32 - 1), full=st.sampled_from([None, "all", "all but one"]))
+def test_bitmap_helpers_match_packbits(nbits, seed, full):
+    # small bitmaps are expanded whole, larger ones whole when dense (or set throughout),
+    # else byte by non-zero byte
     rng = np.random.default_rng(seed)
-    positions = np.flatnonzero(rng.random(nbits) < rng.random())
+    positions = np.flatnonzero(rng.random(nbits) < (1.0 if full else rng.random()))
+    if full == "all but one" and nbits:
+        positions = np.delete(positions, rng.integers(nbits))
     data = _bits.positions_to_bitmap(positions, nbits)
     dense = np.zeros(nbits, dtype=bool)
     dense[positions] = True
