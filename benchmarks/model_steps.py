@@ -135,9 +135,11 @@ def report(results: list, args, bandwidth: float, load: float) -> str:
                      f"{decode:.2f} | {codecs:.2f} | {encode + decode - codecs:.2f} | "
                      f"{floor:.2f} | {1e3 * (encode + decode) / r['tensors']:.0f} |")
     lines += ["", "*Per tensor*: encode + decode over the tensors; for the last four rows, "
-              "whose tensors are small, that is the fixed cost of a tensor in the exchange "
-              "(its calls through the sparsifier, the codecs, the container and the sum), "
-              "paid again for every other rank's payload that is decoded.", ""]
+              "whose tensors are small, that is the fixed cost of a tensor in the exchange: "
+              "its calls through error feedback, the sparsifier and the sum, and its share "
+              "of the codec calls of the payload it travels in (tensors of a dtype below "
+              "65,536 elements share one), paid again for every other rank's payload that "
+              "is decoded.", ""]
     return "\n".join(lines)
 
 
