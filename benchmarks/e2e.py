@@ -178,6 +178,7 @@ def worker(args):
 
     import deepreduce as dr
     import deepreduce.horovod.tensorflow as drh
+    from deepreduce.exchange import split_bundles
     from deepreduce.registry import registered_codecs
 
     # One thread per op: the two ranks share two cores. Two inter-op threads, because a
@@ -363,11 +364,17 @@ def worker(args):
     ours = next((run for run in runs if is_ours(run["label"])), None)
     if rank == 0 and ours is not None:
         # the Top-k pairs this rank sent in its last step, for the codec-time prediction
-        sent = ours["info"]["compression"]._last_sent  # per bundle group
-        pairs = [dr.decompress(bytes(payload))
-                 for group in sorted(sent) for payload in sent[group][0]]
+        sent = ours["info"]["compression"]._last_sent  # per bundle group: (bundle, tensors)
+        pairs = []
+        for group in sorted(sent):
+            bundle = split_bundles(sent[group][0], 1)[0]
+            decoded = [dr.decompress(bytes(payload)) for payload in bundle.payloads]
+            # the payloads of the compressed tensors, as the codecs coded them
+            tensors = bundle.tensors(decoded)
+            pairs += [decoded[slot] for slot in sorted(
+                {slot for t, slot in enumerate(bundle.slots) if tensors[t].size >= 1024})]
         np.savez(pairs_path(args.worker_out), **{
-            f"{field}{i}": value for i, pair in enumerate(pairs) if pair.size >= 1024
+            f"{field}{i}": value for i, pair in enumerate(pairs)
             for field, value in (("indices", pair.indices), ("values", pair.values),
                                  ("size", np.int64(pair.size)))})
     if rank == 0:
@@ -449,15 +456,18 @@ def pairs_path(worker_out) -> Path:
 
 
 def random_pairs(shapes):
-    """Top-k pairs of every compressed tensor of ``shapes`` on random supports."""
+    """Top-k pairs of every compressed payload of ``shapes`` on random supports (the
+    tensors below ``SHARED_BELOW`` elements share one, as the exchange codes them)."""
     import numpy as np
     import deepreduce as dr
+    from deepreduce.exchange import SHARED_BELOW
 
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    shared = [n for n in sizes if 1024 <= n < SHARED_BELOW]
+    payloads = [n for n in sizes if n >= SHARED_BELOW] + \
+        ([sum(shared)] if len(shared) > 1 else shared)
     rng, pairs = np.random.default_rng(0), []
-    for shape in shapes:
-        n = int(np.prod(shape))
-        if n < 1024:
-            continue
+    for n in payloads:
         k = max(1, int(np.ceil(RATIO * n)))
         indices = np.sort(rng.choice(n, k, replace=False))
         pairs.append(dr.SparseTensor(rng.standard_normal(k).astype(np.float32), indices, (n,)))

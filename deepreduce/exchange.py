@@ -27,9 +27,10 @@ payload holds each tensor; a payload holding several is their concatenation,
 flattened, in tensor order. The exchange shares payloads between the small
 tensors of a dtype, and between the selections of its compressed tensors below
 :data:`SHARED_BELOW` elements (:meth:`GradientExchange._shared_payloads`), which
-then cost a slice of a payload each instead of a payload. Each payload is a complete deepreduce container (with its own
-CRC32), so a bundle needs no checksum of its own; the framing is checked
-strictly and every inconsistency raises :class:`~deepreduce.DecodeError`.
+then cost a slice of a payload each instead of a payload. Each payload is a
+complete deepreduce container (with its own CRC32), so a bundle needs no
+checksum of its own; the framing is checked strictly and every inconsistency
+raises :class:`~deepreduce.DecodeError`.
 
 Why bundles rather than ``collectives.AllgatherReduce`` for training: the
 bundle carries one self-checking payload per gradient, so one allgather
@@ -175,9 +176,7 @@ class Bundle:
 def split_shared(whole: SparseTensor, shapes, what: str = "shared payload") -> list:
     """The tensors of ``shapes`` whose flattened concatenation ``whole`` holds."""
     sizes = [math.prod(shape) for shape in shapes]
-    if whole.shape != (sum(sizes),):
-        raise DecodeError(f"{what}: shape {whole.shape} does not hold its tensors' "
-                          f"{sum(sizes)} elements")
+    _check_holds(whole, sum(sizes), what)
     ends = list(itertools.accumulate(sizes))
     cuts = np.searchsorted(whole.indices, ends[:-1]).tolist() + [whole.nnz]
     parts, low = [], 0
@@ -186,6 +185,12 @@ def split_shared(whole: SparseTensor, shapes, what: str = "shared payload") -> l
                                            whole.indices[low:high] - start, shape))
         low = high
     return parts
+
+
+def _check_holds(whole: SparseTensor, size: int, what: str) -> None:
+    if whole.shape != (size,):
+        raise DecodeError(f"{what}: shape {whole.shape} does not hold its tensors' "
+                          f"{size} elements")
 
 
 def split_bundles(data, ranks: int) -> list[Bundle]:
@@ -554,8 +559,8 @@ class GradientExchange:
         return bundle
 
     def _encode_bundle(self, names, tensors):
-        """``(bundle, (bundle, tensors), stats)``: the bundle, with each tensor as the ranks
-        will decode it."""
+        """``(bundle, (bundle, decoded), stats)``: the bundle, with what the ranks will decode
+        of each of its payloads."""
         with self._lock:
             start = time.perf_counter()
             self._codec_seconds = 0.0
@@ -563,17 +568,19 @@ class GradientExchange:
                 raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
             shared = self._shared_payloads(tensors)
             sharing = {t: group for group in shared for t, _ in group[1]}
-            payloads, slots, receiveds = [], [], [None] * len(tensors)
+            payloads, slots, receiveds, decoded = [], [], [None] * len(tensors), []
             for t, (name, x) in enumerate(zip(names, tensors)):
                 group = sharing.get(t)
                 if group is None:
                     slots.append(len(payloads))
                     payload, receiveds[t] = self.encode_tensor(x, name)
                     payloads.append(payload)
+                    decoded.append(receiveds[t])
                 elif t == group[1][0][0]:  # the group travels where its first tensor is
                     slots.append(len(payloads))
-                    payload, parts = self._encode_shared(*group, names)
+                    payload, whole, parts = self._encode_shared(*group, names)
                     payloads.append(payload)
+                    decoded.append(whole)
                     for (member, _), part in zip(group[1], parts):
                         receiveds[member] = part
                 else:
@@ -586,7 +593,7 @@ class GradientExchange:
                                 dense_bytes=sum(r.size * r.dtype.itemsize for r in receiveds),
                                 encode_seconds=time.perf_counter() - start,
                                 codec_seconds=self._codec_seconds)
-        return bundle, (bundle, receiveds), encoded
+        return bundle, (bundle, decoded), encoded
 
     def _shared_payloads(self, tensors) -> list[tuple[bool, list]]:
         """The tensors that travel in a shared payload: ``(selects, members)`` per payload,
@@ -610,15 +617,15 @@ class GradientExchange:
         return [(selects, members) for (selects, _), members in groups.items()
                 if len(members) > 1]
 
-    def _encode_shared(self, selects: bool, members, names) -> tuple[bytes, list]:
-        """``(payload, tensors)``: the payload of ``members`` (see :meth:`_shared_payloads`)
-        and what the receivers decode of each."""
+    def _encode_shared(self, selects: bool, members, names) -> tuple[bytes, SparseTensor, list]:
+        """``(payload, whole, tensors)``: the payload of ``members`` (see
+        :meth:`_shared_payloads`), what the receivers decode of it and of each member."""
         shapes = [array.shape for _, array in members]
         if not selects:
             flat = np.concatenate([array.reshape(-1) for _, array in members])
             payload, whole = self._encode_timed(self.small_pipeline,
                                                 *self.small_pipeline.sparsify(flat))
-            return payload, split_shared(whole, shapes)
+            return payload, whole, split_shared(whole, shapes)
         # each tensor's own error feedback and selection, then one coding of them all
         feedback, values, indices, offset = [], [], [], 0
         for t, array in members:
@@ -639,7 +646,7 @@ class GradientExchange:
                 # (the index code is exact: the part's indices are the selection's)
                 self.memory.settle(names[t], corrected, part, SparseTensor._trusted(
                     selected.values, part.indices, part.shape))
-        return payload, parts
+        return payload, received, parts
 
     def decode_bundles(self, gathered, ranks: int, rank: int, average: bool = False,
                        as_rows=None, out=None) -> list:
@@ -712,32 +719,39 @@ class GradientExchange:
         if len(as_rows) != count:
             raise ValueError(f"as_rows has {len(as_rows)} entries for {count} tensors")
         codec_start = time.perf_counter()
-        decoded = [[] for _ in range(ranks)]
+        units, first = [], 0
         for per_rank, own in zip(read, sent):
-            for r, bundle in enumerate(per_rank):
-                # a rank's own tensors are what it encoded, unless its bundle came back
-                # changed (bytes(view) == bytes is one memcmp)
-                if r == rank and own is not None and bytes(bundle.data) == own[0]:
-                    decoded[r] += own[1]
-                else:
-                    decoded[r] += bundle.tensors([decode(p) for p in bundle.payloads])
+            # a rank's own payloads are what it encoded, unless its bundle came back
+            # changed (bytes(view) == bytes is one memcmp)
+            decoded = [own[1] if r == rank and own is not None and bytes(bundle.data) == own[0]
+                       else [decode(p) for p in bundle.payloads]
+                       for r, bundle in enumerate(per_rank)]
+            units += _units(per_rank, decoded, rank, first, as_rows)
+            first += len(per_rank[rank].slots)
         codec_seconds = time.perf_counter() - codec_start
-        results = []
-        for i in range(count):
-            parts = [decoded[r][i] for r in range(ranks)]
+        results = [None] * count
+        scale = 1.0 / ranks if average else None
+        for positions, shapes, parts in units:
             reference = parts[rank]
             for r, part in enumerate(parts):
                 if part.shape != reference.shape or part.dtype != reference.dtype:
-                    raise DecodeError(f"tensor {i}: rank {r} sent {part.shape} {part.dtype}, "
+                    what = f"tensor {positions[0]}" if shapes is None else \
+                        f"the payload of tensors {positions}"
+                    raise DecodeError(f"{what}: rank {r} sent {part.shape} {part.dtype}, "
                                       f"rank {rank} sent {reference.shape} {reference.dtype}")
-            scale = 1.0 / ranks if average else None
+            if shapes is not None:
+                self._reduce_shared(positions, shapes, parts, reference, scale, out, out_keys,
+                                    results)
+                continue
+            i = positions[0]
             if as_rows[i]:
-                results.append(_sum_rows(parts, scale))
+                results[i] = _sum_rows(parts, scale)
                 continue
             # the sequential sum in the dtype, as Horovod's dense allreduce computes it,
             # straight into the dense result: no per-rank arrays, no union of supports
             accumulator = _accumulator(reference.dtype)
-            target = None if out is None or out[i] is None else _writable_flat(out[i], reference)
+            target = None if out is None or out[i] is None else \
+                _writable_flat(out[i], reference.size, reference.dtype)
             if target is not None and target.dtype == accumulator:
                 total = target
                 stale = None if out_keys is None else self._sums.written(out_keys[i], target)
@@ -754,10 +768,30 @@ class GradientExchange:
             elif result is not target:
                 np.copyto(target, result)
                 result = target
-            results.append(result.reshape(reference.shape))
+            results[i] = result.reshape(reference.shape)
         return results, StepStats(bytes_received=received,
                                   decode_seconds=time.perf_counter() - start,
                                   codec_seconds=codec_seconds)
+
+    def _reduce_shared(self, positions, shapes, parts, reference, scale, out, out_keys,
+                       results) -> None:
+        """Sum the ranks' ``parts`` of one shared payload at once, into ``results`` at
+        ``positions``: views of one dense sum, or copies into ``out``."""
+        accumulator, key = _accumulator(reference.dtype), ("shared", positions[0])
+        total, stale = self._sums.zeros(key, reference.size, accumulator)
+        self._sums.keep(key, total, sum_sorted_into(total, parts, scale, stale))
+        flat, start = total.astype(reference.dtype, copy=False), 0
+        for t, shape in zip(positions, shapes):
+            size = math.prod(shape)
+            result = flat[start:start + size].reshape(shape)
+            start += size
+            if out is not None and out[t] is not None:
+                target = _writable_flat(out[t], size, reference.dtype)
+                np.copyto(target, result.reshape(-1))
+                if out_keys is not None:  # written whole: no record of positions holds
+                    self._sums.written(out_keys[t], target)
+                result = out[t]
+            results[t] = result
 
     # -- one step, reduced inside the collective -------------------------------
     def reduce_tensors(self, names, tensors, op="sum", process_set=None, transport=None,
@@ -1013,14 +1047,42 @@ def _random_parts(pipeline):
             if part is not None]
 
 
-def _writable_flat(array: np.ndarray, reference: SparseTensor) -> np.ndarray:
-    """``array`` as a flat view, after checking that it can hold ``reference`` densely."""
-    if not isinstance(array, np.ndarray) or array.size != reference.size \
-            or array.dtype != reference.dtype or not array.flags.c_contiguous \
-            or not array.flags.writeable:
-        raise ValueError(f"out must be a writable C-contiguous {reference.dtype} array of "
-                         f"{reference.size} elements")
+def _writable_flat(array: np.ndarray, size: int, dtype: np.dtype) -> np.ndarray:
+    """``array`` as a flat view, after checking that it can hold ``size`` values of
+    ``dtype``."""
+    if not isinstance(array, np.ndarray) or array.size != size or array.dtype != dtype \
+            or not array.flags.c_contiguous or not array.flags.writeable:
+        raise ValueError(f"out must be a writable C-contiguous {dtype} array of "
+                         f"{size} elements")
     return array.reshape(-1)
+
+
+def _units(bundles, decoded, rank: int, first: int, as_rows) -> list:
+    """What one allgather's ``bundles`` (one per rank, payloads ``decoded``) hold, as
+    ``(positions, shapes, parts)`` to reduce: one per tensor (``shapes`` None), and one
+    per shared payload when every rank shares it alike (its tensors' ``shapes``, the
+    ranks' whole payloads as ``parts``). ``first``: the position of the first tensor."""
+    reference = bundles[rank]
+    alike = all(b.slots == reference.slots and b.shapes == reference.shapes for b in bundles)
+    members = {}
+    for t in reference.shapes if alike else ():
+        members.setdefault(reference.slots[t], []).append(t)
+    # (rows are reduced per tensor: the rows any rank touched)
+    shared = {slot: ts for slot, ts in members.items()
+              if not any(as_rows[first + t] for t in ts)}
+    tensors = None if len(shared) == len(members) and alike else \
+        [b.tensors(d) for b, d in zip(bundles, decoded)]
+    units = []
+    for t, slot in enumerate(reference.slots):
+        if slot not in shared:
+            units.append(([first + t], None, [
+                d[slot] if tensors is None else tensors[r][t] for r, d in enumerate(decoded)]))
+        elif t == shared[slot][0]:
+            shapes = [reference.shapes[m] for m in shared[slot]]
+            _check_holds(decoded[rank][slot], sum(math.prod(shape) for shape in shapes),
+                         f"bundle of rank {rank}, payload {slot}")
+            units.append(([first + m for m in shared[slot]], shapes, [d[slot] for d in decoded]))
+    return units
 
 
 def _size(x) -> int:

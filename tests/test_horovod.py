@@ -229,6 +229,34 @@ def test_selections_do_not_share_when_coding_them_together_would_change_them(ind
     assert split_bundles(bundle, 1)[0].slots == [0, 1, 2] and bundle[3] == 1
 
 
+@pytest.mark.parametrize("average", [False, True])
+@pytest.mark.parametrize("into_out", [False, True])
+def test_shared_payloads_reduce_to_the_bits_of_separate_ones(average, into_out):
+    # a payload shared alike by every rank is summed whole, its tensors are views of
+    # (or copies from) that sum: the same bits as summing them one by one
+    names = [f"t{i}" for i in range(len(SHARED_CASE) + 2)]
+    grads = [shared_case_gradients(r) + [np.full((2, 2), r + 0.5, np.float16)]
+             for r in range(3)]
+    ranks = [GradientExchange(None, index="golomb", min_size=100) for _ in range(3)]
+    shared = b"".join(c.encode_bundle(names, g) for c, g in zip(ranks, grads))
+    alone = GradientExchange(None, index="golomb", min_size=100)
+    separate = b"".join(exchange.pack_bundle([alone.encode_tensor(x)[0] for x in g])
+                        for g in grads)
+
+    def outputs():
+        return [np.full(np.shape(x), np.nan, np.asarray(x).dtype)
+                if into_out and not isinstance(x, dr.SparseTensor) else None for x in grads[0]]
+
+    for rank in range(3):
+        kept = outputs()
+        got = ranks[rank].decode_bundles(shared, 3, rank, average, out=kept)
+        want = GradientExchange(None).decode_bundles(separate, 3, rank, average,
+                                                     out=outputs())
+        for t, (a, b) in enumerate(zip(got, want)):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), t
+            assert kept[t] is None or a.size == 0 or np.shares_memory(a, kept[t])
+
+
 def test_bundles_of_either_version_reduce_together():
     # a rank whose writer gives every tensor its own payload (version 1, as before
     # payloads were shared) and ranks that share them reduce to the same bits
@@ -845,10 +873,12 @@ def test_reduce_async_over_a_transport_fails_on_every_rank_instead_of_hanging():
 
 
 @pytest.mark.parametrize("average", [False, True])
-def test_reduce_async_reusing_out_resets_only_what_it_wrote(average):
+@pytest.mark.parametrize("shapes", [((200, 30), (500,)),
+                                    ((200, 30), (500,), (40, 50), (300,))])  # (sharing)
+def test_reduce_async_reusing_out_resets_only_what_it_wrote(average, shapes):
     from deepreduce.collectives import ThreadTransport
 
-    names, shapes = ["w", "b"], ((200, 30), (500,))
+    names = [f"t{i}" for i in range(len(shapes))]
     reused, fresh = ([GradientExchange(dr.TopK(0.05), index="auto", value="fp16", seed=r)
                       for r in range(2)] for _ in range(2))
     kept = [[np.empty(shape, np.float32) for shape in shapes] for _ in range(2)]
