@@ -413,7 +413,7 @@ class GradientExchange:
         # per tensor name, the pipeline with its own random streams (see _pipeline_of)
         self._pipelines = {}
         self._lock = threading.Lock()
-        self._last_sent = {}  # per bundle group: (bundle, tensors) of its last encode
+        self._last_sent = {}  # per bundle group: its last bundle, and what its payloads decode to
         self._sums = _ReusedSums()
         self._codec_seconds = 0.0
 
@@ -695,9 +695,10 @@ class GradientExchange:
         return results
 
     def _decode_bundles(self, groups, ranks, rank, average, as_rows, out, sent, out_keys=None):
-        """See :meth:`decode_groups`; ``sent``: per group, this rank's ``(bundle, tensors)``
-        as encoded, or None; ``out_keys``: as :meth:`reduce_async`'s reuse_out, the name of
-        each tensor, under which the positions written into its ``out`` are kept."""
+        """See :meth:`decode_groups`. ``sent``: per group, this rank's bundle and what each
+        of its payloads decodes to (see :meth:`_encode_bundle`), or None. ``out_keys``: as
+        :meth:`reduce_async`'s reuse_out, the name of each tensor, under which the
+        positions written into its ``out`` are kept."""
         start = time.perf_counter()
         read, received = [], 0
         for gathered in groups:
