@@ -257,6 +257,35 @@ def test_shared_payloads_reduce_to_the_bits_of_separate_ones(average, into_out):
             assert kept[t] is None or a.size == 0 or np.shares_memory(a, kept[t])
 
 
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.sampled_from([0, 1, 7, 60, 150, 999, 2500]), min_size=1, max_size=7),
+       dtypes=st.lists(st.sampled_from([np.float16, np.float32, np.float64]), min_size=7,
+                       max_size=7),
+       ranks=st.integers(1, 3), average=st.booleans(), seed=st.integers(0, 2**16))
+def test_any_mix_of_shared_payloads_reduces_to_the_bits_of_separate_ones(
+        sizes, dtypes, ranks, average, seed):
+    names = [f"t{i}" for i in range(len(sizes))]
+
+    def make():
+        return [GradientExchange(dr.TopK(0.1), index="golomb", value="fp16", min_size=100,
+                                 seed=r) for r in range(ranks)]
+
+    shared, alone = make(), make()
+    for step in range(2):  # the second step runs on residuals and reused sums
+        rng = np.random.default_rng([seed, step])
+        grads = [[rng.standard_normal(n).astype(dtype) for n, dtype in zip(sizes, dtypes)]
+                 for _ in range(ranks)]
+        together = b"".join(c.encode_bundle(names, g) for c, g in zip(shared, grads))
+        separate = b"".join(pack_bundle([c.encode_tensor(x, name)[0]
+                                         for name, x in zip(names, g)])
+                            for c, g in zip(alone, grads))
+        for rank in range(ranks):
+            got = shared[rank].decode_bundles(together, ranks, rank, average)
+            want = alone[rank].decode_bundles(separate, ranks, rank, average)
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
 def test_bundles_of_either_version_reduce_together():
     # a rank whose writer gives every tensor its own payload (version 1, as before
     # payloads were shared) and ranks that share them reduce to the same bits
