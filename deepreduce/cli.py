@@ -15,6 +15,7 @@ import numpy as np
 
 import deepreduce as dr
 from deepreduce import container
+from deepreduce.exchange import BUNDLE_MAGIC, split_bundles
 from deepreduce.pipeline import (DEFAULT_INDEX, DEFAULT_MAX_ELEMENTS, DEFAULT_VALUE, Pipeline,
                                  index_entropy_bits)
 from deepreduce.registry import registered_codecs
@@ -95,8 +96,8 @@ def _cmd_decompress(args) -> int:
     return 0
 
 
-def _cmd_inspect(args) -> int:
-    payload = Path(args.input).read_bytes()
+def _payload_info(payload, args) -> dict:
+    """What ``inspect`` prints of one payload."""
     header, _, _ = container.unpack(payload)
     nnz = header.nnz
     info = {
@@ -121,13 +122,52 @@ def _cmd_inspect(args) -> int:
     if args.check:
         dr.decompress(payload, max_elements=args.max_elements or None)
         info["decodes"] = True
+    return info
+
+
+def _bundle_info(data, args) -> dict:
+    """What ``inspect`` prints of ``args.ranks`` concatenated bundles (an allgather's)."""
+    bundles = []
+    for bundle in split_bundles(data, args.ranks):
+        tensors = [{"payload": slot, **({"shape": list(bundle.shapes[t])}
+                                        if t in bundle.shapes else {})}
+                   for t, slot in enumerate(bundle.slots)]
+        payloads = [_payload_info(payload, args) for payload in bundle.payloads]
+        if args.check:
+            bundle.tensors([dr.decompress(p, max_elements=args.max_elements or None)
+                            for p in bundle.payloads])  # shared payloads hold their tensors
+        bundles.append({"bundle_version": bundle.data[len(BUNDLE_MAGIC)],
+                        "total_bytes": len(bundle.data), "tensors": tensors,
+                        "payloads": payloads})
+    return {"bundles": bundles}
+
+
+def _print_fields(info: dict, indent: str = "") -> None:
+    width = max(map(len, info))
+    for key, value in info.items():
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        print(f"{indent}{key:<{width}}  {text}")
+
+
+def _cmd_inspect(args) -> int:
+    data = Path(args.input).read_bytes()
+    bundle = data[:len(BUNDLE_MAGIC)] == BUNDLE_MAGIC
+    info = _bundle_info(data, args) if bundle else _payload_info(data, args)
     if args.json:
         print(json.dumps(info, indent=2))
+    elif not bundle:
+        _print_fields(info)
     else:
-        width = max(map(len, info))
-        for key, value in info.items():
-            text = f"{value:.4g}" if isinstance(value, float) else str(value)
-            print(f"{key:<{width}}  {text}")
+        for rank, read in enumerate(info["bundles"]):
+            print(f"bundle {rank}: version {read['bundle_version']}, "
+                  f"{read['total_bytes']} bytes, {len(read['tensors'])} tensors in "
+                  f"{len(read['payloads'])} payloads")
+            for t, tensor in enumerate(read["tensors"]):
+                shape = f", shape {tuple(tensor['shape'])}" if "shape" in tensor else ""
+                print(f"  tensor {t}: payload {tensor['payload']}{shape}")
+            for number, payload in enumerate(read["payloads"]):
+                print(f"  payload {number}:")
+                _print_fields(payload, "    ")
     return 0
 
 
@@ -242,10 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     _max_elements_option(p)
 
     p = add("inspect", "print a payload's header: shape, dtype, nnz, codecs, stream sizes, "
-            "bits per nnz", _cmd_inspect)
+            "bits per nnz; for a bundle (the exchange's framing), which payload holds each "
+            "tensor and every payload's header", _cmd_inspect)
     p.add_argument("input")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--check", action="store_true", help="also decode the streams")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="a bundle file holds this many ranks' bundles, concatenated (default 1)")
     _max_elements_option(p)
 
     p = add("bench", "compare every registered codec on the arrays of a .npy/.npz file",

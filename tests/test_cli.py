@@ -81,3 +81,28 @@ def test_help_explains_every_codec():
             for p in cls._parameters():
                 assert f"{p.name}=" in out
     assert "topk:R" in out
+
+
+def test_inspect_reads_bundles(tmp_path, capsys):
+    from deepreduce.exchange import GradientExchange
+
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(shape).astype(np.float32) for shape in ((5000,), (8,), (3, 4))]
+    bundle = GradientExchange(dr.TopK(0.01), index="golomb", value="fp16").encode_bundle(
+        ["w", "b", "c"], grads)
+    path = tmp_path / "step.drb"
+    path.write_bytes(bundle + bundle)   # what an allgather of two ranks holds
+    assert main(["inspect", str(path), "--json", "--check", "--ranks", "2"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert len(info["bundles"]) == 2
+    first = info["bundles"][0]
+    assert first["bundle_version"] == 2 and first["total_bytes"] == len(bundle)
+    assert first["tensors"] == [{"payload": 0}, {"payload": 1, "shape": [8]},
+                                {"payload": 1, "shape": [3, 4]}]
+    assert [p["nnz"] for p in first["payloads"]] == [50, 20]
+    assert all(p["decodes"] for p in first["payloads"])
+    assert main(["inspect", str(path), "--ranks", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "bundle 1: version 2" in text and "tensor 2: payload 1, shape (3, 4)" in text
+    assert main(["inspect", str(path)]) == 1   # two bundles read as one
+    assert "DecodeError" in capsys.readouterr().err
