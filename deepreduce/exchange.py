@@ -17,12 +17,13 @@ entries of all gradients of one dtype are reduced in one set of collectives
 Bundle layouts (``docs/format.md`` has the details)::
 
     version 1: magic "DRB" | 1 | payload count m | m payload lengths | the payloads
-    version 2: magic "DRB" | 2 | m | m payload lengths | tensor count T
+    version 3: magic "DRB" | 3 | m | m payload lengths | tensor count T
                | T payload numbers | ranks, then dimensions, of the tensors that share
-               a payload | the payloads
+               a payload | CRC32 of all of this | the payloads
 
-(every count, length, number and dimension a varint). In version 1 payload ``i``
-is tensor ``i``. Version 2, written when tensors share a payload, says which
+(every count, length, number and dimension a varint; version 2 is version 3
+without the CRC32, read but no longer written). In version 1 payload ``i`` is
+tensor ``i``. Version 3, written when tensors share a payload, says which
 payload holds each tensor; a payload holding several is their concatenation,
 flattened, in tensor order. The exchange shares payloads between the small
 tensors of a dtype, and between the selections of its compressed tensors below
@@ -46,6 +47,7 @@ import inspect
 import itertools
 import math
 import numbers
+import struct
 import sys
 import threading
 import time
@@ -67,12 +69,15 @@ from deepreduce.sparsifiers import _as_float_array, get_sparsifier
 from deepreduce.stats import CompressionStats, StepStats
 
 BUNDLE_MAGIC = b"DRB"
-#: Bundle layouts this module reads; it writes version 1 unless tensors share a payload.
-BUNDLE_VERSIONS = (1, 2)
+#: Bundle layouts this module reads; it writes version 1 unless tensors share a payload
+#: (then 3). Version 2, version 3 without the checksum of its table, was written only on
+#: 2026-11-26: its payloads' checksums do not cover which tensor is where.
+BUNDLE_VERSIONS = (1, 2, 3)
 #: What a bundle travels behind over a transport (Horovod's graph path allgathers bare
 #: bundles); ranks that fail to encode send an ERROR frame instead, so none waits.
 BUNDLE_SIGNATURE = "exchange=bundles"
 _MAX_VARINT_BYTES = 10
+_CRC = struct.Struct("<I")
 #: Most dimensions a tensor sharing a payload may have (numpy's limit).
 _MAX_DIMS = 64
 #: Compressed tensors below this many elements share a payload (see
@@ -95,7 +100,7 @@ def pack_bundle(payloads, slots=None, shapes=()) -> bytes:
         Each a complete payload.
     slots : list of int, optional
         For each tensor of the bundle, in order, the number of the payload
-        that holds it; None (version 1): payload ``i`` is tensor ``i``.
+        that holds it (version 3); None (version 1): payload ``i`` is tensor ``i``.
     shapes : list of tuple
         With ``slots``, the shape of each tensor (in order) whose payload
         holds other tensors too: such a payload is the concatenation of its
@@ -110,7 +115,7 @@ def pack_bundle(payloads, slots=None, shapes=()) -> bytes:
     [([b'abc', b''], [0, 1], {}), ([b'xy', b'z'], [0, 1, 0], {0: (2,), 2: (3, 1)})]
     """
     lengths = np.array([len(p) for p in payloads], dtype=np.uint64)
-    head = [BUNDLE_MAGIC, bytes((1 if slots is None else 2,)), write_varint(len(payloads)),
+    head = [BUNDLE_MAGIC, bytes((1 if slots is None else 3,)), write_varint(len(payloads)),
             varint_encode(lengths)]
     if slots is not None:
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
@@ -127,6 +132,7 @@ def pack_bundle(payloads, slots=None, shapes=()) -> bytes:
         head += [write_varint(slots.size), varint_encode(slots),
                  varint_encode(np.array([len(s) for s in shapes], dtype=np.uint64)),
                  varint_encode(np.array([d for s in shapes for d in s], dtype=np.uint64))]
+        head.append(_CRC.pack(zlib.crc32(b"".join(head))))
     return b"".join([*head, *payloads])
 
 
@@ -194,7 +200,7 @@ def _check_holds(whole: SparseTensor, size: int, what: str) -> None:
 
 
 def split_bundles(data, ranks: int) -> list[Bundle]:
-    """Read the concatenation of ``ranks`` bundles, of either version.
+    """Read the concatenation of ``ranks`` bundles, of any version.
 
     Raises
     ------
@@ -215,8 +221,15 @@ def split_bundles(data, ranks: int) -> list[Bundle]:
         count, pos = read_varint(view, header_end, what)
         lengths, pos = _read_varints(view, pos, count, f"{what} payload lengths")
         slots, shapes = list(range(count)), {}
-        if version == 2:
+        if version >= 2:
             slots, shapes, pos = _read_table(view, pos, count, what)
+        if version == 3:
+            # the payloads' own checksums do not cover which tensor is where
+            if pos + _CRC.size > len(view):
+                raise DecodeError(f"{what}: truncated before the checksum of its table")
+            if _CRC.unpack_from(view, pos)[0] != zlib.crc32(view[start:pos]):
+                raise DecodeError(f"{what}: CRC32 mismatch in its table")
+            pos += _CRC.size
         remaining = len(view) - pos
         if count and (int(lengths.max()) > remaining or float(lengths.sum(dtype=np.float64))
                       > remaining):
@@ -245,7 +258,7 @@ def _read_varints(view, pos: int, count: int, what: str) -> tuple[np.ndarray, in
 
 
 def _read_table(view, pos: int, payloads: int, what: str):
-    """Version 2's table: ``(slots, shapes, pos)`` (see :class:`Bundle`)."""
+    """The table of versions 2 and 3: ``(slots, shapes, pos)`` (see :class:`Bundle`)."""
     tensors, pos = read_varint(view, pos, what)
     slots, pos = _read_varints(view, pos, tensors, f"{what} slots")
     if tensors and int(slots.max()) >= payloads:

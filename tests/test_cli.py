@@ -96,13 +96,13 @@ def test_inspect_reads_bundles(tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert len(info["bundles"]) == 2
     first = info["bundles"][0]
-    assert first["bundle_version"] == 2 and first["total_bytes"] == len(bundle)
+    assert first["bundle_version"] == 3 and first["total_bytes"] == len(bundle)
     assert first["tensors"] == [{"payload": 0}, {"payload": 1, "shape": [8]},
                                 {"payload": 1, "shape": [3, 4]}]
     assert [p["nnz"] for p in first["payloads"]] == [50, 20]
     assert all(p["decodes"] for p in first["payloads"])
     assert main(["inspect", str(path), "--ranks", "2"]) == 0
     text = capsys.readouterr().out
-    assert "bundle 1: version 2" in text and "tensor 2: payload 1, shape (3, 4)" in text
+    assert "bundle 1: version 3" in text and "tensor 2: payload 1, shape (3, 4)" in text
     assert main(["inspect", str(path)]) == 1   # two bundles read as one
     assert "DecodeError" in capsys.readouterr().err

@@ -61,7 +61,8 @@ PAYLOADS = {
 }
 
 #: Framings around payloads: the Horovod bundle and the collectives' frames.
-FRAMINGS = ("bundle_two_tensors", "bundle_shared_payload", "frame_sparse", "frame_dense", "frame_blocks",
+FRAMINGS = ("bundle_two_tensors", "bundle_shared_payload", "bundle_table_checksum",
+            "frame_sparse", "frame_dense", "frame_blocks",
             "frame_counts")
 
 
@@ -82,13 +83,18 @@ def encode_framing(name) -> bytes:
     if name == "bundle_two_tensors":
         second = dr.compress(case_input((40, 5), np.float64, 7), None, "bitmap", "raw")
         return pack_bundle([first, second])
-    if name == "bundle_shared_payload":
-        # version 2: tensors 0 and 2 (shapes (4, 5) and (7,)) share payload 1, flattened
-        # and concatenated; tensor 1 is payload 0
+    if name in ("bundle_shared_payload", "bundle_table_checksum"):
+        # tensors 0 and 2 (shapes (4, 5) and (7,)) share payload 1, flattened and
+        # concatenated; tensor 1 is payload 0
         small = np.concatenate([case_input((4, 5), np.float32, 3).ravel(),
                                 np.zeros(3, np.float32), case_input((4,), np.float32, 4)])
-        return pack_bundle([first, dr.compress(small, None, "bitmap", "raw")], [1, 0, 1],
-                           [(4, 5), (7,)])
+        payloads = [first, dr.compress(small, None, "bitmap", "raw")]
+        data = pack_bundle(payloads, [1, 0, 1], [(4, 5), (7,)])   # version 3
+        if name == "bundle_table_checksum":
+            return data
+        # version 2, as pack_bundle wrote it before the checksum of its table
+        head = data[:len(data) - sum(map(len, payloads)) - 4]
+        return head[:3] + b"\x02" + head[4:] + b"".join(payloads)
     if name == "frame_sparse":
         return frames.sparse_frame(first)
     if name == "frame_dense":

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -88,11 +89,31 @@ def test_lying_headers_are_rejected_before_allocating():
     (b"\x03\x00\x01\x00\x41\x01", "65 dimensions"),
     (b"\x03\x00\x01\x00\x02\x01", "shapes"),          # 3 dims declared, 2 follow
 ])
-def test_lying_tables_of_version_2_are_rejected(table, match):
-    # two payloads of 1 and 0 bytes, then the table, then the payloads
-    data = exchange.BUNDLE_MAGIC + b"\x02\x02\x01\x00" + table + b"z"
+@pytest.mark.parametrize("version", [2, 3])
+def test_lying_tables_are_rejected(table, match, version):
+    # two payloads of 1 and 0 bytes, then the table (and its checksum), then the payloads
+    head = exchange.BUNDLE_MAGIC + bytes((version,)) + b"\x02\x01\x00" + table
+    checksum = zlib.crc32(head).to_bytes(4, "little") if version == 3 else b""
+    if version == 3 and match == "shapes":
+        match = None  # the dimension that is not there is read from the checksum's bytes
     with pytest.raises(dr.DecodeError, match=match):
-        split_bundles(data, 1)
+        split_bundles(head + checksum + b"z", 1)
+
+
+def test_a_changed_table_fails_its_checksum():
+    # payload checksums do not cover which tensor is where: swapping two tensors of one
+    # shape, or reshaping one, would go unnoticed without the table's own
+    payload = dr.compress(np.arange(8, dtype=np.float32), None, "bitmap", "raw")
+    data = pack_bundle([payload, payload], [0, 1, 0, 1], [(2, 2), (4,), (2, 2), (4,)])
+    assert split_bundles(data, 1)[0].slots == [0, 1, 0, 1]
+    table_end = len(data) - 2 * len(payload) - 4
+    for position in range(4, table_end + 4):
+        changed = bytearray(data)
+        changed[position] ^= 0x01
+        with pytest.raises(dr.DecodeError):
+            split_bundles(bytes(changed), 1)
+    with pytest.raises(dr.DecodeError, match="CRC32 mismatch in its table"):
+        split_bundles(data[:6] + b"\x01" + data[7:], 1)   # slots [0, 1, 1, 1]
 
 
 @st.composite
@@ -170,7 +191,7 @@ def test_small_dense_tensors_share_one_payload_per_dtype_and_sum_exactly():
     # alone: a group needs two tensors of a dtype, and a sparse input stays sparse
     assert read.slots == [0, 1, 2, 1, 2, 1, 3, 4] and len(read.payloads) == 5
     assert read.shapes == {1: (10,), 2: (3, 4), 3: (7,), 4: (5,), 5: (0,)}
-    assert bundles[0][3] == 2   # version 2 only because of the sharing
+    assert bundles[0][3] == 3   # version 3 only because of the sharing
     assert GradientExchange(min_size=100).encode_bundle(names[:2], grads[0][:2])[3] == 1
     as_rows = [False] * len(names)
     as_rows[2] = True
@@ -294,7 +315,7 @@ def test_bundles_of_either_version_reduce_together():
     grads = [shared_case_gradients(r) for r in range(2)]
     shared = [c.encode_bundle(names, g) for g in grads]
     separate = exchange.pack_bundle([c.encode_tensor(x)[0] for x in grads[1]])
-    assert separate[3] == 1 and shared[1][3] == 2
+    assert separate[3] == 1 and shared[1][3] == 3
     for got, want in zip(GradientExchange(None).decode_bundles(shared[0] + separate, 2, 0),
                          GradientExchange(None).decode_bundles(b"".join(shared), 2, 0)):
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
