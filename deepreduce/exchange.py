@@ -6,7 +6,8 @@ provides a transport; everything else happens here, in
 :class:`GradientExchange`.
 
 With the default **allgather** communicator (DeepReduce's scheme) every rank
-packs one payload per gradient into a **bundle**, the bundles are allgathered
+packs its gradients' payloads (one per gradient, or one per group of small
+gradients of a dtype) into a **bundle**, the bundles are allgathered
 (whatever their lengths), and every rank splits them, decodes every payload
 and sums in rank order, so all ranks end with bit-identical results. With a
 **reducing** communicator of :mod:`deepreduce.collectives`
@@ -34,11 +35,11 @@ checksum of its own; the framing is checked strictly and every inconsistency
 raises :class:`~deepreduce.DecodeError`.
 
 Why bundles rather than ``collectives.AllgatherReduce`` for training: the
-bundle carries one self-checking payload per gradient, so one allgather
-serves gradients of every dtype, each gradient gets its own pipeline (small
-ones go losslessly) and sparse gradients come back as the rows any rank
-touched; ``AllgatherReduce`` fuses the gradients of one dtype into a single
-payload. Both sum with the functions of :mod:`deepreduce.collectives.base`.
+bundle carries self-checking payloads of every dtype in one allgather, each
+gradient gets its own error feedback and sparsifier (small ones go
+losslessly), a large one its own payload and ``auto`` choice, and sparse
+gradients come back as the rows any rank touched; ``AllgatherReduce`` fuses
+the gradients of one dtype into a single payload. Both sum with the functions of :mod:`deepreduce.collectives.base`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ A Horovod training script changes one or two lines::
 How it travels. Horovod's allreduce sums what it is given, and summed payload
 bytes mean nothing, so deepreduce uses the **allgather communicator**: each rank
 encodes all its gradients of a step into one bundle (one payload per gradient,
-framed by :mod:`deepreduce.exchange`), one ``hvd.allgather`` moves every
+the small ones of a dtype sharing one, framed by :mod:`deepreduce.exchange`),
+one ``hvd.allgather`` moves every
 rank's bundle to every rank (their sizes may differ), and every rank decodes
 all of them and sums in rank order (dividing by the number of ranks for
 ``op=hvd.Average``), so all ranks apply the same gradient. Encoding and
