@@ -39,7 +39,8 @@ bundle carries self-checking payloads of every dtype in one allgather, each
 gradient gets its own error feedback and sparsifier (small ones go
 losslessly), a large one its own payload and ``auto`` choice, and sparse
 gradients come back as the rows any rank touched; ``AllgatherReduce`` fuses
-the gradients of one dtype into a single payload. Both sum with the functions of :mod:`deepreduce.collectives.base`.
+the gradients of one dtype into a single payload. Both sum with the functions
+of :mod:`deepreduce.collectives.base`.
 """
 
 from __future__ import annotations
