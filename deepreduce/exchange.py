@@ -79,6 +79,8 @@ BUNDLE_VERSIONS = (1, 2, 3)
 #: bundles); ranks that fail to encode send an ERROR frame instead, so none waits.
 BUNDLE_SIGNATURE = "exchange=bundles"
 _MAX_VARINT_BYTES = 10
+#: Up to this many varints a bundle's field is read one by one.
+_FEW_VARINTS = 48
 _CRC = struct.Struct("<I")
 #: Most dimensions a tensor sharing a payload may have (numpy's limit).
 _MAX_DIMS = 64
@@ -253,6 +255,11 @@ def _read_varints(view, pos: int, count: int, what: str) -> tuple[np.ndarray, in
     if count > len(view) - pos:
         raise DecodeError(f"{what}: declares {count} values but only {len(view) - pos} "
                           "bytes follow")
+    if count <= _FEW_VARINTS:  # a loop costs 0.3 us a varint, numpy's passes 20 us a call
+        values = np.empty(count, dtype=np.uint64)
+        for i in range(count):
+            values[i], pos = read_varint(view, pos, what)
+        return values, pos
     # varint_decode_prefix scans its whole input: give it only the bytes these can
     # occupy, not the payloads behind them
     values, used = varint_decode_prefix(view[pos:pos + _MAX_VARINT_BYTES * count], count, what)

@@ -141,6 +141,23 @@ def test_bundles_with_shared_payloads_round_trip(bundles):
             split_bundles(data[:cut], len(bundles))
 
 
+@pytest.mark.parametrize("payloads", [3, exchange._FEW_VARINTS + 20])
+def test_long_and_short_fields_read_alike(payloads):
+    # a field of a few varints is read one by one, a longer one in whole-array passes
+    rng = np.random.default_rng(payloads)
+    data = [bytes(rng.integers(0, 256, rng.integers(0, 300), dtype=np.uint8))
+            for _ in range(payloads)]
+    slots = list(range(payloads)) + rng.integers(0, payloads, payloads).tolist()
+    shared = [t for t, slot in enumerate(slots) if slots.count(slot) > 1]
+    shapes = [tuple(rng.integers(0, 2**40, rng.integers(0, 4)).tolist()) for _ in shared]
+    bundle = split_bundles(pack_bundle(data, slots, shapes), 1)[0]
+    assert [bytes(p) for p in bundle.payloads] == data and bundle.slots == slots
+    assert bundle.shapes == dict(zip(shared, shapes))
+    truncated = pack_bundle(data, slots, shapes)[:-sum(map(len, data)) - 5]
+    with pytest.raises(dr.DecodeError):
+        split_bundles(truncated, 1)
+
+
 def test_pack_bundle_refuses_inconsistent_tables():
     with pytest.raises(ValueError, match="must name each"):
         pack_bundle([b"a", b"b"], [0, 0])
