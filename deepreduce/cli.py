@@ -96,8 +96,8 @@ def _cmd_decompress(args) -> int:
     return 0
 
 
-def _payload_info(payload, args) -> dict:
-    """What ``inspect`` prints of one payload."""
+def _payload_info(payload, args) -> tuple[dict, dr.SparseTensor | None]:
+    """What ``inspect`` prints of one payload, and with ``--check`` what it decodes to."""
     header, _, _ = container.unpack(payload)
     nnz = header.nnz
     info = {
@@ -119,10 +119,11 @@ def _payload_info(payload, args) -> dict:
         "index_entropy_bound_bits": index_entropy_bits(header.size, nnz),
         "dense_bytes": header.size * header.dtype.itemsize,
     }
+    decoded = None
     if args.check:
-        dr.decompress(payload, max_elements=args.max_elements or None)
+        decoded = dr.decompress(payload, max_elements=args.max_elements or None)
         info["decodes"] = True
-    return info
+    return info, decoded
 
 
 def _bundle_info(data, args) -> dict:
@@ -132,13 +133,12 @@ def _bundle_info(data, args) -> dict:
         tensors = [{"payload": slot, **({"shape": list(bundle.shapes[t])}
                                         if t in bundle.shapes else {})}
                    for t, slot in enumerate(bundle.slots)]
-        payloads = [_payload_info(payload, args) for payload in bundle.payloads]
+        read = [_payload_info(payload, args) for payload in bundle.payloads]
         if args.check:
-            bundle.tensors([dr.decompress(p, max_elements=args.max_elements or None)
-                            for p in bundle.payloads])  # shared payloads hold their tensors
+            bundle.tensors([tensor for _, tensor in read])  # shared ones hold their tensors
         bundles.append({"bundle_version": bundle.data[len(BUNDLE_MAGIC)],
                         "total_bytes": len(bundle.data), "tensors": tensors,
-                        "payloads": payloads})
+                        "payloads": [info for info, _ in read]})
     return {"bundles": bundles}
 
 
@@ -152,7 +152,7 @@ def _print_fields(info: dict, indent: str = "") -> None:
 def _cmd_inspect(args) -> int:
     data = Path(args.input).read_bytes()
     bundle = data[:len(BUNDLE_MAGIC)] == BUNDLE_MAGIC
-    info = _bundle_info(data, args) if bundle else _payload_info(data, args)
+    info = _bundle_info(data, args) if bundle else _payload_info(data, args)[0]
     if args.json:
         print(json.dumps(info, indent=2))
     elif not bundle:
