@@ -14,7 +14,7 @@ gloo, the e2e MLP with 1024-wide layers, 2.2M parameters, Top-k 1%), at
 P = 2 and P = 4 ranks and three rates each, as root::
 
     for P in 2 4; do python benchmarks/torch_e2e.py --ranks $P --hidden 1024 \\
-        --steps 8 --rounds 2 --warmup 6 --start-iter 4 --schemes "allreduce fp32" \\
+        --steps 16 --rounds 4 --warmup 6 --start-iter 4 --schemes "allreduce fp32" \\
         "raw Top-k" "fp16 (allgather)" "(sparse_allreduce)" "(block)" \\
         --out benchmarks/results/scale/torch_p$P.md; done
     python benchmarks/scale.py
