@@ -484,14 +484,14 @@ def bitmap_to_positions(data, nbits: int, what: str) -> np.ndarray:
     buffer = np.frombuffer(data, dtype=np.uint8)
     if nbits % 8 and buffer[-1] >> (nbits % 8):
         raise DecodeError(f"{what}: padding bits of the bitmap's last byte are not zero")
-    if expected <= _SMALL_BITMAP:  # expanding every byte costs less than finding them
-        return np.flatnonzero(np.unpackbits(buffer, bitorder="little"))
-    if np.bitwise_and.reduce(buffer[:nbits >> 3]) == 0xFF and \
-            (nbits % 8 == 0 or buffer[-1] == (1 << nbits % 8) - 1):
-        return np.arange(nbits, dtype=np.int64)  # every bit set: small tensors sent whole
-    nonzero_bytes = np.flatnonzero(buffer)
-    if 4 * nonzero_bytes.size >= 3 * expected:  # (as above, on dense bitmaps)
-        return np.flatnonzero(np.unpackbits(buffer, bitorder="little"))
-    # (one flat scan of the expanded bytes: 1.3-1.6x faster than a 2-D np.nonzero)
-    bits = np.flatnonzero(np.unpackbits(buffer[nonzero_bytes], bitorder="little"))
-    return nonzero_bytes[bits >> 3] * 8 + (bits & 7)
+    if expected > _SMALL_BITMAP:
+        if np.bitwise_and.reduce(buffer[:nbits >> 3]) == 0xFF and \
+                (nbits % 8 == 0 or buffer[-1] == (1 << nbits % 8) - 1):
+            return np.arange(nbits, dtype=np.int64)  # every bit set: small tensors sent whole
+        nonzero_bytes = np.flatnonzero(buffer)
+        if 4 * nonzero_bytes.size < 3 * expected:
+            # (one flat scan of the expanded bytes: 1.3-1.6x faster than a 2-D np.nonzero)
+            bits = np.flatnonzero(np.unpackbits(buffer[nonzero_bytes], bitorder="little"))
+            return nonzero_bytes[bits >> 3] * 8 + (bits & 7)
+    # small or dense: expanding every byte costs less than finding the non-zero ones
+    return np.flatnonzero(np.unpackbits(buffer, bitorder="little"))

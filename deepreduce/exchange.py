@@ -127,12 +127,11 @@ def pack_bundle(payloads, slots=None, shapes=()) -> bytes:
                 np.unique(slots).size != len(payloads):
             raise ValueError(f"slots {slots.tolist()} must name each of the "
                              f"{len(payloads)} payloads")
-        references = np.bincount(slots, minlength=len(payloads))
+        sharing = int(np.count_nonzero(np.bincount(slots, minlength=len(payloads))[slots] > 1))
         shapes = [tuple(int(d) for d in shape) for shape in shapes]
-        if len(shapes) != int(np.count_nonzero(references[slots] > 1)):
-            raise ValueError(f"{len(shapes)} shapes for the "
-                             f"{int(np.count_nonzero(references[slots] > 1))} tensors that "
-                             "share a payload")
+        if len(shapes) != sharing:
+            raise ValueError(f"{len(shapes)} shapes for the {sharing} tensors that share a "
+                             "payload")
         head += [write_varint(slots.size), varint_encode(slots),
                  varint_encode(np.array([len(s) for s in shapes], dtype=np.uint64)),
                  varint_encode(np.array([d for s in shapes for d in s], dtype=np.uint64))]
@@ -170,17 +169,19 @@ class Bundle:
         DecodeError
             When a shared payload does not hold exactly its tensors' elements.
         """
-        if not self.shapes:
-            return [decoded[slot] for slot in self.slots]
-        members = {}
-        for position, shape in self.shapes.items():  # (in tensor order)
-            members.setdefault(self.slots[position], []).append((position, shape))
         parts = {}
-        for slot, shared in members.items():
-            where = f"{self._what}, payload {slot}"
-            parts.update(zip((p for p, _ in shared),
-                             split_shared(decoded[slot], [s for _, s in shared], where)))
+        for slot, positions in self.shared().items():
+            parts.update(zip(positions, split_shared(
+                decoded[slot], [self.shapes[t] for t in positions],
+                f"{self._what}, payload {slot}")))
         return [parts[t] if t in parts else decoded[slot] for t, slot in enumerate(self.slots)]
+
+    def shared(self) -> dict:
+        """The payloads that hold several tensors: their positions, in order, by payload."""
+        members = {}
+        for position in self.shapes:  # (in tensor order)
+            members.setdefault(self.slots[position], []).append(position)
+        return members
 
 
 def split_shared(whole: SparseTensor, shapes, what: str = "shared payload") -> list:
@@ -272,10 +273,11 @@ def _read_table(view, pos: int, payloads: int, what: str):
     slots, pos = _read_varints(view, pos, tensors, f"{what} slots")
     if tensors and int(slots.max()) >= payloads:
         raise DecodeError(f"{what}: a tensor is in payload {int(slots.max())} of {payloads}")
-    references = np.bincount(slots.astype(np.int64), minlength=payloads)
+    slots = slots.astype(np.int64)  # (each below payloads)
+    references = np.bincount(slots, minlength=payloads)
     if (references == 0).any():
         raise DecodeError(f"{what}: payload {int(np.argmin(references))} holds no tensor")
-    shared = np.flatnonzero(references[slots.astype(np.int64)] > 1)
+    shared = np.flatnonzero(references[slots] > 1)
     ranks, pos = _read_varints(view, pos, shared.size, f"{what} shared tensors' ranks")
     if shared.size and int(ranks.max()) > _MAX_DIMS:
         raise DecodeError(f"{what}: a tensor of {int(ranks.max())} dimensions "
@@ -1087,9 +1089,7 @@ def _units(bundles, decoded, rank: int, first: int, as_rows) -> list:
     ranks' whole payloads as ``parts``). ``first``: the position of the first tensor."""
     reference = bundles[rank]
     alike = all(b.slots == reference.slots and b.shapes == reference.shapes for b in bundles)
-    members = {}
-    for t in reference.shapes if alike else ():
-        members.setdefault(reference.slots[t], []).append(t)
+    members = reference.shared() if alike else {}
     # (rows are reduced per tensor: the rows any rank touched)
     shared = {slot: ts for slot, ts in members.items()
               if not any(as_rows[first + t] for t in ts)}
