@@ -39,6 +39,10 @@ single-stream TCP bandwidth it actually got, too. Without the rights to do
 that (CAP_NET_ADMIN) it says so and stops, unless ``--no-netns`` asks for the
 plain loopback.
 
+It also times an allgather of 1 KB with the ranks idle: what Horovod takes for any
+allgather on that link (its negotiation and its background thread's cycle), which
+every step pays besides the wire time of its bytes.
+
 Writes ``benchmarks/results/e2e.md``, ``e2e.json`` and ``e2e.png``.
 
     python benchmarks/e2e.py                       # 1, 10 and 0.1 Gbit/s (needs root)
@@ -66,6 +70,8 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 NAMESPACE = "drbench"
 RATIO = 0.01
+#: Allgathers of 1 KB timed for Horovod's fixed cost of one (the first two not counted).
+ALLGATHER_PROBES = 22
 #: tc token bucket per rate: the bucket must hold at least one 64 KiB loopback
 #: frame, and a larger one at 10 Gbit/s so the timer granularity does not cap it.
 BURST = {"100mbit": "256kb", "1gbit": "256kb", "10gbit": "1mb"}
@@ -327,6 +333,22 @@ def worker(args):
             else:
                 run["wire"] += tx_end - tx_start
 
+    # Horovod's own fixed cost of one allgather on this link, as the steps issue it (in a
+    # tf.function, the ranks idle and the token bucket refilled, as between steps): what a
+    # step pays besides the wire time of its bytes, whatever it sends
+    @tf.function
+    def small_allgather(data):
+        return hvd.allgather(data, name="latency_probe")
+
+    probe, latencies = tf.zeros([1024], tf.uint8), []
+    for _ in range(ALLGATHER_PROBES):
+        hvd.allreduce(tf.zeros([1]), name="barrier")
+        time.sleep(0.02)
+        start = time.perf_counter()
+        small_allgather(probe).numpy()
+        latencies.append(time.perf_counter() - start)
+    allgather_ms = 1e3 * float(np.median(latencies[2:]))
+
     results = []
     for run in runs:
         times, kind, info = run["times"], run["kind"], run["info"]
@@ -380,7 +402,8 @@ def worker(args):
     if rank == 0:
         Path(args.worker_out).write_text(json.dumps(
             dict(results=results, ranks=size, index=index, hidden=args.hidden,
-                 layers=args.layers, batch_size=args.batch_size), indent=1))
+                 layers=args.layers, batch_size=args.batch_size,
+                 allgather_1kb_ms=allgather_ms), indent=1))
 
 
 # -- the driver --------------------------------------------------------------------------
@@ -563,9 +586,24 @@ def reading(run, t):
              f"(the compute-only step), encode + decode {codec:.0f} ms "
              f"({1e6 * codec / params:.1f} ns per parameter; {t['codec_ms']:.0f} ms of it in "
              f"the index and value codecs, the rest error feedback, Top-k and the dense sums), "
-             f"the remaining {rest:.0f} ms are "
-             "the allgather and the framework around it (tensor conversions, waiting for the "
-             "slower rank).", "",
+             f"the remaining {rest:.0f} ms are the allgather and the framework around it"]
+    if run.get("allgather_1kb_ms") is not None and t.get("wire_ms") is not None:
+        fixed = run["allgather_1kb_ms"]
+        other = rest - t["wire_ms"] - fixed
+        lines[-1] += (f": {t['wire_ms']:.0f} ms of wire time for its bytes, {fixed:.1f} ms "
+                      "that Horovod takes for any allgather here (one of 1 KB, timed in the "
+                      "same run with the ranks idle: its negotiation between the ranks and "
+                      "its background thread's cycle), and ")
+        lines[-1] += (f"{other:.0f} ms of tensor conversions and waiting for the slower rank"
+                      if other >= 0 else
+                      "nothing else: the two add up to more than that, because tc's token "
+                      "bucket lets a burst (here "
+                      f"{BURST.get(run['rate'], '1mb').replace('kb', ' KB').replace('mb', ' MB')}) through "
+                      "at once, without wire time")
+    else:
+        lines[-1] += " (tensor conversions, waiting for the slower rank)"
+    lines[-1] += "."
+    lines += ["",
              f"Reading the targets: even with free communication this step cannot be shorter "
              f"than compute + codec = {compute + codec:.0f} ms, {dense_ms / (compute + codec):.1f}x "
              f"below dense allreduce's {dense_ms:.0f} ms. 5x needs the whole step under "
@@ -670,6 +708,11 @@ def report(runs, args):
                               f"{t['limit_ms'] - t['wire_ms']:.1f} + {t['wire_ms']:.1f} = "
                               f"{t['limit_ms']:.1f} ms; deepreduce takes {t['vs_limit']:.2f}x "
                               "that (target <= 1.3 at 1 Gbit/s)."]
+                if run.get("allgather_1kb_ms") is not None:
+                    with_fixed = t["limit_ms"] + run["allgather_1kb_ms"]
+                    lines[-1] += (f" With Horovod's fixed cost of the one allgather a step "
+                                  f"needs ({run['allgather_1kb_ms']:.1f} ms), {with_fixed:.1f} "
+                                  f"ms: {t['step_ms'] / with_fixed:.2f}x.")
             if "codec_vs_prediction" in t:
                 lines[-1] += (f" Codec time {t['codec_ms']:.1f} ms against "
                               f"{run['codec_prediction_ms']:.1f} ms predicted by the codecs' own "
