@@ -780,8 +780,8 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=2048, help="width of the hidden layers")
     parser.add_argument("--layers", type=int, default=3, help="hidden layers")
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--steps", type=int, default=24, help="timed steps per scheme")
-    parser.add_argument("--rounds", type=int, default=8,
+    parser.add_argument("--steps", type=int, default=48, help="timed steps per scheme")
+    parser.add_argument("--rounds", type=int, default=16,
                         help="the timed steps are spread over this many turns per scheme")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
