@@ -14,12 +14,14 @@ gloo, the e2e MLP with 1024-wide layers, 2.2M parameters, Top-k 1%), at
 P = 2 and P = 4 ranks and three rates each, as root::
 
     for P in 2 4; do python benchmarks/torch_e2e.py --ranks $P --hidden 1024 \\
-        --steps 16 --rounds 4 --warmup 6 --start-iter 4 --schemes "allreduce fp32" \\
+        --steps 32 --rounds 8 --warmup 6 --start-iter 4 --schemes "allreduce fp32" \\
         "raw Top-k" "fp16 (allgather)" "(sparse_allreduce)" "(block)" \\
         --out benchmarks/results/scale/torch_p$P.md; done
     python benchmarks/scale.py
 
-- bytes per sent element of each scheme: what a rank sent per step at P = 2;
+- bytes per sent element of each scheme: what a rank sent per step at P = 2
+  (the traffic this predicts is checked against the bytes that crossed the
+  loopback in every run);
 - the CPU terms: from the 10 Gbit/s runs (where the hooks' CPU work hides
   the wire it overlaps), the step less the compute-only step (and, for the
   dense allreduce, whose reduction adds to its wire, less the modelled wire
@@ -51,6 +53,9 @@ from deepreduce.collectives import cost  # noqa: E402
 RESULTS = HERE / "results"
 RUNS = RESULTS / "scale"
 RATIO = 0.01
+#: Bytes per value of the compressed schemes' value codec (fp16): what a range sent dense
+#: costs per element in sparse_allreduce.
+VALUE_BYTES = 2.0
 TARGET = 0.25
 FIT_RATE = "10gbit"
 #: The torch_e2e label of each scheme of the model.
@@ -83,7 +88,8 @@ def load(P: int) -> dict:
             steps={s: by_label[label]["step_ms_median"] / 1e3 for s, label in LABELS.items()},
             spread={s: (by_label[label]["step_ms_q1"] / 1e3, by_label[label]["step_ms_q3"] / 1e3)
                     for s, label in LABELS.items()},
-            sent={s: by_label[label]["bytes_sent"] for s, label in LABELS.items()})
+            sent={s: by_label[label]["bytes_sent"] for s, label in LABELS.items()},
+            wire={s: by_label[label].get("wire_bytes_per_step") for s, label in LABELS.items()})
     return out
 
 
@@ -106,7 +112,7 @@ def calibrate(runs: dict) -> dict:
             # at 10 Gbit/s the hooks' CPU work outlasts the wire it overlaps; the ring
             # allreduce's reduction adds to its wire
             wire = 0.0 if OVERLAP[scheme] else \
-                cost.received_per_rank(scheme, P, n, k, pair_bytes) * P / bandwidth(fit["gbit"])
+                received(scheme, P, n, pair_bytes) * P / bandwidth(fit["gbit"])
             cpu[P] = (fit["steps"][scheme] - fit["compute"] - wire) / share
         per_peer = (cpu[4] - cpu[2]) / 2
         out[scheme] = dict(pair_bytes=pair_bytes, cpu_fixed=cpu[2] - per_peer,
@@ -114,11 +120,16 @@ def calibrate(runs: dict) -> dict:
     return out
 
 
+def received(scheme, P, n, pair_bytes) -> float:
+    """Bytes one rank receives per step (:func:`cost.received_per_rank`, fp16 values)."""
+    return cost.received_per_rank(scheme, P, n, RATIO * n, pair_bytes, value_bytes=VALUE_BYTES)
+
+
 def predict(scheme, model, P, n, compute, gbit, shared_link, cpu_share=1.0) -> float:
     params = model[scheme]
-    received = cost.received_per_rank(scheme, P, n, RATIO * n, params["pair_bytes"])
     return cost.step_time(compute, params["cpu_fixed"], max(params["cpu_per_peer"], 0.0),
-                          received, P, bandwidth(gbit), shared_link=shared_link,
+                          received(scheme, P, n, params["pair_bytes"]), P, bandwidth(gbit),
+                          shared_link=shared_link,
                           cpu_share=cpu_share, overlap=OVERLAP[scheme])
 
 
@@ -141,6 +152,25 @@ def validation(runs, model):
                              f"{1e3 * q1:.1f}-{1e3 * q3:.1f}", f"{1e3 * predicted:.1f}",
                              f"{100 * error:+.0f}%"])
     return rows, worst
+
+
+def traffic(runs, model):
+    """Rows of the check of the traffic part alone: the bytes that cross the shared
+    loopback per step (every rank's, ``P`` times what one receives), predicted against
+    measured (TCP framing and the collectives' own messages included; mean of the rates)."""
+    rows = []
+    for P, by_rate in sorted(runs.items()):
+        n = by_rate[FIT_RATE]["params"]
+        for scheme in cost.SCHEMES:
+            measured = [run["wire"][scheme] for run in by_rate.values()
+                        if run["wire"][scheme] is not None]
+            if not measured:
+                continue
+            mean = sum(measured) / len(measured)
+            predicted = received(scheme, P, n, model[scheme]["pair_bytes"]) * P
+            rows.append([str(P), NAMES[scheme], f"{mean / 1e6:.3f}", f"{predicted / 1e6:.3f}",
+                         f"{100 * (predicted / mean - 1):+.0f}%"])
+    return rows
 
 
 def cluster(model, n, compute):
@@ -230,6 +260,11 @@ def main(argv=None):
               "choice.", ""]
     lines += table(["P", "rate", "scheme", "measured ms", "quartiles ms", "predicted ms",
                     "error"], rows)
+    lines += ["", "The traffic part alone: the bytes that crossed the shaped loopback per "
+              "step (all ranks; TCP framing and the collectives' own messages included, so "
+              "a few percent above the payloads), against the model's.", ""]
+    lines += table(["P", "scheme", "measured wire MB per step", "predicted MB", "error"],
+                   traffic(runs, model))
     lines += ["", "## Prediction: one rank per node, each with its own link and cores", "",
               f"Compute-only step {1e3 * compute:.1f} ms (as at P = 2 here); predicted step in "
               "ms, fastest in bold.", ""]

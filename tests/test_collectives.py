@@ -346,6 +346,21 @@ def test_cost_model_properties():
     assert cost.Cost(1, 100, 2, 6).time(beta=0.01, alpha=1, alpha_op=10) == 27
 
 
+def test_received_per_rank_counts_both_stages_of_the_reducing_communicators():
+    n, k, P, pair = 10**6, 10**4, 4, 3.2  # a pair: a 1.2-byte index and an fp16 value
+    allgather = cost.received_per_rank("allgather", P, n, k, pair)
+    split = cost.received_per_rank("sparse_allreduce", P, n, k, pair, value_bytes=2)
+    assert allgather == pytest.approx(cost.allgather(P, n, k, pair, 0).received)
+    assert split == pytest.approx(cost.sparse_allreduce(
+        P, n, k, cost.union_size(n, k, P), pair - 2, 2,
+        others=cost.union_size(n, k, P - 1)).received)
+    # random supports barely overlap: the owners return about what the other ranks sent,
+    # so a rank receives about as much as from the allgather (the scatter alone: a quarter)
+    assert split == pytest.approx(allgather, rel=0.05)
+    with pytest.raises(ValueError, match="value_bytes"):
+        cost.received_per_rank("sparse_allreduce", P, n, k, 1.5, value_bytes=2)
+
+
 def agreed_table(inputs, pipeline=LOSSLESS):
     """The (nnz, index bytes, value bytes) every rank announces under algorithm="auto"."""
     table = []

@@ -293,14 +293,23 @@ SCHEMES = ("dense", "pairs", "allgather", "sparse_allreduce", "block")
 
 
 def received_per_rank(scheme: str, P: int, n: int, k: float, pair_bytes: float,
-                      block_size: int = 256) -> float:
+                      block_size: int = 256, value_bytes: float = 4.0) -> float:
     """Bytes one rank receives per step under ``scheme`` (see :data:`SCHEMES`).
 
     ``n`` gradient elements of which each rank sends ``k`` (Top-k, or ``k /
     block_size`` whole blocks for ``"block"``), at ``pair_bytes`` per sent
     element on the wire (index and value codecs together; ignored by
-    ``"dense"`` and ``"pairs"``, which send 4 and 8). Supports are taken as
-    independent and uniformly random, as everywhere in this module.
+    ``"dense"`` and ``"pairs"``, which send 4 and 8). ``value_bytes``: what
+    the value codec spends on a value (4 for float32, 2 for fp16), which is
+    what sparse_allreduce pays per element of a range it sends dense; a pair
+    costs at least that. Supports are taken as independent and uniformly
+    random, as everywhere in this module.
+
+    >>> n, k = 2_000_000, 20_000
+    >>> round(received_per_rank("allgather", 4, n, k, 3.0) / 1e3, 1)  # 3 payloads of k pairs
+    180.3
+    >>> round(received_per_rank("sparse_allreduce", 4, n, k, 3.0, value_bytes=2) / 1e3, 1)
+    179.1
     """
     if scheme == "dense":
         return dense_allreduce(P, n, 4).received
@@ -309,8 +318,12 @@ def received_per_rank(scheme: str, P: int, n: int, k: float, pair_bytes: float,
     if scheme == "allgather":
         return allgather(P, n, k, pair_bytes, 0).received
     if scheme == "sparse_allreduce":
-        return sparse_allreduce(P, n, k, union_size(n, k, P), pair_bytes, 0,
-                                others=union_size(n, k, P - 1)).received
+        if pair_bytes < value_bytes:
+            raise ValueError(f"pair_bytes ({pair_bytes}) must be at least value_bytes "
+                             f"({value_bytes}): a pair carries a value and an index")
+        # a pair is an index and a value; a range sent dense costs the values alone
+        return sparse_allreduce(P, n, k, union_size(n, k, P), pair_bytes - value_bytes,
+                                value_bytes, others=union_size(n, k, P - 1)).received
     if scheme == "block":
         total, blocks = -(-n // block_size), k / block_size
         # a block's index is a few bits: its values carry the bytes
