@@ -77,6 +77,11 @@ ALLGATHER_PROBES = 22
 BURST = {"100mbit": "256kb", "1gbit": "256kb", "10gbit": "1mb"}
 
 
+def burst(rate: str) -> str:
+    """The token bucket's burst at ``rate``, in tc's units."""
+    return BURST.get(rate, "1mb")
+
+
 # -- the network ------------------------------------------------------------------------
 
 class NetnsError(RuntimeError):
@@ -121,9 +126,8 @@ class ShapedLoopback:
         return self
 
     def shape(self, rate):
-        burst = BURST.get(rate, "1mb")
         _run(["ip", "netns", "exec", self.name, "tc", "qdisc", "replace", "dev", "lo", "root",
-              "tbf", "rate", rate, "burst", burst, "latency", "50ms"])
+              "tbf", "rate", rate, "burst", burst(rate), "latency", "50ms"])
 
     def prefix(self):
         return ["ip", "netns", "exec", self.name]
@@ -598,7 +602,7 @@ def reading(run, t):
                       if other >= 0 else
                       "nothing else: the two add up to more than that, because tc's token "
                       "bucket lets a burst (here "
-                      f"{BURST.get(run['rate'], '1mb').replace('kb', ' KB').replace('mb', ' MB')}) through "
+                      f"{burst(run['rate']).replace('kb', ' KB').replace('mb', ' MB')}) through "
                       "at once, without wire time")
     else:
         lines[-1] += " (tensor conversions, waiting for the slower rank)"
