@@ -283,7 +283,7 @@ def run_rate(rate, args, net):
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         data = json.loads(out.read_text())
     data.update(rate=rate if net is not None else "unshaped loopback", measured_gbit=measured,
-                load=os.getloadavg()[0])
+                load=os.getloadavg()[0], cores=os.cpu_count())
     for r in data["results"]:
         print(f"  {r['scheme']}: {r['step_ms_median']:.1f} ms/step, "
               f"{r['bytes_sent'] / 1e6:.3f} MB sent per rank", flush=True)

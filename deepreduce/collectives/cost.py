@@ -348,8 +348,9 @@ def step_time(compute: float, cpu_fixed: float, cpu_per_peer: float, received: f
     its reduction). With ``shared_link`` all ranks' traffic crosses one link
     (ranks on one machine, as in the benchmarks here), so it carries ``P *
     received``; otherwise every rank has a full-duplex link of its own.
-    ``cpu_share`` stretches the CPU work when ranks share cores (the
-    compute-only step at ``P`` over that at 2, where each rank has a core).
+    ``cpu_share`` stretches the CPU work when ranks share cores (``P /
+    cores`` when there are more ranks than cores; ``compute`` is then that
+    of a rank with a core of its own, stretched alike by the caller).
 
     >>> step_time(0.010, 0.020, 0.001, 1e6, P=4, bandwidth=125e6)  # 1 Gbit/s
     0.033
