@@ -232,12 +232,13 @@ class TopK(Sparsifier):
         self.exact = bool(exact)
         # fixed seed: the sample positions never change what is selected, only how fast
         self._rng = np.random.default_rng(0x7095)
+        self._draws = 0  # the compiled sample's seed: its own stream each call
 
     def _select(self, values, n, indices):
         k = _count(self.ratio, self.k, values.size if indices is not None else n, "TopK")
         if self._exact_for(values.size, k):
             return _largest(_magnitudes(values), k)
-        low = self._sampled_low(values.size, k, values.__getitem__)
+        low = self._sampled_low(values, k)
         if values.dtype.itemsize < 4:
             values = values.astype(np.float32)
         return self._largest_reaching(values, low, k)[0]
@@ -255,7 +256,7 @@ class TopK(Sparsifier):
         flat, addend = target.reshape(-1), addend.reshape(-1)
         # the sample is taken from the sums to be: the same values, drawn the same way,
         # as selecting from the finished sum would take
-        low = self._sampled_low(flat.size, k, lambda positions: flat[positions] + addend[positions])
+        low = self._sampled_low(flat, k, addend)
         positions, selected = self._largest_reaching(flat, low, k, addend)
         if selected is None:
             selected = flat[positions]
@@ -264,20 +265,26 @@ class TopK(Sparsifier):
     def _exact_for(self, size: int, k: int) -> bool:
         return self.exact or size < self.EXACT_BELOW or k == size
 
-    def _sampled_low(self, size: int, k: int, values_at):
-        """A magnitude that about ``k`` plus a safe margin of the ``size`` values reach,
-        from a sample (``values_at(positions)`` gives the values there)."""
+    def _sampled_low(self, values: np.ndarray, k: int, addend=None):
+        """A magnitude that about ``k`` plus a safe margin of the 1-D ``values`` reach
+        (of ``values + addend`` when given: the sums to be), from a sample."""
         # one position drawn in each of `count` equal strata: increasing addresses, which
         # the prefetcher follows, and a sample at least as representative as a uniform one
-        count = min(self.SAMPLE, max(self.MIN_SAMPLE, size >> 8))
-        stride = size // count
+        count = min(self.SAMPLE, max(self.MIN_SAMPLE, values.size >> 8))
+        if _compiled_scan(values) and (addend is None or (
+                addend.dtype == values.dtype and addend.flags.c_contiguous)):
+            self._draws += 1
+            return values.dtype.type(_topkscan.sampled_low(values, k, count, self._draws,
+                                                           addend))
+        stride = values.size // count
         positions = self._rng.integers(0, stride, count)
         positions += np.arange(0, count * stride, stride)
-        sample = _magnitudes(values_at(positions))
+        sample = _magnitudes(values[positions] if addend is None
+                             else values[positions] + addend[positions])
         # Rank j of the sample, counted from the top, sits k/n of the way down with a
         # margin of four standard deviations, so the candidates hold the top k with
         # overwhelming probability; when they do not, the exact path runs instead.
-        expected = count * k / size
+        expected = count * k / values.size
         j = min(count, int(expected + 4 * math.sqrt(expected) + 2))
         return np.partition(sample, count - j)[count - j]
 

@@ -300,3 +300,64 @@ def test_topk_accumulate_selects_what_topk_selects_from_the_sum(dtype, ratio):
     got = dr.TopK(ratio).accumulate(overlapping[1:], overlapping[:-1])
     shifted = target[1:] + target[:-1]
     assert got == dr.TopK(ratio, exact=True)(shifted)
+
+
+# ------------------------------------------------------------------ the sampled threshold
+
+def numpy_low(values, k, count):
+    """The threshold rule of TopK._sampled_low on a sample of all ``values``."""
+    expected = count * k / values.size
+    j = min(count, int(expected + 4 * np.sqrt(expected) + 2))
+    return np.partition(sparsifiers._magnitudes(values), count - j)[count - j]
+
+
+@compiled_only
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64]), size=st.integers(1, 600),
+       seed=st.integers(0, 2**32 - 1), k_share=st.floats(0, 1), adding=st.booleans(),
+       special_share=st.sampled_from([0.0, 0.1, 0.9]))
+def test_sampled_low_over_every_value_is_numpy_order_statistic(dtype, size, seed, k_share,
+                                                               adding, special_share):
+    # a sample as large as the tensor holds each value once: the C threshold is then
+    # exactly the order statistic numpy's rule takes
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(size).astype(dtype)
+    mask = rng.random(size) < special_share
+    values[mask] = rng.choice(specials(dtype), int(mask.sum()))
+    addend = rng.standard_normal(size).astype(dtype) if adding else None
+    before = values.copy()
+    k = int(k_share * size)
+    got = sparsifiers._topkscan.sampled_low(values, k, size, seed, addend)
+    summed = values if addend is None else values + addend
+    expected = numpy_low(summed, k, size)
+    assert got == expected or (np.isneginf(expected) and np.isneginf(got))
+    np.testing.assert_array_equal(values, before)  # read, never written
+
+
+@compiled_only
+def test_sampled_low_draws_one_value_per_stratum_from_its_seed():
+    values = np.arange(1.0, 1001.0, dtype=np.float32)  # magnitude i + 1 at position i
+    lows = [sparsifiers._topkscan.sampled_low(values, 10, 10, seed) for seed in range(50)]
+    assert lows == [sparsifiers._topkscan.sampled_low(values, 10, 10, seed)
+                    for seed in range(50)]  # the same seed, the same sample
+    # count 10 takes one of positions 0-99, one of 100-199...; for k=10, j = 3 (0.1
+    # expected, plus 4 sigma, plus 2): the 3rd largest sample, from positions 700-799
+    assert all(701 <= low <= 800 for low in lows)
+    assert len(set(lows)) > 10  # drawn, not fixed
+
+
+@compiled_only
+@pytest.mark.parametrize("args, error", [
+    ((np.zeros(8, np.float32), 1, 0, 0), ValueError),     # no sample
+    ((np.zeros(8, np.float32), 1, 9, 0), ValueError),     # a larger sample than values
+    ((np.zeros(8, np.float32), 9, 4, 0), ValueError),     # k larger than the values
+    ((np.zeros(8, np.float32), -1, 4, 0), ValueError),
+    ((np.zeros(0, np.float32), 0, 1, 0), ValueError),
+    ((np.zeros(8, np.float16), 1, 4, 0), TypeError),
+    ((np.zeros(16, np.float32)[::2], 1, 4, 0), TypeError),
+    ((np.zeros(8, np.float32), 1, 4, 0, np.zeros(8)), TypeError),     # another dtype
+    ((np.zeros(8, np.float32), 1, 4, 0, np.zeros(7, np.float32)), TypeError),
+    ((np.zeros(8, np.float32), 1, 4), TypeError)])
+def test_sampled_low_refuses_bad_arguments(args, error):
+    with pytest.raises(error):
+        sparsifiers._topkscan.sampled_low(*args)
