@@ -15,7 +15,8 @@ measured in the same run. The other ranks' encodes between rank 0's steps leave 
 caches as a real step would: cold.
 
 Then the fixed cost of a tensor: a bundle of 200 tensors of 256 values (sent
-losslessly) and one of 200 tensors of 16,384 values (Top-k 1%), per tensor.
+losslessly) and ones of 200 tensors of 4,096 and of 16,384 values (Top-k 1%), per
+tensor.
 
 Writes ``benchmarks/results/model_steps.md`` and ``.json``::
 
@@ -68,6 +69,7 @@ def resnet50_shapes():
 
 MODELS = {"e2e MLP": mlp_shapes, "ResNet-50": resnet50_shapes,
           "200 tensors of 256 values": lambda: [(256,)] * 200,
+          "200 tensors of 4,096 values": lambda: [(4096,)] * 200,
           "200 tensors of 16,384 values": lambda: [(16384,)] * 200}
 
 
@@ -134,7 +136,7 @@ def report(results: list, args, bandwidth: float, load: float) -> str:
                      f"{r['parameters']:,} | {r['bytes_per_rank'] / 1e3:.1f} | {encode:.2f} | "
                      f"{decode:.2f} | {codecs:.2f} | {encode + decode - codecs:.2f} | "
                      f"{floor:.2f} | {1e3 * (encode + decode) / r['tensors']:.0f} |")
-    lines += ["", "*Per tensor*: encode + decode over the tensors; for the last four rows, "
+    lines += ["", "*Per tensor*: encode + decode over the tensors; for the last six rows, "
               "whose tensors are small, that is the fixed cost of a tensor in the exchange: "
               "its calls through error feedback, the sparsifier and the sum, and its share "
               "of the codec calls of the payload it travels in (tensors of a dtype below "

@@ -241,15 +241,23 @@ def test_topk_selects_the_same_under_both_scans(dtype, ratio):
         assert fast == dr.TopK(ratio, exact=True)(x)
 
 
-@settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), k=st.integers(0, 3000),
-       size=st.integers(dr.TopK.EXACT_BELOW, dr.TopK.EXACT_BELOW + 3 * BLOCK))
-def test_topk_sampled_and_exact_agree_under_both_scans(seed, k, size):
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), k_share=st.floats(0, 1),
+       size=st.one_of(st.integers(dr.TopK.COMPILED_EXACT_BELOW,
+                                  dr.TopK.COMPILED_EXACT_BELOW + 3 * BLOCK),
+                      st.integers(dr.TopK.EXACT_BELOW, dr.TopK.EXACT_BELOW + 3 * BLOCK)))
+def test_topk_sampled_and_exact_agree_under_both_scans(seed, k_share, size):
+    # from COMPILED_EXACT_BELOW values the compiled sample runs, from EXACT_BELOW numpy's
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(size).astype(np.float32)
-    x[rng.integers(0, size, 50)] = rng.choice([0.0, -0.0, 1.5, np.inf], 50)
+    x[rng.integers(0, size, 50)] = rng.choice([0.0, -0.0, 1.5, np.inf, np.nan], 50)
+    k = int(k_share * size)
     compiled, numpy = both(lambda: dr.TopK(k=k)(x))
     assert compiled == numpy == dr.TopK(k=k, exact=True)(x)
+    residual = rng.standard_normal(size).astype(np.float32)
+    expected = dr.TopK(k=k, exact=True)(residual + x)
+    for sampled in both(lambda: dr.TopK(k=k).accumulate(residual.copy(), x)):
+        assert sampled == expected
 
 
 # ------------------------------------------------------------------ the C entry point
