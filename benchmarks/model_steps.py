@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 import deepreduce as dr  # noqa: E402
-from deepreduce.exchange import GradientExchange  # noqa: E402
+from deepreduce.exchange import SHARED_BELOW, GradientExchange  # noqa: E402
 from e2e import copy_bandwidth  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -136,12 +136,12 @@ def report(results: list, args, bandwidth: float, load: float) -> str:
                      f"{r['parameters']:,} | {r['bytes_per_rank'] / 1e3:.1f} | {encode:.2f} | "
                      f"{decode:.2f} | {codecs:.2f} | {encode + decode - codecs:.2f} | "
                      f"{floor:.2f} | {1e3 * (encode + decode) / r['tensors']:.0f} |")
-    lines += ["", "*Per tensor*: encode + decode over the tensors; for the last six rows, "
-              "whose tensors are small, that is the fixed cost of a tensor in the exchange: "
-              "its calls through error feedback, the sparsifier and the sum, and its share "
-              "of the codec calls of the payload it travels in (tensors of a dtype below "
-              "65,536 elements share one), paid again for every other rank's payload that "
-              "is decoded.", ""]
+    lines += ["", "*Per tensor*: encode + decode over the tensors; for the rows of 200 "
+              "tensors, whose tensors are small, that is the fixed cost of a tensor in the "
+              "exchange: its calls through error feedback, the sparsifier and the sum, and "
+              "its share of the codec calls of the payload it travels in (tensors of a dtype "
+              f"below {SHARED_BELOW:,} elements share one), paid again for every other "
+              "rank's payload that is decoded.", ""]
     return "\n".join(lines)
 
 

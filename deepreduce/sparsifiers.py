@@ -66,11 +66,13 @@ def _largest(mag: np.ndarray, k: int) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
-def _compiled_scan(values: np.ndarray) -> bool:
-    """Whether the compiled scan takes ``values``: built, and C-contiguous float32 or
-    float64 in native byte order."""
+def _compiled_scan(values: np.ndarray, addend=None) -> bool:
+    """Whether the compiled scan and sample take ``values`` (and ``addend``): built, and
+    C-contiguous float32 or float64 in native byte order, the addend of the same dtype."""
     return (_topkscan is not None and values.dtype in (np.float32, np.float64)
-            and values.flags.c_contiguous)
+            and values.flags.c_contiguous
+            and (addend is None or (addend.dtype == values.dtype
+                                    and addend.flags.c_contiguous)))
 
 
 #: Elements per slice of the numpy :func:`_at_least`: its temporaries stay in the L2 cache.
@@ -276,8 +278,7 @@ class TopK(Sparsifier):
         # one position drawn in each of `count` equal strata: increasing addresses, which
         # the prefetcher follows, and a sample at least as representative as a uniform one
         count = min(self.SAMPLE, max(self.MIN_SAMPLE, values.size >> 8))
-        if _compiled_scan(values) and (addend is None or (
-                addend.dtype == values.dtype and addend.flags.c_contiguous)):
+        if _compiled_scan(values, addend):
             self._draws += 1
             return values.dtype.type(_topkscan.sampled_low(values, k, count, self._draws,
                                                            addend))
@@ -299,8 +300,7 @@ class TopK(Sparsifier):
         ``values += addend``), chosen among those that reach ``low`` when they are
         enough, else among all, and the values there when the compiled scan kept them
         (else None)."""
-        if np.isfinite(low) and _compiled_scan(values) and \
-                (addend is None or addend.flags.c_contiguous):
+        if np.isfinite(low) and _compiled_scan(values, addend):
             found = _topkscan.largest_at_least(values, low, k, addend)
             if found is not None:
                 return found

@@ -16,11 +16,10 @@ How it travels. Horovod's allreduce sums what it is given, and summed payload
 bytes mean nothing, so deepreduce uses the **allgather communicator**: each rank
 encodes all its gradients of a step into one bundle (one payload per gradient,
 the small ones of a dtype sharing one, framed by :mod:`deepreduce.exchange`),
-one ``hvd.allgather`` moves every
-rank's bundle to every rank (their sizes may differ), and every rank decodes
-all of them and sums in rank order (dividing by the number of ranks for
-``op=hvd.Average``), so all ranks apply the same gradient. Encoding and
-decoding are numpy code, run directly in eager mode and through
+one ``hvd.allgather`` moves every rank's bundle to every rank (their sizes may
+differ), and every rank decodes all of them and sums in rank order (dividing by
+the number of ranks for ``op=hvd.Average``), so all ranks apply the same
+gradient. Encoding and decoding are numpy code, run directly in eager mode and through
 ``tf.numpy_function`` inside ``tf.function`` and ``model.fit``.
 
 ``Compression(communicator="sparse_allreduce")`` (SparCML) or ``"block"``
