@@ -60,7 +60,8 @@ HUFFMAN_SAMPLE = 1 << 13
 #: codec's closed-form size for the same slice: zstd on LZ_SLICES[0] indices
 #: within LZ_MARGIN of it, then the better LZ codec on LZ_SLICES[1] indices no
 #: larger. (LZ gains grow with the input, so slices understate them; uniform
-#: sets fail the checks.)
+#: sets fail the checks.) With ``link_gbits`` they are looked for only when a
+#: stream of no bytes would pay for its coding and for the first check.
 LZ_SLICES = (2048, 8192)
 LZ_MARGIN = 1.08
 
@@ -336,7 +337,12 @@ class AutoIndices(IndexCodec):
         ranked = sorted(sizes, key=lambda tag: cost(tag, sizes[tag]))
         best = (ranked[0], self._encode_with(ranked[0], indices, n, coded))
         best_cost = cost(best[0], len(best[1]))
-        lz = [(tag, codec) for tag, codec in _lz_codecs() if cost(tag, 0) < best_cost]
+        # an LZ stream must pay for its coding and, with a link, for the slice check
+        # that looks for it (a set this small is cheaper sent than searched)
+        check_ns = 0 if self.link_gbits is None else coding_ns(
+            "zstd", min(indices.size, LZ_SLICES[0]), 0, 0)
+        lz = [(tag, codec) for tag, codec in _lz_codecs()
+              if cost(tag, 0) + check_ns < best_cost]
         if lz and self._lz_worth_trying(indices, ranked[0], lz):
             varints = _bits.varint_encode(_bits.gaps(indices))  # what every LZ codec packs
             for tag, codec in lz:
