@@ -305,7 +305,7 @@ def worker(args):
             step = tf.function(step)
         runs.append(dict(label=label, kind=kind, model=model, step=step, info=info,
                          batches=np.random.default_rng(args.seed + rank), times=[],
-                         losses=[], path=[], wire=0, has_wire=True))
+                         losses=[], path=[], sent=[], wire=0, has_wire=True))
 
     def run_steps(run, count, timed):
         for _ in range(count):
@@ -317,7 +317,11 @@ def worker(args):
                 run["times"].append(elapsed)
                 run["losses"].append(loss)
                 if "compression" in run["info"]:  # this step's encode, decode and codec times
-                    run["path"].append(run["info"]["compression"].stats.last.per_step())
+                    compression = run["info"]["compression"]
+                    run["path"].append(compression.stats.last.per_step())
+                    if is_ours(run["label"]):  # its bundles, for the codec-time prediction
+                        run["sent"].append({group: sent[0] for group, sent
+                                            in compression._last_sent.items()})
 
     for run in runs:
         run_steps(run, args.warmup, timed=False)
@@ -389,20 +393,21 @@ def worker(args):
                   f"{row['bytes_sent'] / 1e6:.3f} MB sent per rank", flush=True)
     ours = next((run for run in runs if is_ours(run["label"])), None)
     if rank == 0 and ours is not None:
-        # the Top-k pairs this rank sent in its last step, for the codec-time prediction
-        sent = ours["info"]["compression"]._last_sent  # per bundle group: (bundle, tensors)
-        pairs = []
-        for group in sorted(sent):
-            bundle = split_bundles(sent[group][0], 1)[0]
-            decoded = [dr.decompress(bytes(payload)) for payload in bundle.payloads]
-            # the payloads of the compressed tensors, as the codecs coded them
-            tensors = bundle.tensors(decoded)
-            pairs += [decoded[slot] for slot in sorted(
-                {slot for t, slot in enumerate(bundle.slots) if tensors[t].size >= 1024})]
-        np.savez(pairs_path(args.worker_out), **{
-            f"{field}{i}": value for i, pair in enumerate(pairs)
-            for field, value in (("indices", pair.indices), ("values", pair.values),
-                                 ("size", np.int64(pair.size)))})
+        # the Top-k pairs this rank sent in each timed step, for the codec-time prediction
+        saved = {}
+        for step, sent in enumerate(ours["sent"]):  # per bundle group: its bundle
+            pairs = []
+            for group in sorted(sent):
+                bundle = split_bundles(sent[group], 1)[0]
+                decoded = [dr.decompress(bytes(payload)) for payload in bundle.payloads]
+                # the payloads of the compressed tensors, as the codecs coded them
+                tensors = bundle.tensors(decoded)
+                pairs += [decoded[slot] for slot in sorted(
+                    {slot for t, slot in enumerate(bundle.slots) if tensors[t].size >= 1024})]
+            saved.update({f"{field}{step}_{i}": value for i, pair in enumerate(pairs)
+                          for field, value in (("indices", pair.indices), ("values", pair.values),
+                                               ("size", np.int64(pair.size)))})
+        np.savez(pairs_path(args.worker_out), **saved)
     if rank == 0:
         Path(args.worker_out).write_text(json.dumps(
             dict(results=results, ranks=size, index=index, hidden=args.hidden,
@@ -414,6 +419,8 @@ def worker(args):
 
 def run_rate(rate, args, net):
     """Run the worker on two ranks (shaped to ``rate`` unless ``net`` is None)."""
+    import numpy as np
+
     prefix = []
     if net is not None:
         net.shape(rate)
@@ -440,12 +447,16 @@ def run_rate(rate, args, net):
             cmd += ["--schemes", *args.schemes]
         subprocess.run(cmd, env=env, check=True)
         data = json.loads(out.read_text())
-        run_pairs = saved_pairs(pairs_path(out)) if pairs_path(out).exists() else None
+        steps_pairs = saved_pairs(pairs_path(out)) if pairs_path(out).exists() else None
     data.update(rate=rate if net is not None else "unshaped loopback", measured_gbit=measured,
                 copy_gbytes_s=copy_bandwidth(), codec_prediction_random_ms=codec_cost_ms(
                     random_pairs(model_shapes(args)), data["index"], "fp16"))
-    if run_pairs is not None:
-        data["codec_prediction_ms"] = codec_cost_ms(run_pairs, data["index"], "fp16")
+    if steps_pairs:
+        # auto's choice varies from step to step (at 100 Mbit/s Huffman codes for some,
+        # Golomb for others), so one step's pairs would not predict the median step
+        data["codec_prediction_ms"] = float(np.median(
+            [codec_cost_ms(pairs, data["index"], "fp16") for pairs in steps_pairs]))
+        data["codec_prediction_steps"] = len(steps_pairs)
     print(f"  memory copy {data['copy_gbytes_s']:.1f} GB/s; the codecs' own speed predicts "
           f"{data.get('codec_prediction_ms', float('nan')):.1f} ms of codec time per step on "
           f"this run's pairs, {data['codec_prediction_random_ms']:.1f} ms on random supports",
@@ -473,9 +484,15 @@ def is_ours(label) -> bool:
         and "golomb" not in label
 
 
-#: How the prediction is described; runs saved before it was timed on the run's own pairs
-#: timed it on random supports only.
-ON_RUN_PAIRS = " on the pairs this rank sent in its last step"
+def prediction_source(run) -> str:
+    """What the codec-time prediction of ``run`` was timed on: runs saved before it was
+    timed on each timed step's pairs timed it on the last step's, or before that on random
+    supports only."""
+    if "codec_prediction_steps" in run:
+        return (f" on the pairs this rank sent in each of its {run['codec_prediction_steps']} "
+                "timed steps (the median step)")
+    return " on the pairs this rank sent in its last step" \
+        if "codec_prediction_random_ms" in run else ""
 
 
 def pairs_path(worker_out) -> Path:
@@ -502,14 +519,18 @@ def random_pairs(shapes):
 
 
 def saved_pairs(path):
-    """The pairs a worker saved (see :func:`pairs_path`)."""
+    """Per timed step, the pairs a worker saved (see :func:`pairs_path`)."""
     import numpy as np
     import deepreduce as dr
 
     with np.load(path) as saved:
-        count = sum(1 for name in saved.files if name.startswith("size"))
-        return [dr.SparseTensor(saved[f"values{i}"], saved[f"indices{i}"],
-                                (int(saved[f"size{i}"]),)) for i in range(count)]
+        keys = [name[len("size"):].split("_") for name in saved.files if name.startswith("size")]
+        steps = [[] for _ in range(1 + max((int(step) for step, _ in keys), default=-1))]
+        for step, i in sorted(keys, key=lambda key: (int(key[0]), int(key[1]))):
+            steps[int(step)].append(dr.SparseTensor(
+                saved[f"values{step}_{i}"], saved[f"indices{step}_{i}"],
+                (int(saved[f"size{step}_{i}"]),)))
+        return steps
 
 
 def codec_cost_ms(pairs, index, value, ranks=2, repeats=5) -> float:
@@ -720,7 +741,7 @@ def report(runs, args):
             if "codec_vs_prediction" in t:
                 lines[-1] += (f" Codec time {t['codec_ms']:.1f} ms against "
                               f"{run['codec_prediction_ms']:.1f} ms predicted by the codecs' own "
-                              f"speed{ON_RUN_PAIRS if 'codec_prediction_random_ms' in run else ''}"
+                              f"speed{prediction_source(run)}"
                               f": {t['codec_vs_prediction']:.2f}x (target <= 2)")
                 if run.get("codec_prediction_random_ms"):
                     lines[-1] += (f"; on random supports of the same sizes they predict "
