@@ -130,7 +130,7 @@ def _size_floor(codec_id: str, indices: np.ndarray, n: int, run_count: int) -> i
     if codec_id == "huffman":
         # Table, codes and offsets without the block lengths: one block.
         precision = huffman.HuffmanIndices().precision
-        return huffman.estimate_bits(huffman.gap_values(indices), precision, k) // 8
+        return huffman.estimate_gap_bits(indices, 1, precision, k)[0] // 8
     return 0
 
 
@@ -328,12 +328,10 @@ class AutoIndices(IndexCodec):
             sizes[TAGS.index("runs")] = runs.stream_size(indices)
         huffman_tag = TAGS.index("huffman")
         if may_win(huffman_tag):
-            # Every step-th gap plus one: the index less the one before it (-1 before the first).
-            step = -(-indices.size // HUFFMAN_SAMPLE)
-            sample = indices[::step] - np.concatenate(([-1], indices[step - 1:-1:step]))
             codec = huffman.HuffmanIndices()
-            sample_bits = huffman.estimate_bits(sample, codec.precision, codec.block)
-            sizes[huffman_tag] = int(sample_bits * indices.size / sample.size) // 8
+            sample_bits, gaps = huffman.estimate_gap_bits(
+                indices, -(-indices.size // HUFFMAN_SAMPLE), codec.precision, codec.block)
+            sizes[huffman_tag] = int(sample_bits * indices.size / gaps) // 8
         ranked = sorted(sizes, key=lambda tag: cost(tag, sizes[tag]))
         best = (ranked[0], self._encode_with(ranked[0], indices, n, coded))
         best_cost = cost(best[0], len(best[1]))

@@ -121,6 +121,41 @@ def test_encoded_bits_estimate_uses_the_same_buckets(implementation):
     assert abs(codec.encoded_bits(indices) - actual) < 0.01 * actual
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("block", BLOCKS)
+@COMPILED_SETTINGS
+@given(n=st.integers(1, 20_000), seed=st.integers(0, 2**32 - 1), step=st.integers(1, 40),
+       kind=st.sampled_from(["uniform", "sparse", "runs", "blocks"]))
+def test_sampled_estimates_are_identical(precision, block, n, seed, step, kind):
+    """auto's Huffman estimate: the compiled call gives numpy's bits and gap count."""
+    if _entropy._entropyc is None:
+        pytest.skip("deepreduce._entropyc is not built")
+    indices = random_set(np.random.default_rng(seed), n, kind)
+    if indices.size:
+        same(both_outcomes(huffman.estimate_gap_bits, indices, step, precision, block))
+
+
+@compiled_only
+@pytest.mark.parametrize("gaps", [
+    [1], [2**62], [1, 1, 1, 1], [6, 2**40, 2**62 - 2**40],
+    # gaps 2**j, each as often as the j-th Fibonacci number: a Huffman code 19 bits deep,
+    # flattened to 15
+    np.repeat(2 ** np.arange(20), [1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610,
+                                   987, 1597, 2584, 4181, 6765])])
+def test_estimates_of_edge_sets_are_identical(gaps):
+    indices = np.cumsum(np.asarray(gaps, np.int64)) - 1
+    for precision in PRECISIONS:
+        for step in (1, 3):
+            same(both_outcomes(huffman.estimate_gap_bits, indices, step, precision, 8))
+
+
+def test_sampled_estimate_is_the_estimate_of_the_sample(implementation):
+    indices = np.sort(np.random.default_rng(11).choice(10**6, 30_000, replace=False))
+    sample = np.diff(indices, prepend=-1)[::7]
+    assert huffman.estimate_gap_bits(indices, 7, 2, 128) == (
+        huffman.estimate_bits(sample, 2, 128), sample.size)
+
+
 # ------------------------------------------------------------------ building blocks
 
 @compiled_only
@@ -245,9 +280,17 @@ def depth_arguments(**changes):
     return arguments
 
 
-ARGUMENTS = {"decode_lanes": lane_arguments, "read_indices": read_arguments,
-             "pack_buckets": pack_arguments, "bucket_symbols": symbol_arguments,
-             "field_bits": table_arguments, "huffman_depths": depth_arguments}
+def estimate_arguments(**changes):
+    """Valid arguments of _entropyc.huffman_estimate (gaps 1, 8, 91), with ``changes``."""
+    arguments = dict(indices=np.array([0, 8, 99]), step=1, precision=2, block=128)
+    arguments.update(changes)
+    return arguments
+
+
+ARGUMENTS = {"huffman_estimate": estimate_arguments, "decode_lanes": lane_arguments,
+             "read_indices": read_arguments, "pack_buckets": pack_arguments,
+             "bucket_symbols": symbol_arguments, "field_bits": table_arguments,
+             "huffman_depths": depth_arguments}
 
 
 def call(name, changes):
@@ -290,6 +333,9 @@ def test_entry_points_accept_their_valid_arguments():
     _entropy._entropyc.huffman_depths(*arguments.values())
     assert arguments["depths"].tolist() == [1, 3, 3, 2]
 
+    bits, gaps = call("huffman_estimate", {})
+    assert gaps == 3 and bits == huffman.estimate_bits(np.array([1, 8, 91]), 2, 128)
+
 
 @compiled_only
 def test_read_indices_gives_the_exact_sum_past_64_bits():
@@ -320,6 +366,7 @@ def test_read_indices_gives_the_exact_sum_past_64_bits():
     ("pack_buckets", {"codes": np.zeros(248, np.int64)}),
     ("pack_buckets", {"block_bits": np.empty(2, np.int64)[::-1]}),
     ("bucket_symbols", {"symbols": np.empty(3, np.int64)}),
+    ("huffman_estimate", {"indices": np.array([0.0, 8.0])}),
 ])
 def test_bad_buffers_raise_type_error(name, changes):
     with pytest.raises(TypeError):
@@ -363,6 +410,13 @@ def test_bad_buffers_raise_type_error(name, changes):
     ("pack_buckets", {"counts": -np.ones(248, np.int64)}),
     ("pack_buckets", {"counts": np.roll(pack_arguments()["counts"], 1)}),
     ("pack_buckets", {"counts": pack_arguments()["counts"][:-1]}),
+    ("huffman_estimate", {"indices": np.array([0, 8, 8])}),
+    ("huffman_estimate", {"indices": np.array([-1, 8, 99])}),
+    ("huffman_estimate", {"indices": np.array([0, 99, 8]), "step": 2}),
+    ("huffman_estimate", {"indices": np.zeros(0, np.int64)}),
+    ("huffman_estimate", {"step": 0}),
+    ("huffman_estimate", {"precision": 3}),
+    ("huffman_estimate", {"block": 0}),
     ("bucket_symbols", {"values": np.array([1, 0, 3])}),
     ("bucket_symbols", {"values": np.array([1, -5, 3])}),
     ("bucket_symbols", {"precision": 3}),
