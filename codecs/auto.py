@@ -289,14 +289,15 @@ class AutoIndices(IndexCodec):
                     best = (tag | flag, data)
         return best
 
-    def _slice_cost(self, tag: int, size: int, members: np.ndarray) -> float:
-        """The cost of ``size`` bytes coding ``members`` (a slice starting at 0, part of a
-        larger set: no fixed cost per call), as :meth:`_cost_model` weighs it."""
+    def _slice_model(self, members: np.ndarray):
+        """``cost(tag, size)`` of a stream coding ``members`` (a slice starting at 0, part
+        of a larger set: no fixed cost per call), as :meth:`_cost_model` weighs it."""
         if self.link_gbits is None:
-            return size
+            return lambda tag, size: size
         run_count = int(np.count_nonzero(np.diff(members) != 1)) + 1
-        return (size * 8 / self.link_gbits
-                + coding_ns(TAGS[tag], members.size, run_count, int(members[-1]) + 1, calls=0))
+        ns_per_byte, n = 8 / self.link_gbits, int(members[-1]) + 1
+        return lambda tag, size: (size * ns_per_byte + coding_ns(
+            TAGS[tag], members.size, run_count, n, calls=0))
 
     def _cost_model(self, count: int, run_count: int, n: int):
         """``cost(tag, size)`` of a stream of the set: its size, or with
@@ -368,21 +369,21 @@ class AutoIndices(IndexCodec):
             start = (indices.size - size) // 2
             return indices[start:start + size] - indices[start]
 
-        def lz_cost(members, trying):
+        def lz_versus_best(members, trying):
+            """The cost of the cheapest of the LZ codecs ``trying`` on a slice, and of the
+            best estimated codec."""
+            cost = self._slice_model(members)
             varints = _bits.varint_encode(_bits.gaps(members))
-            return min(self._slice_cost(tag, len(codec.encode_varints(varints)), members)
-                       for tag, codec in trying)
+            return (min(cost(tag, len(codec.encode_varints(varints))) for tag, codec in trying),
+                    cost(best_tag, _estimated_size(best_tag, members)))
 
-        def best_cost(members):
-            return self._slice_cost(best_tag, _estimated_size(best_tag, members), members)
-
-        short = piece(LZ_SLICES[0])
-        if lz_cost(short, candidates[-1:]) > LZ_MARGIN * best_cost(short):
+        lz, best = lz_versus_best(piece(LZ_SLICES[0]), candidates[-1:])
+        if lz > LZ_MARGIN * best:
             return False  # the usual verdict on uniform sets, for the price of one slice
         if indices.size <= 4 * LZ_SLICES[1]:
             return True   # small enough to try the LZ codecs on the whole set
-        long = piece(LZ_SLICES[1])
-        return lz_cost(long, candidates) <= best_cost(long)
+        lz, best = lz_versus_best(piece(LZ_SLICES[1]), candidates)
+        return lz <= best
 
     @staticmethod
     def _encode_with(tag, indices, n, coded) -> bytes:
