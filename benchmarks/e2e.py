@@ -365,7 +365,9 @@ def worker(args):
         row = dict(scheme=run["label"], kind=kind, params=params, steps=steps,
                    step_ms_median=1e3 * float(np.median(times)),
                    step_ms_mean=1e3 * float(np.mean(times)),
-                   step_ms_min=1e3 * float(np.min(times)), final_loss=run["losses"][-1],
+                   step_ms_min=1e3 * float(np.min(times)),
+                   step_ms_q1=1e3 * float(np.percentile(times, 25)),
+                   step_ms_q3=1e3 * float(np.percentile(times, 75)), final_loss=run["losses"][-1],
                    wire_bytes_per_step=run["wire"] / steps if run["has_wire"] else None)
         dense_bytes = 4 * params
         if kind == "dense":
@@ -651,7 +653,9 @@ NOTES = [
     "## Notes", "",
     "* The ranks share two cores with each other and with other jobs: forward and backward "
     "run on one thread per rank, Horovod's and deepreduce's work competes with them. Times "
-    "are medians over turns spread across the run, and so are the encode, decode, codec and "
+    "are medians over turns spread across the run (step times with their quartiles: a "
+    "difference of a few ms between two schemes can be the machine's noise), and so are the "
+    "encode, decode, codec and "
     "exchange times (each rank's own per step); the JSON file has every rank's median step, "
     "the mean and the minimum, and the means of the encode, decode, codec and exchange times.",
     "* Horovod's fp16 compression can be slower than float32 here: converting and reducing "
@@ -700,7 +704,7 @@ def report(runs, args):
     for run in runs:
         lines += [f"## {run['rate']} (single TCP stream measured {run['measured_gbit']:.2f} "
                   "Gbit/s)", "",
-                  "| scheme | step ms (median) | x faster than dense | MB sent per rank "
+                  "| scheme | step ms (median, quartiles) | x faster than dense | MB sent per rank "
                   "| wire MB per step | encode + decode ms | of which codecs ms | exchange ms "
                   "| loss after the timed steps |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -712,7 +716,9 @@ def report(runs, args):
             speedup = f"{dense['step_ms_median'] / r['step_ms_median']:.2f}" if dense else ""
             wire = (f"{r['wire_bytes_per_step'] / 1e6:.2f}"
                     if r.get("wire_bytes_per_step") is not None else "n/a")
-            lines.append(f"| {r['scheme']} | {r['step_ms_median']:.1f} | {speedup} "
+            step = f"{r['step_ms_median']:.1f}" + (
+                f" ({r['step_ms_q1']:.1f}-{r['step_ms_q3']:.1f})" if "step_ms_q1" in r else "")
+            lines.append(f"| {r['scheme']} | {step} | {speedup} "
                          f"| {r['bytes_sent'] / 1e6:.3f} | {wire} | {path} | {codec} | {exchange} "
                          f"| {r['final_loss']:.3f} |")
         t = targets(run)
