@@ -976,10 +976,13 @@ static int estimate_gap_bits(const int64_t *indices, Py_ssize_t count, Py_ssize_
         squares += (unsigned __int128)counts[s] * (uint64_t)(lengths[s] * lengths[s]);
     }
     uint64_t table = 8 * (2 + (4 * (last - first + 1) + 7) / 8);
-    uint64_t blocks = (samples + block - 1) / block;
+    uint64_t blocks = samples / block + (samples % block != 0);
     if (blocks > 1) {
-        unsigned __int128 spread = 64 * (squares * samples - sum * sum) * block;
-        uint64_t scaled = (uint64_t)(spread / ((unsigned __int128)samples * samples));
+        /* floor(64 block variance), the variance being (squares samples - sum**2) /
+         * samples**2, split so that with block < samples < 2**40 no product passes 2**128 */
+        unsigned __int128 spread = 64 * (squares * samples - sum * sum);
+        unsigned __int128 square = (unsigned __int128)samples * samples;
+        uint64_t scaled = (uint64_t)(spread / square * block + spread % square * block / square);
         uint64_t root = (uint64_t)sqrt((double)scaled);
         while (root * root > scaled)
             root--;
@@ -1001,9 +1004,9 @@ static PyObject *huffman_estimate(PyObject *module, PyObject *args)
     (void)module;
     if (!PyArg_ParseTuple(args, "OniK:huffman_estimate", &object, &step, &precision, &block))
         return NULL;
-    if (precision < 0 || precision > MAX_PRECISION || step < 1 || block < 1 || block > 1 << 20)
+    if (precision < 0 || precision > MAX_PRECISION || step < 1 || block < 1)
         return PyErr_Format(PyExc_ValueError, "huffman_estimate needs precision in [0, %d], "
-                            "step >= 1 and block in [1, 2**20]", MAX_PRECISION);
+                            "step >= 1 and block >= 1", MAX_PRECISION);
     Py_buffer view;
     if (get_array(object, &view, "indices", INT64, 0) < 0)
         return NULL;

@@ -146,7 +146,8 @@ def test_estimates_of_edge_sets_are_identical(gaps):
     indices = np.cumsum(np.asarray(gaps, np.int64)) - 1
     for precision in PRECISIONS:
         for step in (1, 3):
-            same(both_outcomes(huffman.estimate_gap_bits, indices, step, precision, 8))
+            for block in (8, 2**40):
+                same(both_outcomes(huffman.estimate_gap_bits, indices, step, precision, block))
 
 
 def test_sampled_estimate_is_the_estimate_of_the_sample(implementation):
