@@ -17,7 +17,7 @@ variance is far smaller than with ``norm="l2"``, the paper's analysed
 scaling (at 4 bits and 512-value buckets of Gaussian values the relative
 L2 error is about 0.19 against 1.26).
 
-Stream: ``seed u32`` (the generator seed of this call: the codec's
+Stream: ``seed u32`` (the dither seed of this call, :func:`dither`: the codec's
 ``seed`` mixed with its ``step``, the count of its earlier encodes, so calls
 differ but a run is reproducible), the ``ceil(nnz / bucket)`` norms as little-endian float32,
 then one ``bits``-bit code per value, ``2 * l + negative``, packed most
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import struct
 
+import mmh3
 import numpy as np
 
 from deepreduce import bits as _bits
@@ -127,6 +128,16 @@ def bucket_l2_norms(rows: np.ndarray) -> np.ndarray:
 def bucket_peaks(rows: np.ndarray) -> np.ndarray:
     """Largest magnitude of each row (NaN when the row holds a NaN)."""
     return np.max(np.abs(rows), axis=1)
+
+
+def dither(count: int, seed: int) -> np.ndarray:
+    """The stochastic rounding's draws for ``count`` values, float32 in ``[0, 1)``: value
+    ``i`` draws the top 24 bits of the MurmurHash3 of ``i`` (4 bytes) with ``seed``, over
+    2**24 (24 bits are plenty for 8-bit levels). A hash of each position, not a
+    generator's stream: the compiled loop draws the same values in the same pass that
+    quantises them."""
+    draws = murmur3_32(np.arange(count, dtype=np.uint64) & np.uint64(0xFFFFFFFF), seed) >> 8
+    return draws.astype(np.float32) * np.float32(2.0 ** -24)
 
 
 def quantize(rows: np.ndarray, norms: np.ndarray, s: int, dither: np.ndarray) -> np.ndarray:
@@ -231,7 +242,8 @@ class QSGDValues(ValueCodec):
         return 2 ** (self.bits - 1) - 1
 
     def _next_seed(self) -> int:
-        seed = int(murmur3_32(np.array([self.step], dtype=np.uint64), self.seed, 8)[0])
+        # murmur3_32 of the step as 8 bytes, by mmh3: one key needs no numpy arrays
+        seed = mmh3.hash(int(self.step).to_bytes(8, "little"), self.seed, signed=False)
         self.step += 1
         return seed
 
@@ -240,13 +252,11 @@ class QSGDValues(ValueCodec):
         values = check_values(values)
         seed = self._next_seed()
         s, nnz = self.levels, values.size
-        # the dither, one float32 per value: 24 random bits are plenty for 8-bit levels
-        draws = np.random.default_rng(seed)
         if _qsgd is None:
             rows = bucket_matrix(values if values.dtype in (np.float32, np.float64)
                                  else working_copy(values), self.bucket, np.float64)
             norms = self._norms(rows)
-            codes = quantize(rows, norms, s, draws.random(rows.shape, dtype=np.float32))[:nnz]
+            codes = quantize(rows, norms, s, dither(rows.size, seed).reshape(rows.shape))[:nnz]
             packed = _bits.pack_fixed(codes, self.bits)
             received = (dequantize(codes, norms, self.bucket, s, values.dtype) if receive
                         else None)
@@ -257,8 +267,7 @@ class QSGDValues(ValueCodec):
             else:
                 norms = self._norms(bucket_matrix(wide, self.bucket, np.float64))
             received = np.empty(nnz, wide.dtype) if receive else None
-            packed = _qsgd.quantize(wide, self.bucket, self.bits,
-                                    draws.random(nnz, dtype=np.float32), norms,
+            packed = _qsgd.quantize(wide, self.bucket, self.bits, seed, norms,
                                     self.norm == "max", received)
             if receive:
                 received = cast_back(received, values.dtype)

@@ -5,18 +5,19 @@
  * numpy quantises in about ten whole-array passes (widen into padded buckets, abs,
  * scale, add the dither, floor, clip, narrow, sign, pack, and as many again for what
  * the receiver will see); here one pass per bucket finds its peak while the bucket is
- * in the L1 cache, and a second one writes each value's packed code and, when asked,
- * its dequantised value. The dither is numpy's (the caller draws it), so both give
- * the same bits; the numpy code stays as the fallback and the tests compare them.
+ * in the L1 cache, and a second one, vectorised, draws each value's dither, writes its
+ * packed code and, when asked, its dequantised value. The dither of value i is the
+ * MurmurHash3 of i with the call's seed (deepreduce.codecs.qsgd.dither, which the numpy
+ * fallback uses), so both give the same bits; the tests compare them.
  *
- *   quantize(values, bucket, bits, dither, norms, find_peaks, received) -> bytes
+ *   quantize(values, bucket, bits, seed, norms, find_peaks, received) -> bytes
  *
  * values: a C-contiguous one-dimensional float32 or float64 array of n values.
- * dither: float32, at least n draws from [0, 1). norms: writable float32, one per
+ * seed: the uint32 seed of the dither. norms: writable float32, one per
  * bucket of `bucket` values; with find_peaks each becomes the smallest float32 not
  * below the bucket's largest magnitude (NaN when it holds a NaN), else it is read (the
  * L2 norms numpy computes). A bucket whose norm is positive and finite scales its
- * values to a = |x| / norm * levels and takes level min(floor(a + dither), levels),
+ * values to a = |x| * (levels / norm) and takes level min(floor(a + dither), levels),
  * computed in double as numpy does; any other bucket codes level 0. The result packs
  * each code 2 * level + (x < 0 and level > 0) in `bits` bits, MSB first, zero-padded
  * to a byte. received (None, or writable float32 or float64 of n) gets
@@ -93,10 +94,17 @@ static float float32_at_least(double x)
     return rounded;
 }
 
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__ELF__)
+#define WITH_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
+#else
+#define WITH_AVX2_CLONE
+#endif
+
 /* The smallest float32 not below the largest magnitude of values[start:end], NaN
  * when one is NaN. Magnitudes are compared as integers, their bits without the sign:
  * those order as the floats do, above infinity's come the NaNs, and the loop has no
- * branch on the data (and vectorises). */
+ * branch on the data (and vectorises: unsigned maxima need AVX2, chosen at load time). */
+WITH_AVX2_CLONE
 static float bucket_peak(const void *values, char format, Py_ssize_t start, Py_ssize_t end)
 {
     if (format == 'f') {
@@ -181,46 +189,7 @@ static inline void store_received(void *out, char format, Py_ssize_t i, unsigned
         ((double *)out)[i] = value;
 }
 
-static void quantize_values(const void *values, char format, const float *dither,
-                            float *norms, int find_peaks, Shape shape, uint8_t *packed,
-                            void *received, char received_format)
-{
-    Packer packer = {packed, 0, 0};
-    for (Py_ssize_t start = 0; start < shape.count; start += shape.bucket) {
-        Py_ssize_t end = start + shape.bucket < shape.count ? start + shape.bucket
-                                                            : shape.count;
-        Py_ssize_t b = start / shape.bucket;
-        if (find_peaks)
-            norms[b] = bucket_peak(values, format, start, end);
-        double norm = norms[b];
-        int usable = isfinite(norm) && norm > 0;
-        double factor = usable ? shape.levels / norm : 0.0;
-        double step = norm / shape.levels;
-        for (Py_ssize_t i = start; i < end; i++) {
-            unsigned code = 0;
-            if (usable) {
-                double x = load(values, format, i);
-                /* a >= 0, so truncation is numpy's floor (and no libm call) */
-                unsigned level = (unsigned)(fabs(x) * factor + (double)dither[i]);
-                level = level < (unsigned)shape.levels ? level : (unsigned)shape.levels;
-                code = level << 1 | ((x < 0) & (level > 0));
-            }
-            if (shape.bits == 8)
-                *packer.out++ = (uint8_t)code;
-            else
-                put_code(&packer, code, shape.bits);
-            if (received)
-                store_received(received, received_format, i, code, step);
-        }
-    }
-    flush_codes(&packer);
-}
 
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__ELF__)
-#define WITH_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
-#else
-#define WITH_AVX2_CLONE
-#endif
 
 /* dequantize_codes for one bucket of 8-bit codes into float32, with a finite step: a
  * loop with no packer state carried from one code to the next, which the compiler
@@ -243,6 +212,93 @@ static unsigned dequantize_bytes(const uint8_t *restrict data, Py_ssize_t count,
         memcpy(out + i, &bits, sizeof bits);
     }
     return bad;
+}
+
+
+/* MurmurHash3 x86_32 of the 4-byte little-endian key `key` (deepreduce.codecs._murmur):
+ * value i's dither is its top 24 bits over 2**24, with key i and the call's seed. A
+ * hash of (seed, i) instead of a generator's stream keeps values independent of one
+ * another, so the loop below vectorises, and numpy computes the same draws whole-array. */
+static inline uint32_t murmur_key32(uint32_t key, uint32_t seed)
+{
+    uint32_t k = key * 0xCC9E2D51u;
+    k = (k << 15 | k >> 17) * 0x1B873593u;
+    uint32_t h = seed ^ k;
+    h = (h << 13 | h >> 19) * 5u + 0xE6546B64u;
+    h ^= 4u;
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    return h ^ h >> 16;
+}
+
+/* Codes of values[start:start + count] in a bucket with a positive finite norm:
+ * a = |x| * (levels / norm) + dither in double, level min(floor(a), levels), code
+ * 2 * level + (x < 0 and level > 0). One format per call, so each loop vectorises. */
+#define CODE_LOOP(type)                                                                     \
+    for (Py_ssize_t j = 0; j < count; j++) {                                                \
+        double x = (double)((const type *)values)[start + j];                               \
+        double dither = (double)(int32_t)(murmur_key32((uint32_t)(start + j), seed) >> 8) * 0x1p-24; \
+        /* a >= 0 and below levels + 1: truncation is numpy's floor */                      \
+        int level = (int)(fabs(x) * factor + dither);                                       \
+        level = level < levels ? level : levels;                                            \
+        codes[j] = (uint8_t)(level << 1 | ((x < 0) & (level > 0)));                         \
+    }
+
+WITH_AVX2_CLONE
+static void bucket_codes(const void *values, char format, Py_ssize_t start, Py_ssize_t count,
+                         double factor, int levels, uint32_t seed, uint8_t *restrict codes)
+{
+    if (format == 'f')
+        CODE_LOOP(float)
+    else
+        CODE_LOOP(double)
+}
+
+/* Codes are made a chunk at a time, so that packing and the received values read them
+ * from the L1 cache. */
+#define CHUNK 1024
+
+static void quantize_values(const void *values, char format, uint32_t seed, float *norms,
+                            int find_peaks, Shape shape, uint8_t *packed, void *received,
+                            char received_format)
+{
+    Packer packer = {packed, 0, 0};
+    uint8_t codes[CHUNK];
+    for (Py_ssize_t start = 0; start < shape.count; start += shape.bucket) {
+        Py_ssize_t end = start + shape.bucket < shape.count ? start + shape.bucket
+                                                            : shape.count;
+        Py_ssize_t b = start / shape.bucket;
+        if (find_peaks)
+            norms[b] = bucket_peak(values, format, start, end);
+        double norm = norms[b];
+        int usable = isfinite(norm) && norm > 0;
+        double factor = usable ? shape.levels / norm : 0.0;
+        double step = norm / shape.levels;
+        for (Py_ssize_t from = start; from < end; from += CHUNK) {
+            Py_ssize_t count = end - from < CHUNK ? end - from : CHUNK;
+            if (usable)
+                bucket_codes(values, format, from, count, factor, shape.levels, seed, codes);
+            else
+                memset(codes, 0, (size_t)count);
+            if (shape.bits == 8) {
+                memcpy(packer.out, codes, (size_t)count);
+                packer.out += count;
+            } else {
+                for (Py_ssize_t j = 0; j < count; j++)
+                    put_code(&packer, codes[j], shape.bits);
+            }
+            if (received == NULL)
+                continue;
+            if (usable && received_format == 'f')  /* a finite step: the vectorised loop */
+                dequantize_bytes(codes, count, step, (float *)received + from);
+            else
+                for (Py_ssize_t j = 0; j < count; j++)
+                    store_received(received, received_format, from + j, codes[j], step);
+        }
+    }
+    flush_codes(&packer);
 }
 
 /* Whether every code is canonical (none is 1). */
@@ -295,24 +351,23 @@ static Py_ssize_t packed_size(const Shape *shape)
 
 static PyObject *quantize(PyObject *module, PyObject *args)
 {
-    PyObject *values_object, *dither_object, *norms_object, *received_object;
+    PyObject *values_object, *norms_object, *received_object;
     Shape shape;
+    unsigned int seed;
     int find_peaks;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OniOOpO:quantize", &values_object, &shape.bucket,
-                          &shape.bits, &dither_object, &norms_object, &find_peaks,
+    if (!PyArg_ParseTuple(args, "OniIOpO:quantize", &values_object, &shape.bucket,
+                          &shape.bits, &seed, &norms_object, &find_peaks,
                           &received_object) || check_shape(&shape) < 0)
         return NULL;
-    Py_buffer values, dither, norms, received = {0};
+    Py_buffer values, norms, received = {0};
     char format, received_format = 0;
     if (get_floats(values_object, "values", &values, 0, -1, 0, &format) < 0)
         return NULL;
     shape.count = values.len / values.itemsize;
     PyObject *result = NULL;
-    if (get_floats(dither_object, "dither", &dither, 'f', shape.count, 0, NULL) < 0)
-        goto release_values;
     if (get_floats(norms_object, "norms", &norms, 'f', bucket_count(&shape), 1, NULL) < 0)
-        goto release_dither;
+        goto release_values;
     if (received_object != Py_None && get_floats(received_object, "received", &received, 0,
                                                  shape.count, 1, &received_format) < 0)
         goto release_norms;
@@ -320,16 +375,14 @@ static PyObject *quantize(PyObject *module, PyObject *args)
     if (result != NULL) {
         uint8_t *packed = (uint8_t *)PyBytes_AS_STRING(result);
         Py_BEGIN_ALLOW_THREADS
-        quantize_values(values.buf, format, dither.buf, norms.buf, find_peaks, shape, packed,
-                        received.buf, received_format);
+        quantize_values(values.buf, format, (uint32_t)seed, norms.buf, find_peaks, shape,
+                        packed, received.buf, received_format);
         Py_END_ALLOW_THREADS
     }
     if (received_object != Py_None)
         PyBuffer_Release(&received);
 release_norms:
     PyBuffer_Release(&norms);
-release_dither:
-    PyBuffer_Release(&dither);
 release_values:
     PyBuffer_Release(&values);
     return result;
@@ -372,8 +425,8 @@ release_data:
 
 static PyMethodDef methods[] = {
     {"quantize", quantize, METH_VARARGS,
-     "quantize(values, bucket, bits, dither, norms, find_peaks, received) -> bytes\n\n"
-     "QSGD's packed codes of values (float32 or float64) with the dither draws (float32),\n"
+     "quantize(values, bucket, bits, seed, norms, find_peaks, received) -> bytes\n\n"
+     "QSGD's packed codes of values (float32 or float64) with the dither of seed,\n"
      "finding each bucket's norm (find_peaks) or reading it from norms (float32), and\n"
      "the dequantised values into received (None, or float32 or float64). See\n"
      "deepreduce.codecs.qsgd."},

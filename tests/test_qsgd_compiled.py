@@ -1,6 +1,6 @@
 """QSGD's loops: the compiled ones (deepreduce._qsgd) and numpy's give the same bits.
 
-The encoder draws its dither with numpy either way, so a payload, the values the
+Both draw the dither of :func:`deepreduce.codecs.qsgd.dither`, so a payload, the values the
 sender expects to arrive and the decoded values must be identical byte for byte,
 NaN payloads and signed zeros included.
 """
@@ -111,23 +111,35 @@ def test_non_canonical_code_is_rejected(implementation):
 
 @compiled_only
 def test_compiled_loops_check_their_arguments():
-    values, dither = np.ones(10, np.float32), np.zeros(10, np.float32)
+    values, seed = np.ones(10, np.float32), 7
     norms, quantize = np.empty(2, np.float32), qsgd._qsgd.quantize
     with pytest.raises(ValueError, match="bits"):
-        quantize(values, 8, 9, dither, norms, True, None)  # bits in [2, 8]
+        quantize(values, 8, 9, seed, norms, True, None)  # bits in [2, 8]
     with pytest.raises(ValueError, match="bucket"):
-        quantize(values, 0, 3, dither, norms, True, None)
+        quantize(values, 0, 3, seed, norms, True, None)
     with pytest.raises(TypeError, match="values"):
-        quantize(values.astype(np.int32), 8, 3, dither, norms, True, None)
-    with pytest.raises(ValueError, match="dither"):
-        quantize(values, 8, 3, dither[:9], norms, True, None)
+        quantize(values.astype(np.int32), 8, 3, seed, norms, True, None)
+    with pytest.raises((TypeError, OverflowError)):
+        quantize(values, 8, 3, -1.5, norms, True, None)
     with pytest.raises(ValueError, match="norms"):
-        quantize(values, 8, 3, dither, norms[:1], True, None)
+        quantize(values, 8, 3, seed, norms[:1], True, None)
     with pytest.raises(TypeError, match="norms"):
-        quantize(values, 8, 3, dither, np.frombuffer(bytes(8), np.float32), True, None)
+        quantize(values, 8, 3, seed, np.frombuffer(bytes(8), np.float32), True, None)
     with pytest.raises(ValueError, match="received"):
-        quantize(values, 8, 3, dither, norms, True, np.empty(9, np.float32))
+        quantize(values, 8, 3, seed, norms, True, np.empty(9, np.float32))
     with pytest.raises(ValueError, match="codes need"):
         qsgd._qsgd.dequantize(bytes(3), norms, 8, 3, np.empty(10, np.float32))
     with pytest.raises(TypeError, match="out"):
         qsgd._qsgd.dequantize(bytes(4), norms, 8, 3, np.empty(10, np.int64))
+
+
+def test_dither_is_the_murmur_hash_of_each_position():
+    import mmh3
+    draws = qsgd.dither(5000, seed=2**32 - 3)
+    assert draws.dtype == np.float32 and draws.min() >= 0 and draws.max() < 1
+    for i in (0, 1, 4999):
+        expected = (mmh3.hash(i.to_bytes(4, "little"), 2**32 - 3, signed=False) >> 8) / 2**24
+        assert draws[i] == expected
+    # uniform: each of 16 bins holds its share, within 5 standard deviations
+    counts = np.bincount((qsgd.dither(2**16, seed=1) * 16).astype(int), minlength=16)
+    assert np.all(np.abs(counts - 4096) < 5 * np.sqrt(4096))
