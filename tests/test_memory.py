@@ -161,3 +161,24 @@ def test_settle_with_the_selection_has_the_same_bits(value, dtype):
         plain.settle("w", expected, received)
         np.testing.assert_array_equal(given.residual("w").view(np.uint8),
                                       plain.residual("w").view(np.uint8))
+
+
+def test_a_bundle_whose_coding_fails_keeps_every_residual_owed(monkeypatch):
+    # the exchange codes a bundle's tensors after all their selections and settles the
+    # residuals after all codings: a failure sends nothing, so nothing may be settled
+    from deepreduce.exchange import SHARED_BELOW, GradientExchange
+
+    ex = GradientExchange(dr.TopK(0.01), value="fp16")
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal(SHARED_BELOW).astype(np.float32) for _ in range(2)]  # own payloads
+    ex.encode_bundle(["a", "b"], grads)
+    owed = [g + ex.memory.residual(name) for name, g in zip("ab", grads)]
+
+    def failing(selected, dense=None):
+        raise RuntimeError("codec failed")
+
+    monkeypatch.setattr(ex._pipeline_of("b"), "encode_sparse", failing)
+    with pytest.raises(RuntimeError, match="codec failed"):
+        ex.encode_bundle(["a", "b"], grads)
+    for name, expected in zip("ab", owed):
+        np.testing.assert_array_equal(ex.memory.residual(name), expected)
