@@ -625,15 +625,15 @@ class GradientExchange:
                     decoded.append(receiveds[t])
                 elif t == group[1][0][0]:  # the group travels where its first tensor is
                     slots.append(len(payloads))
-                    payload, whole, parts = self._encode_shared(*group, names)
+                    payload, whole, parts = self._encode_shared(*group, names, settles)
                     payloads.append(payload)
                     decoded.append(whole)
                     for (member, _), part in zip(group[1], parts):
                         receiveds[member] = part
                 else:
                     slots.append(slots[group[1][0][0]])
-            # (if a coding raised, nothing was sent: every residual still holds its
-            # whole corrected gradient)
+            # (if a coding raised, nothing was sent: every dense tensor's residual still
+            # holds its whole corrected gradient)
             for name, corrected, received, selected in settles:
                 self.memory.settle(name, corrected, received, selected)
             bundle = (pack_bundle(payloads, slots, [receiveds[t].shape for t in sorted(sharing)])
@@ -668,9 +668,12 @@ class GradientExchange:
         return [(selects, members) for (selects, _), members in groups.items()
                 if len(members) > 1]
 
-    def _encode_shared(self, selects: bool, members, names) -> tuple[bytes, SparseTensor, list]:
+    def _encode_shared(self, selects: bool, members, names,
+                       settles: list) -> tuple[bytes, SparseTensor, list]:
         """``(payload, whole, tensors)``: the payload of ``members`` (see
-        :meth:`_shared_payloads`), what the receivers decode of it and of each member."""
+        :meth:`_shared_payloads`), what the receivers decode of it and of each member.
+        Appends to ``settles`` the :meth:`ResidualMemory.settle` calls that finish their
+        error feedback."""
         shapes = [array.shape for _, array in members]
         if not selects:
             flat = np.concatenate([array.reshape(-1) for _, array in members])
@@ -695,8 +698,8 @@ class GradientExchange:
         for (t, _), (corrected, selected), part in zip(members, feedback, parts):
             if corrected is not None:
                 # (the index code is exact: the part's indices are the selection's)
-                self.memory.settle(names[t], corrected, part, SparseTensor._trusted(
-                    selected.values, part.indices, part.shape))
+                settles.append((names[t], corrected, part, SparseTensor._trusted(
+                    selected.values, part.indices, part.shape)))
         return payload, received, parts
 
     def decode_bundles(self, gathered, ranks: int, rank: int, average: bool = False,

@@ -170,15 +170,18 @@ def test_a_bundle_whose_coding_fails_keeps_every_residual_owed(monkeypatch):
 
     ex = GradientExchange(dr.TopK(0.01), value="fp16")
     rng = np.random.default_rng(3)
-    grads = [rng.standard_normal(SHARED_BELOW).astype(np.float32) for _ in range(2)]  # own payloads
-    ex.encode_bundle(["a", "b"], grads)
-    owed = [g + ex.memory.residual(name) for name, g in zip("ab", grads)]
+    # two that share a payload, then two with their own: the last one's coding fails
+    names = ["s1", "s2", "a", "b"]
+    grads = [rng.standard_normal(size).astype(np.float32)
+             for size in (2048, 4096, SHARED_BELOW, SHARED_BELOW)]
+    ex.encode_bundle(names, grads)
+    owed = [g + ex.memory.residual(name) for name, g in zip(names, grads)]
 
     def failing(selected, dense=None):
         raise RuntimeError("codec failed")
 
     monkeypatch.setattr(ex._pipeline_of("b"), "encode_sparse", failing)
     with pytest.raises(RuntimeError, match="codec failed"):
-        ex.encode_bundle(["a", "b"], grads)
-    for name, expected in zip("ab", owed):
+        ex.encode_bundle(names, grads)
+    for name, expected in zip(names, owed):
         np.testing.assert_array_equal(ex.memory.residual(name), expected)
