@@ -578,6 +578,10 @@ class GradientExchange:
         A step whose gradients travel in several allgathers encodes one bundle per
         ``group`` (0, 1, ...: consecutive slices of its tensors) and decodes them
         together with :meth:`decode_groups`; the stats count them as one step.
+
+        Every dense gradient's error feedback and selection come first, then the
+        codecs, then the residuals' updates: if a codec raises, nothing is sent and
+        every dense gradient's residual still holds all it owes.
         """
         bundle, sent, encoded = self._encode_bundle(names, tensors)
         # what the other ranks will decode from this bundle, so that decoding it
