@@ -269,13 +269,15 @@ class AutoIndices(IndexCodec):
         return tag, self._encode_with(tag, indices, n, coded)
 
     def _try_all(self, indices, n):
+        if indices.size == 0:  # (the complement of a full set, from _estimate)
+            return TRIAL_ORDER[0], b""
+        if indices.size == n:  # its complement is empty: no stream is shorter
+            return TRIAL_ORDER[0] | COMPLEMENT, b""
         best = None
         sets = [(0, indices)]
         if 2 * indices.size > n:
             sets.append((COMPLEMENT, complement(indices, n)))
         for flag, members in sets:
-            if members.size == 0:
-                return TRIAL_ORDER[0] | flag, b""
             run_count = int(np.count_nonzero(np.diff(members) != 1)) + 1
             for tag in TRIAL_ORDER:
                 codec = _sub_codec(tag)
