@@ -72,6 +72,9 @@ NAMESPACE = "drbench"
 RATIO = 0.01
 #: Allgathers of 1 KB timed for Horovod's fixed cost of one (the first two not counted).
 ALLGATHER_PROBES = 22
+SYNCHRONIZED = "compute + 1 KB allgather between backward and update (synchronization only)"
+#: Resamples of the turns for the interval of a ratio of two schemes' median steps.
+RESAMPLES = 2000
 #: tc token bucket per rate: the bucket must hold at least one 64 KiB loopback
 #: frame, and a larger one at 10 Gbit/s so the timer granularity does not cap it.
 BURST = {"100mbit": "256kb", "1gbit": "256kb", "10gbit": "1mb"}
@@ -248,6 +251,18 @@ def worker(args):
             return loss
         return step
 
+    def synchronized_step(model, opt, x, y):
+        """The compute-only step with the ranks waiting for each other between backward and
+        update, as every exchange makes them: a 1 KB allgather of gradient values."""
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        gathered = hvd.allgather(tf.reshape(grads[0], [-1])[:256], name="synchronization")
+        with tf.control_dependencies([gathered]):
+            grads = [tf.identity(g) for g in grads]
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
     schemes = []  # (label, kind, builder) ; builder(model, opt) -> (step, info)
 
     def add(label, kind, builder):
@@ -256,6 +271,7 @@ def worker(args):
 
     add("compute only (no communication)", "none",
         lambda m, o: (lambda x, y: plain_step(m, o, x, y), {}))
+    add(SYNCHRONIZED, "sync", lambda m, o: (lambda x, y: synchronized_step(m, o, x, y), {}))
     add("dense allreduce (Horovod, fp32)", "dense",
         lambda m, o: (lambda x, y: plain_step(m, o, x, y, hvd.DistributedGradientTape), {}))
     add("Horovod fp16 compression", "fp16",
@@ -368,6 +384,7 @@ def worker(args):
                    step_ms_min=1e3 * float(np.min(times)),
                    step_ms_q1=1e3 * float(np.percentile(times, 25)),
                    step_ms_q3=1e3 * float(np.percentile(times, 75)), final_loss=run["losses"][-1],
+                   step_ms=[1e3 * t for t in times],  # in turn order, per_round a turn
                    wire_bytes_per_step=run["wire"] / steps if run["has_wire"] else None)
         dense_bytes = 4 * params
         if kind == "dense":
@@ -413,7 +430,7 @@ def worker(args):
     if rank == 0:
         Path(args.worker_out).write_text(json.dumps(
             dict(results=results, ranks=size, index=index, hidden=args.hidden,
-                 layers=args.layers, batch_size=args.batch_size,
+                 layers=args.layers, batch_size=args.batch_size, steps_per_turn=per_round,
                  allgather_1kb_ms=allgather_ms), indent=1))
 
 
@@ -576,6 +593,9 @@ def targets(run):
     for r in raw:
         key = "vs_raw_pairs" if "raw pairs" in r["scheme"] else "vs_indexed_slices"
         out[key] = r["step_ms_median"] / ours["step_ms_median"]
+        if "step_ms" in r and "step_ms" in ours and run.get("steps_per_turn"):
+            out[f"{key}_interval"] = paired_interval(r["step_ms"], ours["step_ms"],
+                                                     run["steps_per_turn"])
     path_ms = ours.get("encode_ms", 0.0) + ours.get("decode_ms", 0.0)
     out.update(path_ms=path_ms, path_fraction=path_ms / ours["step_ms_median"],
                codec_ms=ours.get("codec_ms", 0.0),
@@ -594,6 +614,27 @@ def targets(run):
         out.update(memory_floor_ms=floor_ms,
                    non_codec_vs_floor=(path_ms - out["codec_ms"]) / floor_ms)
     return out
+
+
+def paired_interval(times, other_times, per_turn: int) -> tuple[float, float]:
+    """The 95% interval of median(times) / median(other_times), two schemes' steps taken
+    ``per_turn`` at a time in alternating turns: a bootstrap that resamples whole turns,
+    the same ones for both (a turn's steps share the machine's load of the moment)."""
+    import numpy as np
+
+    turns = np.asarray(times).reshape(-1, per_turn)
+    other = np.asarray(other_times).reshape(-1, per_turn)
+    picks = np.random.default_rng(0).integers(0, len(turns), (RESAMPLES, len(turns)))
+    ratios = (np.median(turns[picks].reshape(RESAMPLES, -1), axis=1)
+              / np.median(other[picks].reshape(RESAMPLES, -1), axis=1))
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def interval_text(t, key) -> str:
+    if f"{key}_interval" not in t:
+        return ""
+    return " (95% interval {:.2f}-{:.2f})".format(*t[f"{key}_interval"])
 
 
 def reading(run, t):
@@ -630,6 +671,13 @@ def reading(run, t):
     else:
         lines[-1] += " (tensor conversions, waiting for the slower rank)"
     lines[-1] += "."
+    synchronized = by_kind.get("sync")
+    if synchronized is not None:
+        lines[-1] += (f" The ranks' waiting for each other alone: the compute-only step with "
+                      f"a 1 KB allgather between backward and update took "
+                      f"{synchronized['step_ms_median']:.1f} ms, "
+                      f"{synchronized['step_ms_median'] - compute:+.1f} ms against the "
+                      "compute-only step.")
     lines += ["",
              f"Reading the targets: even with free communication this step cannot be shorter "
              f"than compute + codec = {compute + codec:.0f} ms, {dense_ms / (compute + codec):.1f}x "
@@ -657,7 +705,10 @@ NOTES = [
     "difference of a few ms between two schemes can be the machine's noise), and so are the "
     "encode, decode, codec and "
     "exchange times (each rank's own per step); the JSON file has every rank's median step, "
-    "the mean and the minimum, and the means of the encode, decode, codec and exchange times.",
+    "the mean and the minimum, and the means of the encode, decode, codec and exchange times. "
+    "A ratio of two schemes' median steps is given with its 95% interval: a bootstrap that "
+    "resamples whole turns, the same turns for both schemes (the JSON file has every "
+    "step's time on rank 0, in turn order).",
     "* Horovod's fp16 compression can be slower than float32 here: converting and reducing "
     "float16 on the CPU costs more than the halved traffic saves when the link is fast.",
     "* `Top-k IndexedSlices` uses `tf.math.top_k`, a full sort-based selection that costs "
@@ -726,8 +777,10 @@ def report(runs, args):
             lines += ["", f"Targets for `{t['scheme']}`, as step-time ratios: dense allreduce / "
                           f"deepreduce = {t.get('vs_dense', float('nan')):.2f} (target >= 5); raw "
                           "Top-k pairs over allgather / deepreduce = "
-                          f"{t.get('vs_raw_pairs', float('nan')):.2f} and Top-k IndexedSlices / "
-                          f"deepreduce = {t.get('vs_indexed_slices', float('nan')):.2f} (target "
+                          f"{t.get('vs_raw_pairs', float('nan')):.2f}"
+                          f"{interval_text(t, 'vs_raw_pairs')} and Top-k IndexedSlices / "
+                          f"deepreduce = {t.get('vs_indexed_slices', float('nan')):.2f}"
+                          f"{interval_text(t, 'vs_indexed_slices')} (target "
                           f">= 1.5); encode + decode (target < 20% of its step): the index and "
                           f"value codecs {t['codec_ms']:.1f} ms = {t['codec_fraction']:.0%}, "
                           f"the whole path with error feedback, Top-k and the dense sums "

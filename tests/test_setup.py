@@ -129,3 +129,21 @@ def test_model_steps_benchmark_reports_every_shape_list(tmp_path):
     assert "| ResNet-50 | 2 | 161 (76) | 25,557,032 |" in text
     assert "| e2e MLP | 4 | 8 (7) | 8,546,314 |" in text
     assert json.loads(out.with_suffix(".json").read_text())["copy_gbytes_s"] > 0
+
+
+def test_e2e_ratio_intervals_resample_whole_turns_of_both_schemes():
+    spec = importlib.util.spec_from_file_location("e2e_benchmark", REPO / "benchmarks/e2e.py")
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    rng = np.random.default_rng(0)
+    # 16 turns of 3 steps; the machine's load moves every turn's steps a lot, for both
+    # schemes alike, and the second is 10% slower plus a little noise of its own
+    load = np.repeat(rng.uniform(20, 60, 16), 3)
+    fast = load + rng.normal(0, 0.2, 48)
+    slow = 1.1 * load + rng.normal(0, 0.2, 48)
+    assert e2e.paired_interval(fast, fast, 3) == (1.0, 1.0)
+    low, high = e2e.paired_interval(slow, fast, 3)
+    assert 1.05 < low < np.median(slow) / np.median(fast) < high < 1.15
+    # with the turns' pairing broken, the load swamps the difference
+    low, high = e2e.paired_interval(slow, rng.permutation(fast), 3)
+    assert low < 1.0 < high
