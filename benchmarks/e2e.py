@@ -310,7 +310,9 @@ def worker(args):
 
     # Every scheme gets its own model (same initial weights) and the same batches. The
     # schemes take turns, a few steps each, round after round: load from other jobs on the
-    # machine then spreads over all of them instead of spoiling one.
+    # machine then spreads over all of them instead of spoiling one. Each round in a new
+    # order (the same on both ranks): what a scheme leaves behind (a drained token bucket,
+    # TCP windows after a dense transfer) then comes before a different scheme each time.
     runs = []
     for label, kind, builder in schemes:
         model = build_model()
@@ -345,8 +347,9 @@ def worker(args):
         if "compression" in info:
             run["snapshot"] = info["compression"].stats.snapshot()
     per_round = max(1, -(-args.steps // args.rounds))
-    for _ in range(args.rounds):
-        for run in runs:
+    for turn in range(args.rounds):
+        for position in np.random.default_rng([args.seed, turn]).permutation(len(runs)):
+            run = runs[position]
             hvd.allreduce(tf.zeros([1]), name="barrier")  # the ranks start each turn together
             tx_start = loopback_tx_bytes()
             run_steps(run, per_round, timed=True)
@@ -654,27 +657,27 @@ def reading(run, t):
              f"(the compute-only step), encode + decode {codec:.0f} ms "
              f"({1e6 * codec / params:.1f} ns per parameter; {t['codec_ms']:.0f} ms of it in "
              f"the index and value codecs, the rest error feedback, Top-k and the dense sums), "
-             f"the remaining {rest:.0f} ms are the allgather and the framework around it"]
-    if run.get("allgather_1kb_ms") is not None and t.get("wire_ms") is not None:
-        fixed = run["allgather_1kb_ms"]
-        other = rest - t["wire_ms"] - fixed
-        lines[-1] += (f": {t['wire_ms']:.0f} ms of wire time for its bytes, {fixed:.1f} ms "
-                      "that Horovod takes for any allgather here (one of 1 KB, timed in the "
-                      "same run with the ranks idle: its negotiation between the ranks and "
-                      "its background thread's cycle), and ")
-        lines[-1] += (f"{other:.0f} ms of tensor conversions and waiting for the slower rank"
-                      if other >= 0 else
-                      "nothing else: the two add up to more than that, because tc's token "
-                      "bucket lets a burst (here "
-                      f"{burst(run['rate']).replace('kb', ' KB').replace('mb', ' MB')}) through "
-                      "at once, without wire time")
-    else:
-        lines[-1] += " (tensor conversions, waiting for the slower rank)"
+             f"the remaining {rest:.0f} ms"]
+    exchange = ours.get("exchange_ms")
+    if exchange is not None and run.get("allgather_1kb_ms") is not None \
+            and t.get("wire_ms") is not None:
+        lines[-1] += (f": the exchange, {exchange:.1f} ms from the end of this rank's encoding "
+                      f"to the start of its decoding ({t['wire_ms']:.1f} ms of wire time for "
+                      f"its bytes at the measured rate, {run['allgather_1kb_ms']:.1f} ms that "
+                      "Horovod takes for any allgather here (one of 1 KB, timed in the same run "
+                      "with the ranks idle: its negotiation between the ranks and its "
+                      "background thread's cycle), the rest waiting for the other rank; tc's "
+                      f"token bucket lets a burst of "
+                      f"{burst(run['rate']).replace('kb', ' KB').replace('mb', ' MB')} through "
+                      "at once, without wire time), and "
+                      f"{max(0.0, rest - exchange):.1f} ms around it: TensorFlow's host calls "
+                      "and the conversions of their tensors (medians of different quantities: "
+                      "they need not add up exactly)")
     lines[-1] += "."
     synchronized = by_kind.get("sync")
     if synchronized is not None:
-        lines[-1] += (f" The ranks' waiting for each other alone: the compute-only step with "
-                      f"a 1 KB allgather between backward and update took "
+        lines[-1] += (f" Waiting for each other alone: the compute-only step with a 1 KB "
+                      f"allgather between backward and update took "
                       f"{synchronized['step_ms_median']:.1f} ms, "
                       f"{synchronized['step_ms_median'] - compute:+.1f} ms against the "
                       "compute-only step.")
@@ -745,7 +748,8 @@ def report(runs, args):
              f"{'run eagerly' if args.eager else 'a tf.function (as in Keras fit)'}. "
              "Every scheme trains its own copy of "
              f"the model on the same batches: {args.warmup} warm-up steps, then {args.steps} "
-             f"timed steps taken in {args.rounds} turns, the schemes alternating, so that load "
+             f"timed steps taken in {args.rounds} turns, the schemes alternating (in an order drawn "
+             "afresh for each round), so that load "
              "from other jobs spreads over all of them. Step time is the median on rank 0 "
              "(forward, backward, reduction, update). Bytes sent: what one rank contributes per step "
              "(dense: its float32 gradients; Top-k: its pairs or payloads). Wire bytes: "
