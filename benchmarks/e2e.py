@@ -474,8 +474,9 @@ def run_rate(rate, args, net):
         data = json.loads(out.read_text())
         steps_pairs = saved_pairs(pairs_path(out)) if pairs_path(out).exists() else None
     data.update(rate=rate if net is not None else "unshaped loopback", measured_gbit=measured,
-                copy_gbytes_s=max(copy_before, copy_bandwidth()), codec_prediction_random_ms=codec_cost_ms(
-                    random_pairs(model_shapes(args)), data["index"], "fp16"))
+                copy_gbytes_s=max(copy_before, copy_bandwidth()),
+                codec_prediction_random_ms=codec_cost_ms(random_pairs(model_shapes(args)),
+                                                         data["index"], "fp16"))
     if steps_pairs:
         # auto's choice varies from step to step (at 100 Mbit/s Huffman codes for some,
         # Golomb for others), so one step's pairs would not predict the median step
