@@ -29,8 +29,10 @@ gradients a PyTorch user would pick:
 
 As in benchmarks/e2e.py, as root the script shapes a network namespace's
 loopback with ``tc`` to each rate, measures the single TCP stream it gets, runs
-the ranks inside it and deletes it afterwards; schemes alternate in turns so
-that load from other jobs spreads over all of them. Writes
+the ranks inside it and deletes it afterwards; schemes alternate in turns, in an
+order drawn afresh each round, so that load from other jobs spreads over all of
+them. deepreduce's rows break the step down (encode, decode, codecs, exchange,
+from the hook state's stats) and set it against its physical limit. Writes
 ``benchmarks/results/torch_e2e.md``, ``.json`` and ``.png``.
 
     python benchmarks/torch_e2e.py                      # 1 Gbit/s, 10 Gbit/s, 100 Mbit/s
@@ -65,7 +67,8 @@ DEEPREDUCE = "deepreduce Top-k 1% + auto + fp16 (allgather)"
 
 def build_schemes(args, world):
     """``(label, kind, ddp_kwargs, register)`` per scheme; ``register(ddp)`` returns a
-    function giving the bytes this rank contributed since its last call."""
+    function giving the bytes this rank contributed since its last call (for deepreduce,
+    with the hook state's ``stats`` as its attribute)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -144,6 +147,7 @@ def build_schemes(args, world):
                 now = state.stats.snapshot()
                 value, last[0] = (now - last[0]).bytes_sent, now
                 return value
+            take.stats = state.stats
             return take
         return register
 
@@ -199,11 +203,13 @@ def worker(rank, args, port, out_path):
     for run in runs:
         run.update(opt=torch.optim.SGD(run["model"].parameters(), lr=args.lr, momentum=0.9),
                    batches=torch.Generator().manual_seed(1000 * args.seed + rank), times=[],
-                   losses=[], wire=0, sent=0, steps=0)
+                   losses=[], wire=0, sent=0, steps=0, path=[])
 
     def steps(run, count, timed):
         for _ in range(count):
             batch = torch.randint(0, len(labels), (args.batch_size,), generator=run["batches"])
+            stats = getattr(run["take"], "stats", None)
+            before = stats.snapshot() if stats is not None else None
             start = time.perf_counter()
             run["opt"].zero_grad()
             loss = torch.nn.functional.cross_entropy(run["model"](features[batch]),
@@ -213,14 +219,20 @@ def worker(rank, args, port, out_path):
             if timed:
                 run["times"].append(time.perf_counter() - start)
                 run["losses"].append(loss.item())
+                if before is not None:  # this step's buckets together
+                    done = stats.snapshot() - before
+                    run["path"].append({key: 1e3 * getattr(done, f"{key}_seconds") for key
+                                        in ("encode", "decode", "codec", "exchange")})
 
     barrier = torch.zeros(1)
     for run in runs:
         steps(run, args.warmup, timed=False)
         run["take"](args.warmup)
     per_round = max(1, -(-args.steps // args.rounds))
-    for _ in range(args.rounds):
-        for run in runs:
+    for turn in range(args.rounds):
+        # a new order each round, the same on every rank (as in e2e.py)
+        for position in np.random.default_rng([args.seed, turn]).permutation(len(runs)):
+            run = runs[position]
             dist.all_reduce(barrier)  # the ranks start each turn together
             tx = loopback_tx_bytes()
             steps(run, per_round, timed=True)
@@ -242,7 +254,9 @@ def worker(rank, args, port, out_path):
             bytes_sent=run["sent"] / run["steps"], dense_bytes=4 * params,
             wire_bytes_per_step=None if run["wire"] is None or run["kind"] == "none"
             else run["wire"] / run["steps"],
-            final_loss=float(np.mean(run["losses"][-per_round:]))))
+            final_loss=float(np.mean(run["losses"][-per_round:])),
+            **{f"{key}_ms": float(np.median([step[key] for step in run["path"]]))
+               for key in ("encode", "decode", "codec", "exchange") if run["path"]}))
     if rank == 0:
         Path(out_path).write_text(json.dumps(dict(results=results, ranks=args.ranks)))
     dist.destroy_process_group()
@@ -302,6 +316,12 @@ def targets(run):
         out["vs_dense"] = dense["step_ms_median"] / ours["step_ms_median"]
     if power1:
         out["vs_powersgd_rank1"] = power1["step_ms_median"] / ours["step_ms_median"]
+    compute = next((r for r in run["results"] if r["kind"] == "none"), None)
+    if compute is not None and ours.get("wire_bytes_per_step") and run.get("measured_gbit"):
+        # the physical limit, as in e2e.py: computing the step, plus the wire time of its bytes
+        out["wire_ms"] = ours["wire_bytes_per_step"] * 8e3 / (run["measured_gbit"] * 1e9)
+        out["limit_ms"] = compute["step_ms_median"] + out["wire_ms"]
+        out["vs_limit"] = ours["step_ms_median"] / out["limit_ms"]
     return out
 
 
@@ -317,23 +337,29 @@ def report(runs, args):
              f"of the model on the same batches: {args.warmup} warm-up steps (deepreduce and "
              f"PowerSGD compress from step {args.start_iter}, and DDP rebuilds its buckets "
              f"after the first), then {args.steps} timed steps in {args.rounds} turns, the "
-             "schemes alternating. Step time: median on rank 0 (quartiles in the JSON "
-             "file). MB sent: what one rank contributes to the collectives per step. Wire "
-             "MB: everything that crossed the namespace's loopback per step, both ranks, "
-             "TCP framing included. Loss: mean training loss over the last turn.", ""]
+             "schemes alternating in an order drawn afresh each round. Step time: median on "
+             "rank 0 (quartiles in the JSON file). MB sent: what one rank contributes to the "
+             "collectives per step. Wire MB: everything that crossed the namespace's "
+             "loopback per step, both ranks, TCP framing included. Loss: mean training loss "
+             "over the last turn.", ""]
     for run in runs:
         lines += [f"## {run['rate']} (single TCP stream measured {run['measured_gbit']:.2f} "
                   f"Gbit/s; load average {run['load']:.1f})", "",
                   "| scheme | step ms (median) | x faster than DDP allreduce | MB sent per rank "
-                  "| wire MB per step | loss after the timed steps |",
-                  "|---|---|---|---|---|---|"]
+                  "| wire MB per step | encode + decode ms | of which codecs ms | exchange ms "
+                  "| loss after the timed steps |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         dense = next((r for r in run["results"] if r["kind"] == "dense"), None)
         for r in run["results"]:
             speedup = f"{dense['step_ms_median'] / r['step_ms_median']:.2f}" if dense else ""
             wire = (f"{r['wire_bytes_per_step'] / 1e6:.2f}"
                     if r.get("wire_bytes_per_step") is not None else "n/a")
+            path = f"{r['encode_ms'] + r['decode_ms']:.1f}" if "encode_ms" in r else ""
+            codec = f"{r['codec_ms']:.1f}" if r.get("codec_ms") else ""
+            exchange = f"{r['exchange_ms']:.1f}" if "exchange_ms" in r else ""
             lines.append(f"| {r['scheme']} | {r['step_ms_median']:.1f} | {speedup} | "
-                         f"{r['bytes_sent'] / 1e6:.3f} | {wire} | {r['final_loss']:.3f} |")
+                         f"{r['bytes_sent'] / 1e6:.3f} | {wire} | {path} | {codec} | {exchange} "
+                         f"| {r['final_loss']:.3f} |")
         t = run["targets"] = targets(run)
         if t:
             lines += ["", f"`{DEEPREDUCE}` against the others, as step-time ratios: DDP "
@@ -345,6 +371,12 @@ def report(runs, args):
                               f"{'PASS' if t.get('vs_dense', 0) >= 5 else 'FAIL'}; at least 2x "
                               "shorter than PowerSGD rank 1: "
                               f"{'PASS' if t.get('vs_powersgd_rank1', 0) >= 2 else 'FAIL'}.")
+            if "vs_limit" in t:
+                lines[-1] += (f" Its physical limit, the compute-only step plus the wire time of "
+                              f"its bytes at the measured rate: "
+                              f"{t['limit_ms'] - t['wire_ms']:.1f} + {t['wire_ms']:.1f} = "
+                              f"{t['limit_ms']:.1f} ms; deepreduce takes {t['vs_limit']:.2f}x "
+                              "that.")
         lines.append("")
     lines += ["## Notes", "",
               "* PowerSGD runs with one bucket: with several, it aborted on gloo with a "
@@ -354,7 +386,15 @@ def report(runs, args):
               "selection); deepreduce's Top-k samples a threshold and scans once.",
               "* deepreduce's MB sent is its bundle (or, for sparse_allreduce and block, every "
               "frame it hands to both of their collectives); TorchTransport pads frames to "
-              "the longest rank's, which the wire column includes.", "",
+              "the longest rank's, which the wire column includes.",
+              "* deepreduce's times are this rank's per step, medians over the timed steps, "
+              "summed over the buckets DDP hands the hook: *encode + decode* from the bucket to "
+              "the payloads (error feedback, Top-k, codecs; during backward) and from the "
+              "gathered payloads to the averaged gradients (on the transport's thread), *of "
+              "which codecs* the part inside the index and value codecs (the reducing "
+              "communicators code inside their collectives and show none), *exchange* from the "
+              "end of a bucket's encoding to the start of its decoding, waiting for the other "
+              "rank included; a bucket's exchange overlaps the backward pass of the next.", "",
               f"![step time per scheme]({Path(args.out).with_suffix('.png').name})", ""]
     return "\n".join(lines)
 
