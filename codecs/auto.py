@@ -242,7 +242,9 @@ class AutoIndices(IndexCodec):
         self.link_gbits = link_gbits
 
     def choose(self, indices: np.ndarray, n: int) -> tuple[int, bytes]:
-        """``(tag byte, sub-codec stream)`` for a non-empty index set.
+        """``(tag byte, sub-codec stream)`` for an index set: :meth:`encode` gives it a
+        non-empty one, and the estimates the complement of a dense one, which is empty
+        for a full set (then the stream is too).
 
         The set must pass :func:`deepreduce.bits.check_indices` but for its
         order, which is checked here (the Golomb stream, written first, checks it).
