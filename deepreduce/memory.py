@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from deepreduce.sparse import SparseTensor
@@ -11,18 +13,19 @@ from deepreduce.sparsifiers import Sparsifier
 class ResidualMemory:
     """Residual per tensor name, so no gradient mass is silently lost.
 
-    Each step, for every tensor ``name``::
+    Error feedback in two halves around each encoding, for every tensor ``name``::
 
-        corrected = memory.compensate(name, gradient)      # gradient + beta * residual
+        corrected = memory.accumulate(name, gradient)      # gradient + beta * residual
         payload, received = pipeline.encode(corrected)
-        memory.update(name, corrected, received)           # residual = corrected - received
+        memory.settle(name, corrected, received)           # residual = corrected - received
 
     ``received`` is what the receiver decodes (the pipeline returns it), so the
     residual is exact: ``corrected == received.to_dense() + residual`` holds
     element for element (one subtraction per delivered entry, zero rounding
-    elsewhere). :meth:`accumulate` and :meth:`settle` do the same without a
-    tensor-sized copy (the gradient is added into the residual's memory), and
-    :meth:`feedback` wraps them around one encoding.
+    elsewhere). The gradient is added into the residual's own memory: no
+    tensor-sized array is made. :meth:`accumulate_and_select` fuses the first
+    half with the sparsifier; :meth:`pay` is the step that sends everything
+    owed uncompressed. Every path of deepreduce uses these.
 
     Parameters
     ----------
@@ -36,12 +39,12 @@ class ResidualMemory:
     >>> import numpy as np, deepreduce as dr
     >>> memory, pipe = dr.ResidualMemory(), dr.Pipeline(dr.TopK(1))
     >>> g = np.array([0.5, -2.0, 1.0], np.float32)
-    >>> corrected = memory.compensate("w", g)
+    >>> corrected = memory.accumulate("w", g)
     >>> payload, received = pipe.encode(corrected)
-    >>> memory.update("w", corrected, received)
+    >>> memory.settle("w", corrected, received)
     >>> memory.residual("w")
     array([0.5, 0. , 1. ], dtype=float32)
-    >>> memory.compensate("w", g)
+    >>> memory.accumulate("w", g)
     array([ 1., -2.,  2.], dtype=float32)
     """
 
@@ -52,62 +55,17 @@ class ResidualMemory:
         self.beta = beta
         self._residuals: dict[str, np.ndarray] = {}
 
-    def compensate(self, name: str, gradient) -> np.ndarray:
-        """Return ``gradient + beta * residual[name]`` (the gradient itself the first time)."""
-        gradient = gradient.to_dense() if isinstance(gradient, SparseTensor) else \
-            np.asarray(gradient)
-        residual = self._residuals.get(name)
-        if residual is None or self.beta == 0.0:
-            return gradient
-        if residual.shape != gradient.shape:
-            raise ValueError(f"tensor {name!r} changed shape from {residual.shape} to "
-                             f"{gradient.shape}; call reset({name!r}) first")
-        return gradient + (residual if self.beta == 1.0 else self.beta * residual).astype(
-            gradient.dtype, copy=False)
-
-    def update(self, name: str, sent_input, received: SparseTensor) -> None:
-        """Store ``sent_input - received`` as the residual of ``name``."""
-        if isinstance(sent_input, SparseTensor):
-            residual = sent_input.to_dense()
-        else:
-            residual = np.array(sent_input, copy=True, order="C")
-        self._store(name, residual, received)
-
-    def feedback(self, name: str, gradient, encode):
-        """Error feedback around one encoding: :meth:`accumulate`, ``encode``, :meth:`settle`.
-
-        ``encode(corrected)`` must return ``(payload, received)``; so does this.
-        The residual is the same, bit for bit, as with :meth:`compensate` and
-        :meth:`update`, but no tensor-sized array is made. If ``encode``
-        raises, nothing was delivered and the residual holds the whole
-        corrected gradient, as error feedback wants.
-
-        Examples
-        --------
-        >>> import numpy as np, deepreduce as dr
-        >>> memory, pipe = dr.ResidualMemory(), dr.Pipeline(dr.TopK(1))
-        >>> g = np.array([0.5, -2.0, 1.0], np.float32)
-        >>> payload, received = memory.feedback("w", g, pipe.encode)
-        >>> payload, received = memory.feedback("w", g, pipe.encode)
-        >>> received.values, memory.residual("w")
-        (array([-2.], dtype=float32), array([1., 0., 2.], dtype=float32))
-        """
-        corrected = self.accumulate(name, gradient)
-        payload, received = encode(corrected)
-        self.settle(name, corrected, received)
-        return payload, received
-
     def accumulate(self, name: str, gradient) -> np.ndarray:
         """First half of error feedback: ``gradient + beta * residual``, made in place.
 
         The gradient is added into the residual's own memory, which then holds
         everything owed until :meth:`settle` subtracts what was delivered (a
         fresh array of a large gradient costs more in page faults than the
-        addition). The result is that memory: read it, do not keep it. Same
-        bits as :meth:`compensate`.
+        addition). The result is that memory: read it, do not keep it. A
+        sparse gradient, or the first one of a name, gives a new array instead.
         """
         corrected = self._corrected_in_place(name, gradient)
-        return self.compensate(name, gradient) if corrected is None else corrected
+        return self._compensated(name, gradient) if corrected is None else corrected
 
     def settle(self, name: str, corrected, received: SparseTensor,
                selected: SparseTensor | None = None) -> None:
@@ -116,8 +74,8 @@ class ResidualMemory:
         ``corrected`` is what :meth:`accumulate` returned; ``received`` is what
         the receivers decode. When ``corrected`` is the residual's own memory
         (accumulate's usual case) the delivered entries are subtracted there;
-        otherwise, or when ``received`` views it, the residual is a copy, as
-        :meth:`update` makes. ``selected``, when given, is what the sparsifier
+        otherwise, or when ``received`` views it, the residual is a copy of
+        ``corrected`` less ``received``. ``selected``, when given, is what the sparsifier
         took from ``corrected``: where ``received`` has the same index array,
         its values are ``corrected``'s there, and reading them again is skipped.
         """
@@ -125,7 +83,9 @@ class ResidualMemory:
                 and not np.may_share_memory(received.values, corrected):
             self._store(name, corrected, received, selected)
         else:
-            self.update(name, corrected, received)
+            residual = corrected.to_dense() if isinstance(corrected, SparseTensor) else \
+                np.array(corrected, copy=True, order="C")
+            self._store(name, residual, received)
 
     def accumulate_and_select(self, name: str, gradient, sparsifier):
         """:meth:`accumulate`, then ``sparsifier`` applied to the result.
@@ -146,7 +106,7 @@ class ResidualMemory:
     def _corrected_in_place(self, name, gradient):
         """``gradient + beta * residual`` computed in the residual's memory (None when
         the residual cannot take it: none yet, another shape or dtype, a sparse
-        gradient). The same bits as :meth:`compensate`: the sum commutes."""
+        gradient). The same bits as :meth:`_compensated`: the sum commutes."""
         residual = self._in_place_residual(name, gradient)
         if residual is not None:
             np.add(residual, gradient, out=residual)
@@ -165,6 +125,53 @@ class ResidualMemory:
             np.multiply(residual, self.beta, out=residual)
         return residual
 
+    def pay(self, name: str, gradient: np.ndarray) -> np.ndarray:
+        """Add what is owed to ``name`` into ``gradient`` (in place) and forget it.
+
+        For a step that sends the whole corrected gradient as it is (a dense
+        allreduce before compression starts): nothing is left owed.
+        """
+        residual = self._residuals.pop(name, None)
+        if residual is not None and self.beta != 0.0:
+            owed = residual if self.beta == 1.0 else self.beta * residual
+            gradient += owed.astype(gradient.dtype, copy=False).reshape(gradient.shape)
+        return gradient
+
+    def _compensated(self, name: str, gradient) -> np.ndarray:
+        """``gradient + beta * residual[name]`` as a new array (the gradient itself the
+        first time)."""
+        gradient = gradient.to_dense() if isinstance(gradient, SparseTensor) else \
+            np.asarray(gradient)
+        residual = self._residuals.get(name)
+        if residual is None or self.beta == 0.0:
+            return gradient
+        if residual.shape != gradient.shape:
+            raise ValueError(f"tensor {name!r} changed shape from {residual.shape} to "
+                             f"{gradient.shape}; call reset({name!r}) first")
+        return gradient + (residual if self.beta == 1.0 else self.beta * residual).astype(
+            gradient.dtype, copy=False)
+
+    # -- the earlier API, kept for callers written against it ----------------------------
+    def compensate(self, name: str, gradient) -> np.ndarray:
+        """Deprecated: :meth:`accumulate` (which adds in place) does this."""
+        _deprecated("compensate", "accumulate")
+        return self._compensated(name, gradient)
+
+    def update(self, name: str, sent_input, received: SparseTensor) -> None:
+        """Deprecated: :meth:`settle` does this."""
+        _deprecated("update", "settle")
+        residual = sent_input.to_dense() if isinstance(sent_input, SparseTensor) else \
+            np.array(sent_input, copy=True, order="C")
+        self._store(name, residual, received)
+
+    def feedback(self, name: str, gradient, encode):
+        """Deprecated: call :meth:`accumulate`, encode, then :meth:`settle`."""
+        _deprecated("feedback", "accumulate and settle")
+        corrected = self.accumulate(name, gradient)
+        payload, received = encode(corrected)
+        self.settle(name, corrected, received)
+        return payload, received
+
     def _store(self, name, residual: np.ndarray, received: SparseTensor, selected=None) -> None:
         """Subtract ``received`` from ``residual`` (C-contiguous, ours) in place and keep it."""
         if residual.size != received.size:
@@ -182,7 +189,7 @@ class ResidualMemory:
     def residual(self, name: str) -> np.ndarray | None:
         """The stored residual of ``name`` (None before its first update).
 
-        The array itself, not a copy: :meth:`feedback` updates it in place, so
+        The array itself, not a copy: :meth:`accumulate` updates it in place, so
         copy it to keep it.
         """
         return self._residuals.get(name)
@@ -207,3 +214,8 @@ class ResidualMemory:
 
     def __len__(self) -> int:
         return len(self._residuals)
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"ResidualMemory.{old} is deprecated; use {new}", DeprecationWarning,
+                  stacklevel=3)

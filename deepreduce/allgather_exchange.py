@@ -1,0 +1,417 @@
+"""The allgather exchange (DeepReduce's scheme): bundles to every rank, decoded and summed.
+
+Every rank packs its gradients' payloads (one per gradient, or one per group of
+small gradients of a dtype) into a bundle (:mod:`deepreduce.bundle`), the
+bundles are allgathered whatever their lengths, and every rank splits them,
+decodes every payload and sums in rank order, so all ranks end with
+bit-identical results.
+
+Why bundles rather than ``collectives.AllgatherReduce`` for training: the bundle
+carries self-checking payloads of every dtype in one allgather, each gradient
+gets its own error feedback and sparsifier (small ones go losslessly), a large
+one its own payload and ``auto`` choice, and sparse gradients come back as the
+rows any rank touched; ``AllgatherReduce`` fuses the gradients of one dtype into
+a single payload. Both sum with the functions of :mod:`deepreduce.collectives.base`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import numpy as np
+
+from deepreduce.bundle import check_holds, pack_bundle, split_bundles, split_shared
+from deepreduce.collectives.base import (returns_only_what_ranks_lack, scale_at,
+                                         sum_sorted_into, sum_sparse)
+from deepreduce.errors import DecodeError
+from deepreduce.pipeline import decode
+from deepreduce.selection import _size
+from deepreduce.sparse import SparseTensor, zeros
+from deepreduce.sparsifiers import _as_float_array
+from deepreduce.stats import StepStats
+
+#: Compressed tensors below this many elements share a payload (see
+#: :meth:`AllgatherExchange._shared_payloads`); larger ones keep their own, and with it
+#: ``auto``'s choice of index code for them alone.
+SHARED_BELOW = 1 << 16
+
+
+class AllgatherExchange:
+    """Encode one rank's gradients into a bundle; decode and sum the ranks' bundles.
+
+    Parameters
+    ----------
+    selector : Selector
+        The exchange's per-tensor step (pipelines, error feedback).
+
+    The caller (:class:`~deepreduce.exchange.GradientExchange`) serialises
+    encodings; a decoding may run beside the next step's encoding, since the
+    two share nothing but the sums kept for reuse, which only decoding touches.
+    """
+
+    def __init__(self, selector):
+        self.selector = selector
+        pipeline = selector.pipeline
+        # coding the selections of several tensors as one (indices offset, values
+        # concatenated) delivers to each exactly what coding it alone would, so they
+        # may share a payload
+        self._selections_share = (
+            returns_only_what_ranks_lack(pipeline)
+            and all(getattr(codec, "seed", None) is None
+                    for codec in (pipeline.index_codec, pipeline.value_codec)))
+        self._sums = _ReusedSums()
+        self._codec_seconds = 0.0
+
+    def _encode_timed(self, pipeline, selected, dense):
+        """``pipeline.encode_sparse(selected, dense)``, adding the time of its codecs to
+        ``_codec_seconds``."""
+        start = time.perf_counter()
+        try:
+            return pipeline.encode_sparse(selected, dense)
+        finally:
+            self._codec_seconds += time.perf_counter() - start
+
+    def encode_tensor(self, name, x) -> tuple[bytes, SparseTensor]:
+        """``(payload, received)`` of one tensor, its error feedback settled."""
+        selection = self.selector.select(name, x)
+        payload, received = self._encode_timed(selection.pipeline, selection.selected,
+                                               selection.dense)
+        self.selector.settle(selection, received)
+        return payload, received
+
+    def encode(self, names, tensors):
+        """``(bundle, (bundle, decoded), stats)``: this rank's bundle of ``tensors`` (dense
+        arrays or SparseTensors), with what the ranks will decode of each of its payloads.
+
+        Every dense gradient's error feedback and selection come first, then the
+        codecs, then the residuals' updates: if a codec raises, nothing is sent and
+        every dense gradient's residual still holds all it owes.
+        """
+        start = time.perf_counter()
+        self._codec_seconds = 0.0
+        shared = self._shared_payloads(tensors)
+        sharing = {t: group for group in shared for t, _ in group[1]}
+        payloads, slots, receiveds, decoded = [], [], [None] * len(tensors), []
+        # Every dense tensor's error feedback and selection first, then the codecs
+        # back to back, then the residuals: a codec call right after a pass over a
+        # whole gradient and its residual finds its code and tables evicted, and
+        # in a training step took 2-3x its warm time. (Sparse ones one at a time:
+        # their error feedback makes a dense sum each.)
+        selections = {t: self.selector.select(name, x) for t, (name, x)
+                      in enumerate(zip(names, tensors))
+                      if t not in sharing and not isinstance(x, SparseTensor)}
+        settles = []
+        for t, (name, x) in enumerate(zip(names, tensors)):
+            group = sharing.get(t)
+            if group is None:
+                slots.append(len(payloads))
+                if t in selections:
+                    selection = selections[t]
+                    payload, receiveds[t] = self._encode_timed(
+                        selection.pipeline, selection.selected, selection.dense)
+                    settles.append((selection, receiveds[t], None))
+                else:
+                    payload, receiveds[t] = self.encode_tensor(name, x)
+                payloads.append(payload)
+                decoded.append(receiveds[t])
+            elif t == group[1][0][0]:  # the group travels where its first tensor is
+                slots.append(len(payloads))
+                payload, whole, parts = self._encode_shared(*group, names, settles)
+                payloads.append(payload)
+                decoded.append(whole)
+                for (member, _), part in zip(group[1], parts):
+                    receiveds[member] = part
+            else:
+                slots.append(slots[group[1][0][0]])
+        # (if a coding raised, nothing was sent: every dense tensor's residual still
+        # holds its whole corrected gradient)
+        for selection, received, selected in settles:
+            self.selector.settle(selection, received, selected)
+        bundle = (pack_bundle(payloads, slots, [receiveds[t].shape for t in sorted(sharing)])
+                  if shared else pack_bundle(payloads))
+        min_size = self.selector.min_size
+        stats = StepStats(steps=1, tensors=len(tensors),
+                          compressed_tensors=sum(r.size >= min_size for r in receiveds),
+                          bytes_sent=len(bundle),
+                          dense_bytes=sum(r.size * r.dtype.itemsize for r in receiveds),
+                          encode_seconds=time.perf_counter() - start,
+                          codec_seconds=self._codec_seconds)
+        return bundle, (bundle, decoded), stats
+
+    def _shared_payloads(self, tensors) -> list[tuple[bool, list]]:
+        """The tensors that travel in a shared payload: ``(selects, members)`` per payload,
+        ``members`` their ``(position, array)``.
+
+        Per dtype, the dense tensors below ``min_size`` share a lossless payload
+        (``selects`` False) and, when the codecs code each selection as they would
+        alone, those from ``min_size`` to :data:`SHARED_BELOW` elements share one of
+        their selections (``selects`` True): two or more tensors a payload. Each
+        of them then costs a slice of a payload instead of one (its header, checksum
+        and codec calls, and decoding them again for every rank).
+        """
+        groups, min_size = {}, self.selector.min_size
+        for t, x in enumerate(tensors):
+            size = _size(x)
+            if isinstance(x, SparseTensor) or size >= SHARED_BELOW or (
+                    size >= min_size and not self._selections_share):
+                continue
+            array = x if isinstance(x, np.ndarray) and x.dtype.kind == "f" else _as_float_array(x)
+            groups.setdefault((size >= min_size, array.dtype), []).append((t, array))
+        return [(selects, members) for (selects, _), members in groups.items()
+                if len(members) > 1]
+
+    def _encode_shared(self, selects: bool, members, names,
+                       settles: list) -> tuple[bytes, SparseTensor, list]:
+        """``(payload, whole, tensors)``: the payload of ``members`` (see
+        :meth:`_shared_payloads`), what the receivers decode of it and of each member.
+        Appends to ``settles`` what finishes their error feedback."""
+        shapes = [array.shape for _, array in members]
+        if not selects:
+            flat = np.concatenate([array.reshape(-1) for _, array in members])
+            selection = self.selector.select(None, flat, lossless=True)
+            payload, whole = self._encode_timed(selection.pipeline, selection.selected,
+                                                selection.dense)
+            return payload, whole, split_shared(whole, shapes)
+        # each tensor's own error feedback and selection, then one coding of them all
+        selections, values, indices, offset = [], [], [], 0
+        for t, array in members:
+            selection = self.selector.select(names[t], array)
+            selections.append(selection)
+            values.append(selection.selected.values)
+            indices.append(selection.selected.indices + offset)
+            offset += array.size
+        whole = SparseTensor._trusted(np.concatenate(values), np.concatenate(indices), (offset,))
+        payload, received = self._encode_timed(self.selector.pipeline, whole, None)
+        parts = split_shared(received, shapes)
+        for selection, part in zip(selections, parts):
+            # (the index code is exact: the part's indices are the selection's)
+            settles.append((selection, part, SparseTensor._trusted(
+                selection.selected.values, part.indices, part.shape)))
+        return payload, received, parts
+
+    def decode(self, groups, ranks, rank, average, as_rows, out, sent, out_keys=None):
+        """``(results, stats)``: the tensors of the allgathered ``groups`` of bundles, summed.
+
+        See :meth:`~deepreduce.exchange.GradientExchange.decode_groups` for the
+        arguments. ``sent``: per group, this rank's bundle and what each of its
+        payloads decodes to (see :meth:`encode`), or None. ``out_keys``: as
+        :meth:`~deepreduce.exchange.GradientExchange.reduce_async`'s reuse_out,
+        the name of each tensor, under which the positions written into its
+        ``out`` are kept."""
+        start = time.perf_counter()
+        read, received = [], 0
+        for gathered in groups:
+            if isinstance(gathered, (list, tuple)):
+                if len(gathered) != ranks:
+                    raise DecodeError(f"{len(gathered)} bundles for {ranks} ranks")
+                read.append([split_bundles(bundle, 1)[0] for bundle in gathered])
+                received += sum(memoryview(bundle).nbytes for bundle in gathered)
+            else:
+                read.append(split_bundles(gathered, ranks))
+                received += memoryview(gathered).nbytes
+        counts = [sum(len(per_rank[r].slots) for per_rank in read) for r in range(ranks)]
+        count = counts[rank]
+        for r, tensors in enumerate(counts):
+            if tensors != count:
+                raise DecodeError(f"rank {r} sent {tensors} tensors, rank {rank} sent "
+                                  f"{count}: every rank must reduce the same gradients")
+        as_rows = [False] * count if as_rows is None else list(as_rows)
+        if len(as_rows) != count:
+            raise ValueError(f"as_rows has {len(as_rows)} entries for {count} tensors")
+        codec_start = time.perf_counter()
+        units, first = [], 0
+        for per_rank, own in zip(read, sent):
+            # a rank's own payloads are what it encoded, unless its bundle came back
+            # changed (bytes(view) == bytes is one memcmp)
+            decoded = [own[1] if r == rank and own is not None and bytes(bundle.data) == own[0]
+                       else [decode(p) for p in bundle.payloads]
+                       for r, bundle in enumerate(per_rank)]
+            units += _units(per_rank, decoded, rank, first, as_rows)
+            first += len(per_rank[rank].slots)
+        codec_seconds = time.perf_counter() - codec_start
+        results = [None] * count
+        scale = 1.0 / ranks if average else None
+        for positions, shapes, parts in units:
+            reference = parts[rank]
+            for r, part in enumerate(parts):
+                if part.shape != reference.shape or part.dtype != reference.dtype:
+                    what = f"tensor {positions[0]}" if shapes is None else \
+                        f"the payload of tensors {positions}"
+                    raise DecodeError(f"{what}: rank {r} sent {part.shape} {part.dtype}, "
+                                      f"rank {rank} sent {reference.shape} {reference.dtype}")
+            if shapes is not None:
+                self._reduce_shared(positions, shapes, parts, reference, scale, out, out_keys,
+                                    results)
+                continue
+            i = positions[0]
+            if as_rows[i]:
+                results[i] = _sum_rows(parts, scale)
+                continue
+            # the sequential sum in the dtype, as Horovod's dense allreduce computes it,
+            # straight into the dense result: no per-rank arrays, no union of supports
+            accumulator = _accumulator(reference.dtype)
+            target = None if out is None or out[i] is None else \
+                _writable_flat(out[i], reference.size, reference.dtype)
+            if target is not None and target.dtype == accumulator:
+                total = target
+                stale = None if out_keys is None else self._sums.written(out_keys[i], target)
+                if stale is None:
+                    total.fill(0)
+            else:
+                total, stale = self._sums.zeros(i, reference.size, accumulator)
+            touched = sum_sorted_into(total, parts, scale, stale)
+            result = total.astype(reference.dtype, copy=False)
+            if target is None:
+                self._sums.keep(i, total, touched)
+            elif out_keys is not None and total is target:
+                self._sums.keep_written(out_keys[i], target, touched)
+            elif result is not target:
+                np.copyto(target, result)
+                result = target
+            results[i] = result.reshape(reference.shape)
+        return results, StepStats(bytes_received=received,
+                                  decode_seconds=time.perf_counter() - start,
+                                  codec_seconds=codec_seconds)
+
+    def _reduce_shared(self, positions, shapes, parts, reference, scale, out, out_keys,
+                       results) -> None:
+        """Sum the ranks' ``parts`` of one shared payload at once, into ``results`` at
+        ``positions``: views of one dense sum, or copies into ``out``."""
+        accumulator, key = _accumulator(reference.dtype), ("shared", positions[0])
+        total, stale = self._sums.zeros(key, reference.size, accumulator)
+        self._sums.keep(key, total, sum_sorted_into(total, parts, scale, stale))
+        flat, start = total.astype(reference.dtype, copy=False), 0
+        for t, shape in zip(positions, shapes):
+            size = math.prod(shape)
+            result = flat[start:start + size].reshape(shape)
+            start += size
+            if out is not None and out[t] is not None:
+                target = _writable_flat(out[t], size, reference.dtype)
+                np.copyto(target, result.reshape(-1))
+                if out_keys is not None:  # written whole: no record of positions holds
+                    self._sums.written(out_keys[t], target)
+                result = out[t]
+            results[t] = result
+
+
+def _writable_flat(array: np.ndarray, size: int, dtype: np.dtype) -> np.ndarray:
+    """``array`` as a flat view, after checking that it can hold ``size`` values of
+    ``dtype``."""
+    if not isinstance(array, np.ndarray) or array.size != size or array.dtype != dtype \
+            or not array.flags.c_contiguous or not array.flags.writeable:
+        raise ValueError(f"out must be a writable C-contiguous {dtype} array of "
+                         f"{size} elements")
+    return array.reshape(-1)
+
+
+def _units(bundles, decoded, rank: int, first: int, as_rows) -> list:
+    """What one allgather's ``bundles`` (one per rank, payloads ``decoded``) hold, as
+    ``(positions, shapes, parts)`` to reduce: one per tensor (``shapes`` None), and one
+    per shared payload when every rank shares it alike (its tensors' ``shapes``, the
+    ranks' whole payloads as ``parts``). ``first``: the position of the first tensor."""
+    reference = bundles[rank]
+    alike = all(b.slots == reference.slots and b.shapes == reference.shapes for b in bundles)
+    members = reference.shared() if alike else {}
+    # (rows are reduced per tensor: the rows any rank touched)
+    shared = {slot: ts for slot, ts in members.items()
+              if not any(as_rows[first + t] for t in ts)}
+    tensors = None if len(shared) == len(members) and alike else \
+        [b.tensors(d) for b, d in zip(bundles, decoded)]
+    units = []
+    for t, slot in enumerate(reference.slots):
+        if slot not in shared:
+            units.append(([first + t], None, [
+                d[slot] if tensors is None else tensors[r][t] for r, d in enumerate(decoded)]))
+        elif t == shared[slot][0]:
+            shapes = [reference.shapes[m] for m in shared[slot]]
+            check_holds(decoded[rank][slot], sum(math.prod(shape) for shape in shapes),
+                         f"bundle of rank {rank}, payload {slot}")
+            units.append(([first + m for m in shared[slot]], shapes, [d[slot] for d in decoded]))
+    return units
+
+
+
+
+def _accumulator(dtype: np.dtype) -> np.dtype:
+    return np.dtype(np.float64) if dtype.itemsize >= 8 else np.dtype(np.float32)
+
+
+def _references(array: np.ndarray) -> int:
+    """References to the memory of ``array``, an array from :func:`~deepreduce.sparse.zeros`:
+    every view of it holds one, and so does a TensorFlow tensor that adopted a view."""
+    return sys.getrefcount(array.base)
+
+
+#: :func:`_references` of an array nobody else views: measured, because the
+#: temporaries the count includes differ between Python versions.
+_UNSHARED = _references(zeros(1, np.float32))
+
+
+class _ReusedSums:
+    """Each tensor's dense sum of the last decode, rewritten in place once nobody holds it;
+    and where the sums written into a caller's arrays (``reuse_out``) are non-zero.
+
+    A reduced gradient is zeros plus the ranks' sparse entries. Writing it into
+    last step's array costs resetting the entries that array holds, not a pass
+    over the whole tensor, and the array is aligned so that TensorFlow adopts it
+    as a tensor instead of copying it. An array anything still views (a tensor
+    TensorFlow has not released, a result the caller kept) is left alone and a
+    fresh one replaces it.
+    """
+
+    def __init__(self):
+        self._last = {}
+        self._written = {}
+
+    def zeros(self, key, size: int, dtype) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(total, stale)``: a flat array, zero except perhaps at the positions
+        ``stale``: last step's for ``key`` when it is free (with the positions it
+        holds), else a new one (and None)."""
+        last = self._last.pop(key, None)
+        if last is not None:
+            total, touched = last
+            if total.size == size and total.dtype == dtype and _references(total) == _UNSHARED:
+                return total, touched
+        return zeros(size, dtype), None
+
+    def keep(self, key, total: np.ndarray, touched: np.ndarray) -> None:
+        """Remember ``total`` (from :meth:`zeros`), non-zero at most at ``touched``."""
+        self._last[key] = (total, touched)
+
+    def written(self, key, target: np.ndarray) -> np.ndarray | None:
+        """The positions :meth:`keep_written` recorded under ``key`` when ``target`` is the
+        same memory as then (else None: the whole array must be reset)."""
+        last = self._written.pop(key, None)
+        if last is not None and last[0] == _memory_of(target):
+            return last[1]
+        return None
+
+    def keep_written(self, key, target: np.ndarray, touched: np.ndarray) -> None:
+        """Remember that ``target`` is zero but perhaps at ``touched``."""
+        self._written[key] = (_memory_of(target), touched)
+
+
+def _memory_of(array: np.ndarray) -> tuple:
+    return array.__array_interface__["data"][0], array.size, array.dtype.str
+
+
+def _sum_rows(parts, scale):
+    """Sum the ranks' sparse tensors into ``(values, rows)`` of the touched rows only."""
+    first = parts[0]
+    row_shape = first.shape[1:]
+    row_size = int(np.prod(row_shape, dtype=np.int64))
+    if row_size == 0:
+        return np.zeros((0, *row_shape), first.dtype), np.zeros(0, np.int64)
+    accumulator = _accumulator(first.dtype)
+    summed = sum_sparse(parts, first.size, accumulator, accumulator)
+    row_of = summed.indices // row_size
+    rows = np.unique(row_of)
+    total = np.zeros(rows.size * row_size, accumulator)
+    slots = np.searchsorted(rows, row_of) * row_size + summed.indices % row_size
+    total[slots] = summed.values
+    if scale is not None:
+        scale_at(total, slots, scale)
+    values = total.astype(first.dtype, copy=False)
+    return values.reshape(rows.size, *row_shape), rows
