@@ -1,13 +1,17 @@
-"""Train a small MLP with PyTorch DDP on two gloo ranks of this machine, with deepreduce.
+"""Train a small MLP with PyTorch DDP and deepreduce's communication hook.
 
-    python examples/torch_ddp.py                 # deepreduce: Top-1%, auto indices, fp16
-    python examples/torch_ddp.py --dense         # DDP's own allreduce, for comparison
+    torchrun --nproc-per-node=2 examples/torch_ddp.py           # Top-1%, auto indices, fp16
+    torchrun --nproc-per-node=2 examples/torch_ddp.py --dense   # DDP's own allreduce
+
+Across two hosts, run on each (HOST being the first one's address):
+
+    torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d \
+        --rdzv-endpoint=HOST:29500 examples/torch_ddp.py
 
 Each rank learns the same synthetic regression task from its own batches; the
 hook sends each gradient's largest 1% (error feedback keeps the rest for later
-steps). It prints the loss and, for deepreduce, the bytes sent per step against
-DDP's dense bytes. Across hosts, start one process per rank with the usual
-MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE and call ``train(rank, world)``.
+steps). Rank 0 prints the loss and, for deepreduce, the bytes sent in the last
+step against DDP's dense bytes. gloo on CPUs, NCCL when CUDA is available.
 """
 
 import argparse
@@ -15,55 +19,57 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import deepreduce as dr
 import deepreduce.torch as drt
 
 
-def train(rank: int, world: int, steps: int = 200, dense: bool = False) -> None:
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--dense", action="store_true", help="DDP's allreduce, no hook")
+    args = parser.parse_args()
+
+    rank = int(os.environ["RANK"])             # set by torchrun, with WORLD_SIZE,
+    local_rank = int(os.environ["LOCAL_RANK"])  # LOCAL_RANK, MASTER_ADDR and MASTER_PORT
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+
     torch.manual_seed(0)                       # same initial model on every rank
     net = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),
                               torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                              torch.nn.Linear(512, 1))
-    target = torch.nn.Linear(64, 1)            # the function to learn
-    model = torch.nn.parallel.DistributedDataParallel(net)
+                              torch.nn.Linear(512, 1)).to(device)
+    target = torch.nn.Linear(64, 1).to(device)  # the function to learn
+    model = torch.nn.parallel.DistributedDataParallel(
+        net, device_ids=[local_rank] if cuda else None)
     state = None
-    if not dense:
+    if not args.dense:
         state = drt.DeepReduceState(sparsifier=dr.TopK(0.01), index="auto", value="fp16",
                                     start_iter=10)
         model.register_comm_hook(state, drt.deepreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    data = torch.Generator().manual_seed(rank)
-    for step in range(steps):
-        if state is not None and step == steps - 1:
+
+    data = torch.Generator().manual_seed(rank)  # each rank its own batches
+    for step in range(args.steps):
+        if state is not None and step == args.steps - 1:
             before = state.stats.snapshot()
-        x = torch.randn(64, 64, generator=data)
+        x = torch.randn(64, 64, generator=data).to(device)
         with torch.no_grad():
             y = torch.sin(target(x))
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
-        if rank == 0 and (step + 1) % max(1, steps // 5) == 0:
+        if rank == 0 and (step + 1) % max(1, args.steps // 5) == 0:
             print(f"step {step + 1:4d}  loss {loss.item():.4f}", flush=True)
     if rank == 0 and state is not None:
-        last = state.stats.snapshot() - before    # every bucket of the last step
+        last = state.stats.snapshot() - before  # every bucket of the last step
         print(f"deepreduce: {last.bytes_sent:,} bytes sent in the last step against "
-              f"{last.dense_bytes:,} dense ({last.ratio:.1f}x fewer)")
+              f"{last.dense_bytes:,} dense ({last.ratio:.1f}x fewer)", flush=True)
     dist.destroy_process_group()
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--dense", action="store_true", help="DDP's allreduce, no hook")
-    args = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    mp.spawn(train, args=(args.ranks, args.steps, args.dense), nprocs=args.ranks)
 
 
 if __name__ == "__main__":
