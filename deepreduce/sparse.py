@@ -178,6 +178,77 @@ class SparseTensor:
         return cls(summed.astype(dtype), unique, shape, dtype)
 
     @classmethod
+    def from_rows(cls, values, rows, shape, dtype=None) -> "SparseTensor":
+        """From whole rows of a tensor (``tf.IndexedSlices``, a sparse embedding gradient).
+
+        Row ``rows[i]`` of the dense tensor is ``values[i]``; rows that appear
+        more than once are summed, as :meth:`from_pairs` sums repeated indices
+        (in float64 for narrower dtypes, rounded once). Nothing is densified:
+        the work grows with the values given, not with ``shape``.
+
+        Parameters
+        ----------
+        values : array_like
+            Shape ``(len(rows), *shape[1:])``.
+        rows : array_like
+            1-D integers, each in ``[0, shape[0])``, in any order.
+        shape : tuple of int
+            Shape of the dense tensor, at least one dimension.
+        dtype : dtype, optional
+            Value dtype; defaults to ``values``' own (integers become float32,
+            as in the constructor).
+
+        Raises
+        ------
+        ValueError
+            When ``values`` does not have that shape, ``rows`` is not a 1-D
+            integer array, or a row lies outside ``[0, shape[0])``.
+
+        Examples
+        --------
+        >>> import numpy as np, deepreduce as dr
+        >>> st = dr.SparseTensor.from_rows([[1, 2], [3, 4], [10, 20]], [2, 0, 2], (4, 2))
+        >>> st.indices
+        array([0, 1, 4, 5])
+        >>> st.values
+        array([ 3.,  4., 11., 22.], dtype=float32)
+        >>> st.to_dense()
+        array([[ 3.,  4.],
+               [ 0.,  0.],
+               [11., 22.],
+               [ 0.,  0.]], dtype=float32)
+        """
+        shape = check_shape(shape)
+        if not shape:
+            raise ValueError("rows need a shape of at least one dimension, got ()")
+        values, rows = np.asarray(values), np.asarray(rows)
+        if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+            raise ValueError(f"rows must be a 1-D array of integers, got shape {rows.shape} "
+                             f"of {rows.dtype}")
+        rows = rows.astype(np.int64, copy=False)
+        if values.shape != (rows.size, *shape[1:]):
+            raise ValueError(f"values of shape {values.shape} do not match {rows.size} rows "
+                             f"of shape {shape[1:]}")
+        if rows.size and (rows.min() < 0 or rows.max() >= shape[0]):
+            raise ValueError(f"rows must lie in [0, {shape[0]}), got range "
+                             f"[{rows.min()}, {rows.max()}]")
+        if dtype is None:
+            dtype = np.float32 if values.dtype.kind in "iub" else values.dtype
+        dtype = check_dtype(dtype)
+        row_size = math.prod(shape[1:])
+        order = np.argsort(rows, kind="stable")
+        ordered, block = rows[order], values.reshape(rows.size, row_size)[order]
+        if ordered.size > 1 and not (ordered[1:] > ordered[:-1]).all():  # repeated rows
+            first = np.concatenate([[True], ordered[1:] != ordered[:-1]])
+            summed = np.zeros((int(first.sum()), row_size),
+                              dtype=np.float64 if dtype.itemsize < 8 else dtype)
+            # each row's values in their order of appearance (the sort is stable)
+            np.add.at(summed, np.cumsum(first) - 1, block)
+            block, ordered = summed, ordered[first]
+        flat = (ordered[:, None] * row_size + np.arange(row_size, dtype=np.int64)).reshape(-1)
+        return cls._trusted(np.ascontiguousarray(block, dtype=dtype).reshape(-1), flat, shape)
+
+    @classmethod
     def from_scipy(cls, matrix) -> "SparseTensor":
         """From any ``scipy.sparse`` matrix or array (explicit zeros are kept)."""
         coo = matrix.tocoo()

@@ -23,7 +23,7 @@ import numpy as np
 from deepreduce.collectives import frames
 from deepreduce.collectives.transport import Traffic, get_transport
 from deepreduce.pipeline import Pipeline
-from deepreduce.sparse import BFLOAT16, SparseTensor
+from deepreduce.sparse import SparseTensor
 
 try:
     from deepreduce import _sparsesum
@@ -113,18 +113,8 @@ def _from_tensorflow(x):
         values = np.asarray(x.values.numpy() if hasattr(x.values, "numpy") else x.values)
         if x.dense_shape is None:
             raise ValueError("tf.IndexedSlices without dense_shape: the dense shape is needed")
-        rows = np.asarray(x.indices).astype(np.int64).reshape(-1)
-        shape = tuple(int(d) for d in np.asarray(x.dense_shape))
-        if values.dtype.kind != "f" and values.dtype != BFLOAT16:
-            values = values.astype(np.float32)
-        row_size = math.prod(shape[1:])
-        if values.shape != (rows.size, *shape[1:]):
-            raise ValueError(f"IndexedSlices values {values.shape} do not match "
-                             f"{rows.size} rows of {shape[1:]}")
-        if rows.size and (rows.min() < 0 or rows.max() >= shape[0]):
-            raise ValueError(f"IndexedSlices rows leave [0, {shape[0]})")
-        flat = (rows[:, None] * row_size + np.arange(row_size, dtype=np.int64)).reshape(-1)
-        return SparseTensor.from_pairs(values.reshape(-1), flat, shape, values.dtype)
+        return SparseTensor.from_rows(values, np.asarray(x.indices).reshape(-1),
+                                      np.asarray(x.dense_shape))
     return x.numpy()
 
 

@@ -259,7 +259,7 @@ class _Reducer:
                     tensors.append(arrays[pos])
                     pos += 1
                 else:
-                    tensors.append(_slices_to_sparse(*arrays[pos:pos + 3]))
+                    tensors.append(SparseTensor.from_rows(*arrays[pos:pos + 3]))
                     pos += 3
             return tensors
 
@@ -363,17 +363,6 @@ def _balanced_groups(templates, num_groups: int) -> list[tuple[int, int]]:
                                or len(sizes) - (i + 1) == still_to_start):
             cuts.append(i + 1)
     return list(zip(cuts, cuts[1:] + [len(sizes)]))
-
-
-def _slices_to_sparse(values, indices, dense_shape) -> SparseTensor:
-    """An IndexedSlices (rows of a tensor) as a flat SparseTensor; repeated rows are summed."""
-    shape = tuple(int(d) for d in dense_shape)
-    row_size = int(np.prod(shape[1:], dtype=np.int64))
-    rows = np.asarray(indices, dtype=np.int64)
-    if rows.size and (rows.min() < 0 or rows.max() >= shape[0]):
-        raise ValueError(f"IndexedSlices rows must lie in [0, {shape[0]})")
-    flat = (rows[:, None] * row_size + np.arange(row_size, dtype=np.int64)).reshape(-1)
-    return SparseTensor.from_pairs(np.asarray(values).reshape(-1), flat, shape)
 
 
 @_plain_python

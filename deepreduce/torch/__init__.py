@@ -17,6 +17,8 @@ with :class:`~deepreduce.collectives.TorchTransport` (gloo or NCCL).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -93,7 +95,7 @@ def _sparse_to_numpy(tensor) -> SparseTensor:
     sparse_dims = coalesced.sparse_dim()
     rows = np.ravel_multi_index(coalesced.indices().numpy(), shape[:sparse_dims]) \
         if coalesced._nnz() else np.zeros(0, np.int64)
-    row_size = int(np.prod(shape[sparse_dims:], dtype=np.int64))
-    values = host_array(coalesced.values()).reshape(-1)
-    flat = (rows[:, None] * row_size + np.arange(row_size, dtype=np.int64)).reshape(-1)
-    return SparseTensor.from_pairs(values, flat, shape, values.dtype)
+    # the sparse dimensions as one: rows of the dense dimensions, with the same flat indices
+    by_rows = (math.prod(shape[:sparse_dims]), *shape[sparse_dims:])
+    st = SparseTensor.from_rows(host_array(coalesced.values()), rows, by_rows)
+    return SparseTensor._trusted(st.values, st.indices, shape)
