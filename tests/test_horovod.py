@@ -20,10 +20,21 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import deepreduce as dr
-from deepreduce import exchange, stats
-from deepreduce.exchange import GradientExchange, pack_bundle, split_bundles
+from deepreduce import allgather_exchange, exchange, stats
+from deepreduce import bundle as bundle_format
+from deepreduce.bundle import pack_bundle, split_bundles
+from deepreduce.exchange import GradientExchange
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def make_exchange(*args, **settings):
+    """A GradientExchange with these tests' baseline, every non-zero with raw values,
+    unless they set otherwise (the library's defaults are Top-1% and fp16)."""
+    if not args:
+        settings.setdefault("sparsifier", None)
+    settings.setdefault("value", "raw")
+    return GradientExchange(*args, **settings)
 
 
 # ----------------------------------------------------------------- numpy side
@@ -60,8 +71,8 @@ def test_every_truncation_and_extension_raises_decode_error():
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=64), st.integers(1, 3))
 def test_garbage_raises_only_decode_error(data, ranks):
-    for candidate in (data, exchange.BUNDLE_MAGIC + bytes((1,)) + data,
-                      exchange.BUNDLE_MAGIC + bytes((2,)) + data):
+    for candidate in (data, bundle_format.BUNDLE_MAGIC + bytes((1,)) + data,
+                      bundle_format.BUNDLE_MAGIC + bytes((2,)) + data):
         try:
             split_bundles(candidate, ranks)
         except dr.DecodeError:
@@ -69,15 +80,15 @@ def test_garbage_raises_only_decode_error(data, ranks):
 
 
 def test_lying_headers_are_rejected_before_allocating():
-    for version in exchange.BUNDLE_VERSIONS:
-        head = exchange.BUNDLE_MAGIC + bytes((version,))
+    for version in bundle_format.BUNDLE_VERSIONS:
+        head = bundle_format.BUNDLE_MAGIC + bytes((version,))
         with pytest.raises(dr.DecodeError, match="declares"):
             split_bundles(head + b"\xff\xff\xff\xff\x0f", 1)          # 2**32 - 1 payloads
-    head = exchange.BUNDLE_MAGIC + b"\x01"
+    head = bundle_format.BUNDLE_MAGIC + b"\x01"
     with pytest.raises(dr.DecodeError, match="add up to more"):
         split_bundles(head + b"\x01\xff\xff\xff\xff\x0f" + b"abc", 1)  # one huge payload
     with pytest.raises(dr.DecodeError, match="version"):
-        split_bundles(exchange.BUNDLE_MAGIC + b"\x07\x00", 1)
+        split_bundles(bundle_format.BUNDLE_MAGIC + b"\x07\x00", 1)
     with pytest.raises(dr.DecodeError, match="magic"):
         split_bundles(b"DR\x01\x00", 1)
 
@@ -92,7 +103,7 @@ def test_lying_headers_are_rejected_before_allocating():
 @pytest.mark.parametrize("version", [2, 3])
 def test_lying_tables_are_rejected(table, match, version):
     # two payloads of 1 and 0 bytes, then the table (and its checksum), then the payloads
-    head = exchange.BUNDLE_MAGIC + bytes((version,)) + b"\x02\x01\x00" + table
+    head = bundle_format.BUNDLE_MAGIC + bytes((version,)) + b"\x02\x01\x00" + table
     checksum = zlib.crc32(head).to_bytes(4, "little") if version == 3 else b""
     if version == 3 and match == "shapes":
         match = None  # the dimension that is not there is read from the checksum's bytes
@@ -141,7 +152,7 @@ def test_bundles_with_shared_payloads_round_trip(bundles):
             split_bundles(data[:cut], len(bundles))
 
 
-@pytest.mark.parametrize("payloads", [3, exchange._FEW_VARINTS + 20])
+@pytest.mark.parametrize("payloads", [3, bundle_format._FEW_VARINTS + 20])
 def test_long_and_short_fields_read_alike(payloads):
     # a field of a few varints is read one by one, a longer one in whole-array passes
     rng = np.random.default_rng(payloads)
@@ -176,7 +187,7 @@ def test_lossless_sum_and_average_match_numpy():
     names = ["w", "b", "v"]
     ranks = [gradients(r) for r in range(3)]
     for average in (False, True):
-        c = GradientExchange(None, index="varint", min_size=50)
+        c = make_exchange(None, index="varint", min_size=50)
         data = b"".join(c.encode_bundle(names, g) for g in ranks)
         results = c.decode_bundles(data, ranks=3, rank=1, average=average)
         for i, result in enumerate(results):
@@ -199,7 +210,7 @@ def shared_case_gradients(seed):
 
 def test_small_dense_tensors_share_one_payload_per_dtype_and_sum_exactly():
     names = [f"t{i}" for i in range(len(SHARED_CASE) + 1)]
-    ranks = [GradientExchange(dr.TopK(0.05), index="golomb", min_size=100, seed=r)
+    ranks = [make_exchange(dr.TopK(0.05), index="golomb", min_size=100, seed=r)
              for r in range(3)]
     grads = [shared_case_gradients(r) for r in range(3)]
     bundles = [c.encode_bundle(names, g) for c, g in zip(ranks, grads)]
@@ -209,7 +220,7 @@ def test_small_dense_tensors_share_one_payload_per_dtype_and_sum_exactly():
     assert read.slots == [0, 1, 2, 1, 2, 1, 3, 4] and len(read.payloads) == 5
     assert read.shapes == {1: (10,), 2: (3, 4), 3: (7,), 4: (5,), 5: (0,)}
     assert bundles[0][3] == 3   # version 3 only because of the sharing
-    assert GradientExchange(min_size=100).encode_bundle(names[:2], grads[0][:2])[3] == 1
+    assert make_exchange(min_size=100).encode_bundle(names[:2], grads[0][:2])[3] == 1
     as_rows = [False] * len(names)
     as_rows[2] = True
     outputs = [None] * len(names)
@@ -235,11 +246,11 @@ def test_selections_sharing_a_payload_deliver_what_they_would_alone(value):
     # tensors from min_size up to SHARED_BELOW elements share one payload of their
     # selections; each delivers what coding it alone would, so the sums and the
     # residuals are the same bits
-    shapes = [(60, 50), (300,), (exchange.SHARED_BELOW,), (50, 40), (5,)]
+    shapes = [(60, 50), (300,), (allgather_exchange.SHARED_BELOW,), (50, 40), (5,)]
     names = ["a", "b", "big", "c", "tiny"]
 
     def ranks():
-        return [GradientExchange(dr.TopK(0.05), index="auto", value=value, min_size=200,
+        return [make_exchange(dr.TopK(0.05), index="auto", value=value, min_size=200,
                                  seed=r) for r in range(2)]
 
     shared, alone = ranks(), ranks()
@@ -262,7 +273,7 @@ def test_selections_sharing_a_payload_deliver_what_they_would_alone(value):
 def test_selections_do_not_share_when_coding_them_together_would_change_them(index, value):
     # QSGD's buckets and random rounding, a Bloom filter's false positives: coding a
     # tensor with others would deliver something else than coding it alone
-    c = GradientExchange(dr.TopK(0.05), index=index, value=value, min_size=200)
+    c = make_exchange(dr.TopK(0.05), index=index, value=value, min_size=200)
     bundle = c.encode_bundle(["a", "b", "c"], gradients(0, [(60, 50), (300,), (50, 40)]))
     assert split_bundles(bundle, 1)[0].slots == [0, 1, 2] and bundle[3] == 1
 
@@ -275,10 +286,10 @@ def test_shared_payloads_reduce_to_the_bits_of_separate_ones(average, into_out):
     names = [f"t{i}" for i in range(len(SHARED_CASE) + 2)]
     grads = [shared_case_gradients(r) + [np.full((2, 2), r + 0.5, np.float16)]
              for r in range(3)]
-    ranks = [GradientExchange(None, index="golomb", min_size=100) for _ in range(3)]
+    ranks = [make_exchange(None, index="golomb", min_size=100) for _ in range(3)]
     shared = b"".join(c.encode_bundle(names, g) for c, g in zip(ranks, grads))
-    alone = GradientExchange(None, index="golomb", min_size=100)
-    separate = b"".join(exchange.pack_bundle([alone.encode_tensor(x)[0] for x in g])
+    alone = make_exchange(None, index="golomb", min_size=100)
+    separate = b"".join(pack_bundle([alone.encode_tensor(x)[0] for x in g])
                         for g in grads)
 
     def outputs():
@@ -288,7 +299,7 @@ def test_shared_payloads_reduce_to_the_bits_of_separate_ones(average, into_out):
     for rank in range(3):
         kept = outputs()
         got = ranks[rank].decode_bundles(shared, 3, rank, average, out=kept)
-        want = GradientExchange(None).decode_bundles(separate, 3, rank, average,
+        want = make_exchange(None).decode_bundles(separate, 3, rank, average,
                                                      out=outputs())
         for t, (a, b) in enumerate(zip(got, want)):
             assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), t
@@ -305,7 +316,7 @@ def test_any_mix_of_shared_payloads_reduces_to_the_bits_of_separate_ones(
     names = [f"t{i}" for i in range(len(sizes))]
 
     def make():
-        return [GradientExchange(dr.TopK(0.1), index="golomb", value="fp16", min_size=100,
+        return [make_exchange(dr.TopK(0.1), index="golomb", value="fp16", min_size=100,
                                  seed=r) for r in range(ranks)]
 
     shared, alone = make(), make()
@@ -328,13 +339,13 @@ def test_bundles_of_either_version_reduce_together():
     # a rank whose writer gives every tensor its own payload (version 1, as before
     # payloads were shared) and ranks that share them reduce to the same bits
     names = [f"t{i}" for i in range(len(SHARED_CASE) + 1)]
-    c = GradientExchange(None, index="golomb", min_size=100)
+    c = make_exchange(None, index="golomb", min_size=100)
     grads = [shared_case_gradients(r) for r in range(2)]
     shared = [c.encode_bundle(names, g) for g in grads]
-    separate = exchange.pack_bundle([c.encode_tensor(x)[0] for x in grads[1]])
+    separate = pack_bundle([c.encode_tensor(x)[0] for x in grads[1]])
     assert separate[3] == 1 and shared[1][3] == 3
-    for got, want in zip(GradientExchange(None).decode_bundles(shared[0] + separate, 2, 0),
-                         GradientExchange(None).decode_bundles(b"".join(shared), 2, 0)):
+    for got, want in zip(make_exchange(None).decode_bundles(shared[0] + separate, 2, 0),
+                         make_exchange(None).decode_bundles(b"".join(shared), 2, 0)):
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
 
 
@@ -343,17 +354,17 @@ def test_a_shared_payload_must_hold_exactly_its_tensors():
     for shapes in ([(2,), (3,)], [(2,), (2, 3)]):
         bundle = pack_bundle([payload], [0, 0], shapes)
         with pytest.raises(dr.DecodeError, match="does not hold its tensors' 5|8 elements"):
-            GradientExchange(None).decode_bundles(bundle, ranks=1, rank=0)
+            make_exchange(None).decode_bundles(bundle, ranks=1, rank=0)
     matrix = dr.compress(np.ones((2, 3), np.float32), None, "bitmap", "raw")
     with pytest.raises(dr.DecodeError, match=r"shape \(2, 3\) does not hold"):
-        GradientExchange(None).decode_bundles(pack_bundle([matrix], [0, 0], [(3,), (3,)]), 1, 0)
-    parts = GradientExchange(None).decode_bundles(pack_bundle([payload], [0, 0], [(2,), (4,)]),
+        make_exchange(None).decode_bundles(pack_bundle([matrix], [0, 0], [(3,), (3,)]), 1, 0)
+    parts = make_exchange(None).decode_bundles(pack_bundle([payload], [0, 0], [(2,), (4,)]),
                                                  ranks=1, rank=0)
     assert [p.tolist() for p in parts] == [[0, 1], [2, 3, 4, 5]]
 
 
 def test_error_feedback_is_exact_and_small_tensors_are_lossless():
-    c = GradientExchange(dr.TopK(0.05), index="varint", value="fp16", min_size=20)
+    c = make_exchange(dr.TopK(0.05), index="varint", value="fp16", min_size=20)
     names = ["w", "b", "v"]
     previous = {n: 0.0 for n in names}
     for step in range(4):
@@ -380,11 +391,11 @@ def test_error_feedback_is_exact_and_small_tensors_are_lossless():
 
 
 def test_memory_off_and_shared_memory():
-    assert GradientExchange(dr.TopK(1), index="varint", memory=None).memory is None
-    assert isinstance(GradientExchange(index="varint", memory=dr.ResidualMemory).memory,
+    assert make_exchange(dr.TopK(1), index="varint", error_feedback=False).memory is None
+    assert isinstance(make_exchange(index="varint", error_feedback=True).memory,
                       dr.ResidualMemory)
     memory = dr.ResidualMemory(beta=0.5)
-    c = GradientExchange(dr.TopK(1), index="varint", memory=memory, min_size=0)
+    c = make_exchange(dr.TopK(1), index="varint", error_feedback=memory, min_size=0)
     c.encode_bundle(["x"], [np.array([1.0, 3.0], np.float32)])
     assert np.array_equal(memory.residual("x"), [1.0, 0.0])
 
@@ -393,7 +404,7 @@ def test_sparse_inputs_reduce_to_rows():
     shape = (6, 3)
     a = dr.SparseTensor.from_pairs(np.ones(6, np.float32), [0, 1, 2, 12, 13, 14], shape)
     b = dr.SparseTensor.from_pairs(np.full(3, 2, np.float32), [12, 13, 14], shape)
-    c = GradientExchange(None, index="varint", min_size=0)
+    c = make_exchange(None, index="varint", min_size=0)
     data = c.encode_bundle(["e"], [a]) + c.encode_bundle(["e"], [b])
     (values, rows), = c.decode_bundles(data, ranks=2, rank=0, as_rows=[True])
     assert rows.tolist() == [0, 4]
@@ -403,7 +414,7 @@ def test_sparse_inputs_reduce_to_rows():
 
 
 def test_sparse_input_with_error_feedback_stays_sparse_selection():
-    c = GradientExchange(dr.TopK(2), index="varint", min_size=0)
+    c = make_exchange(dr.TopK(2), index="varint", min_size=0)
     st1 = dr.SparseTensor([5.0, -1.0, 0.5], [3, 10, 40], (50,))
     payload, received = c.encode_tensor(st1, "e")
     assert received.indices.tolist() == [3, 10]
@@ -416,7 +427,7 @@ def test_sparse_input_with_error_feedback_stays_sparse_selection():
 @pytest.mark.parametrize("value", ["fp16", "qsgd"])
 def test_own_bundle_is_not_decoded_again_and_gives_the_same_sums(value):
     names, shapes = ["w", "b"], ((200, 30), (500,))
-    ranks = [GradientExchange(dr.TopK(0.1), index="auto", value=value, seed=r)
+    ranks = [make_exchange(dr.TopK(0.1), index="auto", value=value, seed=r)
              for r in range(2)]
     for step in range(3):
         bundles = [c.encode_bundle(names, gradients(10 * step + r, shapes))
@@ -424,7 +435,7 @@ def test_own_bundle_is_not_decoded_again_and_gives_the_same_sums(value):
         data = b"".join(bundles)
         # rank 0 last encoded bundles[0]: it reuses what its encoder returned; a fresh
         # object has nothing to reuse and decodes every bundle
-        fresh = GradientExchange(dr.TopK(0.1), index="auto", value=value)
+        fresh = make_exchange(dr.TopK(0.1), index="auto", value=value)
         for got, expected in zip(ranks[0].decode_bundles(data, ranks=2, rank=0),
                                  fresh.decode_bundles(data, ranks=2, rank=0)):
             np.testing.assert_array_equal(got, expected)
@@ -432,10 +443,10 @@ def test_own_bundle_is_not_decoded_again_and_gives_the_same_sums(value):
 
 def test_bundles_of_several_groups_decode_as_one_and_count_one_step(monkeypatch):
     names, shapes = ["w", "b", "v"], ((200, 30), (500,), (64, 64))
-    one, grouped = ([GradientExchange(dr.TopK(0.1), index="auto", value="fp16", seed=r)
+    one, grouped = ([make_exchange(dr.TopK(0.1), index="auto", value="fp16", seed=r)
                      for r in range(2)] for _ in range(2))
     decoded = []
-    monkeypatch.setattr(exchange, "decode", lambda payload: decoded.append(1) or
+    monkeypatch.setattr(allgather_exchange, "decode", lambda payload: decoded.append(1) or
                         dr.decompress(payload))
     for step in range(3):
         grads = [gradients(10 * step + r, shapes) for r in range(2)]
@@ -462,13 +473,13 @@ def address(array) -> int:
                                             (np.float64, True), (np.float16, False)])
 def test_dense_sums_reuse_memory_only_when_nobody_holds_them(dtype, average):
     names, shapes = ["w", "b"], ((120, 40), (700,))
-    c = GradientExchange(dr.TopK(0.05), index="golomb", value="raw", min_size=0)
+    c = make_exchange(dr.TopK(0.05), index="golomb", value="raw", min_size=0)
 
     def step(seed):
         bundles = [c.encode_bundle(names, [g.astype(dtype) for g in gradients(seed + r, shapes)])
                    for r in range(2)]
         data = b"".join(bundles)
-        fresh = GradientExchange(dr.TopK(0.05), index="golomb", min_size=0)
+        fresh = make_exchange(dr.TopK(0.05), index="golomb", min_size=0)
         return c.decode_bundles(data, ranks=2, rank=1, average=average), \
             fresh.decode_bundles(data, ranks=2, rank=1, average=average)
 
@@ -501,7 +512,7 @@ def test_dense_sums_reuse_memory_only_when_nobody_holds_them(dtype, average):
 
 
 def test_mismatched_ranks_raise_decode_error():
-    c = GradientExchange(None, index="varint")
+    c = make_exchange(None, index="varint")
     one = c.encode_bundle(["a"], [np.ones(3, np.float32)])
     two = c.encode_bundle(["a", "b"], [np.ones(3, np.float32), np.ones(2, np.float32)])
     with pytest.raises(dr.DecodeError, match="same gradients"):
@@ -519,7 +530,7 @@ def test_seed_reaches_specs_and_makes_runs_reproducible():
     g = [np.random.default_rng(0).standard_normal(5000).astype(np.float32)]
 
     def bundles(**kwargs):
-        c = GradientExchange(index="varint", memory=None, **kwargs)
+        c = make_exchange(index="varint", error_feedback=False, **kwargs)
         return [c.encode_bundle(["g"], g) for _ in range(3)]
 
     assert bundles(sparsifier="randomk:0.01", seed=3) == bundles(sparsifier="randomk:0.01",
@@ -529,25 +540,34 @@ def test_seed_reaches_specs_and_makes_runs_reproducible():
     # a seed in the spec wins over the Compression's
     assert bundles(sparsifier="randomk:0.01,seed=9", seed=3) == \
         bundles(sparsifier="randomk:0.01,seed=9", seed=4)
-    assert GradientExchange("randomk:0.01", index="varint", seed=5).pipeline.sparsifier.seed == 5
+    assert make_exchange("randomk:0.01", index="varint", seed=5).pipeline.sparsifier.seed == 5
 
 
 def test_curve_fit_values_take_the_default_index():
-    c = GradientExchange(dr.TopK(0.05), value="polyfit", memory=None)
+    c = make_exchange(dr.TopK(0.05), value="polyfit", error_feedback=False)
     g = gradients(0)
     data = c.encode_bundle(["w", "b", "v"], g)
     w, b, v = c.decode_bundles(data, ranks=1, rank=0)
     assert np.count_nonzero(w) == 250 and np.array_equal(b, g[1])
     with pytest.raises(ValueError, match="sorts the values"):
-        GradientExchange(value="polyfit", index="varint")
+        make_exchange(value="polyfit", index="varint")
 
 
-@pytest.mark.parametrize("kwargs", [{"min_size": -1}, {"min_size": 1.5}, {"memory": "yes"},
+def test_old_names_of_error_feedback_still_work_with_a_warning():
+    for old in ("memory", "use_error_feedback"):
+        with pytest.warns(DeprecationWarning, match=f"{old}= is deprecated"):
+            assert make_exchange(index="varint", **{old: None}).memory is None
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
+        make_exchange(memory=None, error_feedback=True)
+
+
+@pytest.mark.parametrize("kwargs", [{"min_size": -1}, {"min_size": 1.5},
+                                    {"error_feedback": "yes"},
                                     {"seed": "0"}, {"sparsifier": "nosuch"},
                                     {"value": "nosuch"}])
 def test_bad_arguments_raise_value_error(kwargs):
     with pytest.raises(ValueError):
-        GradientExchange(**{"index": "varint", **kwargs})
+        make_exchange(**{"index": "varint", **kwargs})
 
 
 def test_stats_counters():
@@ -571,7 +591,7 @@ def test_stats_counters():
 def test_codec_time_is_the_part_of_encode_and_decode_inside_the_codecs():
     names, shapes = ["w", "b"], ((300, 200), (50,))
     for index in ("raw", "huffman"):
-        c = GradientExchange(dr.TopK(0.05), index=index, value="fp16")
+        c = make_exchange(dr.TopK(0.05), index=index, value="fp16")
         bundle = c.encode_bundle(names, gradients(0, shapes))
         c.decode_bundles(bundle + bundle, ranks=2, rank=0)  # rank 1's bundle is decoded
         last = c.stats.last
@@ -610,13 +630,13 @@ def test_reducing_communicators_match_numpy(communicator, options, op):
     names, size = ["w", "b", "v", "d"], 4
     inputs = [integer_gradients(r) + [np.full((5, 4), r + 1.0)] for r in range(size)]
     # float64 "d" travels in its own set of collectives; "b" and "d" are below min_size
-    compressions = [GradientExchange(None, index="varint", min_size=100,
+    compressions = [make_exchange(None, index="varint", min_size=100,
                                         communicator=communicator,
                                         communicator_options=options) for _ in range(size)]
 
     def rank_main(member):
-        return compressions[member.rank].reduce_tensors(names, inputs[member.rank], op,
-                                                        transport=member)
+        return compressions[member.rank].reduce_async(names, inputs[member.rank], member,
+                                                      op).result()[0]
 
     for results in on_threads(size, rank_main):
         for i, result in enumerate(results):
@@ -634,7 +654,7 @@ def test_reducing_communicators_match_numpy(communicator, options, op):
 def test_reducing_communicators_feed_back_exactly(communicator, options):
     """Residual = corrected input - sent; small tensors exact despite fp16 values."""
     names, size, steps = ["w", "b", "v"], 2, 3
-    compressions = [GradientExchange(dr.TopK(0.05), index="varint", value="fp16",
+    compressions = [make_exchange(dr.TopK(0.05), index="varint", value="fp16",
                                         min_size=20, communicator=communicator,
                                         communicator_options=options) for _ in range(size)]
     grads = [[gradients(10 * step + r) for step in range(steps)] for r in range(size)]
@@ -645,7 +665,7 @@ def test_reducing_communicators_feed_back_exactly(communicator, options):
         outputs = []
         for step in range(steps):
             corrected = [g + previous[r][n] for n, g in zip(names, grads[r][step])]
-            outputs.append(c.reduce_tensors(names, grads[r][step], transport=member))
+            outputs.append(c.reduce_async(names, grads[r][step], member).result()[0])
             for name, x in zip(names, corrected):
                 residual = c.memory.residual(name)
                 if x.size < 20:
@@ -671,14 +691,14 @@ def test_reducing_communicators_feed_back_exactly(communicator, options):
 
 
 def test_block_threshold_spares_small_tensors():
-    c = [GradientExchange(None, index="varint", min_size=8, communicator="block",
+    c = [make_exchange(None, index="varint", min_size=8, communicator="block",
                              communicator_options={"block_size": 4, "threshold": 0.5})
          for _ in range(2)]
     small = np.array([0.25, 0, 0, 0.25], np.float32)
     large = np.array([0.25, 0, 0, 0, 3, 0, 0, 0], np.float32)
 
     def rank_main(member):
-        return c[member.rank].reduce_tensors(["s", "l"], [small, large], transport=member)
+        return c[member.rank].reduce_async(["s", "l"], [small, large], member).result()[0]
 
     reduced_small, reduced_large = on_threads(2, rank_main)[0]
     assert np.array_equal(reduced_small, 2 * small)      # below min_size: no threshold
@@ -690,25 +710,25 @@ def test_reducing_communicators_reduce_sparse_inputs_to_rows():
     shape = (6, 3)
     a = dr.SparseTensor.from_pairs(np.ones(6, np.float32), [0, 1, 2, 12, 13, 14], shape)
     b = dr.SparseTensor.from_pairs(np.full(3, -1, np.float32), [12, 13, 14], shape)
-    c = [GradientExchange(None, index="varint", min_size=0,
+    c = [make_exchange(None, index="varint", min_size=0,
                              communicator="sparse_allreduce") for _ in range(2)]
 
     def rank_main(member):
-        return c[member.rank].reduce_tensors(["e"], [(a, b)[member.rank]], transport=member,
-                                             as_rows=[True])
+        return c[member.rank].reduce_async(["e"], [(a, b)[member.rank]], member,
+                                           as_rows=[True]).result()[0]
 
     (values, rows), = on_threads(2, rank_main)[1]
     assert rows.tolist() == [0] and np.array_equal(values, [[1, 1, 1]])  # row 4 sums to 0
 
 
 def test_a_failing_rank_fails_every_rank():
-    c = [GradientExchange(None, index="varint", communicator="sparse_allreduce")
+    c = [make_exchange(None, index="varint", communicator="sparse_allreduce")
          for _ in range(2)]
 
     def rank_main(member):
         x = np.ones(3 + member.rank, np.float32)       # shapes disagree
         try:
-            c[member.rank].reduce_tensors(["x"], [x], transport=member)
+            c[member.rank].reduce_async(["x"], [x], member).result()
         except ValueError as exc:
             return str(exc)
 
@@ -722,7 +742,7 @@ def test_a_failing_rank_fails_every_rank():
     ({"communicator": "block", "communicator_options": {"algorithm": "split"}},
      "block_size, threshold"),
     ({"communicator": "sparse_allreduce", "communicator_options": {"op": "sum"}},
-     "arguments of the wrappers"),
+     "arguments of each reduction"),
     ({"communicator": "block", "communicator_options": {"block_size": 0}}, "block_size"),
     ({"communicator": "block", "index": "bloom"}, "lossy"),
     ({"communicator": "sparse_allreduce", "communicator_options": {"algorithm": "ring"}},
@@ -730,12 +750,7 @@ def test_a_failing_rank_fails_every_rank():
 ])
 def test_bad_communicator_settings_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        GradientExchange(**{"index": "varint", **kwargs})
-
-
-def test_allgather_communicator_has_no_reduce_tensors():
-    with pytest.raises(ValueError, match="encode_bundle"):
-        GradientExchange(index="varint").reduce_tensors(["x"], [np.ones(2)])
+        make_exchange(**{"index": "varint", **kwargs})
 
 
 # ------------------------------------------------------------ two Horovod ranks
@@ -922,7 +937,7 @@ def test_reduce_async_over_a_transport_fails_on_every_rank_instead_of_hanging():
     from deepreduce.collectives import ThreadTransport
     from deepreduce.collectives.frames import PeerError
 
-    exchanges = [GradientExchange(dr.TopK(0.5), min_size=0) for _ in range(2)]
+    exchanges = [make_exchange(dr.TopK(0.5), min_size=0) for _ in range(2)]
 
     def rank_main(member):
         grad = np.arange(8, dtype=np.float32) if member.rank == 0 else np.array(["x"] * 8)
@@ -946,7 +961,7 @@ def test_reduce_async_reusing_out_resets_only_what_it_wrote(average, shapes):
     from deepreduce.collectives import ThreadTransport
 
     names = [f"t{i}" for i in range(len(shapes))]
-    reused, fresh = ([GradientExchange(dr.TopK(0.05), index="auto", value="fp16", seed=r)
+    reused, fresh = ([make_exchange(dr.TopK(0.05), index="auto", value="fp16", seed=r)
                       for r in range(2)] for _ in range(2))
     kept = [[np.empty(shape, np.float32) for shape in shapes] for _ in range(2)]
     op = "average" if average else "sum"
@@ -989,7 +1004,7 @@ def test_random_streams_are_per_tensor_and_checkpointable(settings):
         parts = read.tensors([dr.decompress(p) for p in read.payloads])
         return {name: (p.indices.tobytes(), p.values.tobytes()) for name, p in zip(names, parts)}
 
-    one, other = (GradientExchange(index="varint", memory=None, **settings) for _ in range(2))
+    one, other = (make_exchange(index="varint", error_feedback=False, **settings) for _ in range(2))
     first = payloads(one, ["a", "b"], [a, b])
     # the other order draws the same for each tensor: streams do not depend on call order
     assert payloads(other, ["b", "a"], [b, a]) == first
@@ -997,7 +1012,7 @@ def test_random_streams_are_per_tensor_and_checkpointable(settings):
     assert state and all(key.split("/")[0] in ("a", "b") for key in state)
     later = payloads(one, ["a", "b"], [a, b])
     assert later != first                          # the streams moved on
-    restored = GradientExchange(index="varint", memory=None, **settings)
+    restored = make_exchange(index="varint", error_feedback=False, **settings)
     restored.set_random_state(state)
     assert payloads(restored, ["a", "b"], [a, b]) == later
 
@@ -1010,11 +1025,11 @@ def test_exchange_state_dict_continues_exactly():
         return [exchange.encode_bundle(["w"], [g]) for g in steps]
 
     settings = dict(sparsifier=dr.TopK(0.02), value="qsgd:bits=4", min_size=0)
-    through = GradientExchange(**settings)
+    through = make_exchange(**settings)
     uninterrupted = run(through, grads)
-    first = GradientExchange(**settings)
+    first = make_exchange(**settings)
     run(first, grads[:2])
     saved = pickle.loads(pickle.dumps(first.state_dict()))
-    resumed = GradientExchange(**settings)
+    resumed = make_exchange(**settings)
     resumed.load_state_dict(saved)
     assert run(resumed, grads[2:]) == uninterrupted[2:]

@@ -7,7 +7,7 @@ A Horovod training script changes one or two lines::
 
     hvd.init()
     compression = drh.Compression(sparsifier=dr.TopK(0.01), index="auto", value="fp16",
-                                  memory="residual")        # error feedback on by default
+                                  error_feedback=True)      # these are the defaults
     tape = drh.DistributedGradientTape(tape, compression=compression)       # custom loops
     opt = drh.DistributedOptimizer(tf.keras.optimizers.SGD(0.1),
                                    compression=compression)                 # Keras fit
@@ -48,7 +48,8 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 from deepreduce.errors import DecodeError
-from deepreduce.pipeline import DEFAULT_INDEX, DEFAULT_VALUE, decode
+from deepreduce.collectives.transport import horovod_transport
+from deepreduce.pipeline import decode
 from deepreduce.sparse import SparseTensor
 from deepreduce.exchange import GradientExchange
 from deepreduce.horovod.keras import CompressionStatsCallback
@@ -89,33 +90,29 @@ def _host_call(fn, inputs, tout, ordered=True):
     return tf.numpy_function(fn, inputs, tout, stateful=ordered)
 
 
-class Compression(GradientExchange):
+class Compression:
     """Compression of gradients for Horovod: sparsifier, codecs, error feedback.
 
     Parameters
     ----------
-    sparsifier : callable, str or None
-        ``dr.TopK(0.01)``, ``dr.RandomK(0.01)``, ``"threshold:1e-3"``... None
-        sends every non-zero (lossless with a lossless value codec).
-    index : str, dict or IndexCodec, default "auto"
-        Index codec name, spec or instance.
-    value : str, dict or ValueCodec, default "raw"
-        Value codec, e.g. ``"fp16"``.
-    memory : "residual", None or ResidualMemory, default "residual"
-        Error feedback per variable (``residual = input - received``, exactly).
-    min_size : int, default 1024
-        Gradients with fewer elements travel losslessly in the same bundle
-        (sparse allreduce and block: in the same reduction when the codecs
-        are lossless, else in a second, lossless one).
-    seed : int, default 0
-        Seed for sparsifiers/codecs named by spec strings that take one.
-    communicator : {"allgather", "sparse_allreduce", "block"}, default "allgather"
-        How the wrappers move the gradients: every rank's payloads to every
-        rank (DeepReduce), SparCML's sparse allreduce, or OmniReduce's block
-        reduction (see :mod:`deepreduce.collectives`).
-    communicator_options : dict, optional
-        ``{"algorithm": "recursive_doubling"}`` for sparse allreduce (default
-        ``"auto"``); ``{"block_size": 256, "threshold": 0.0}`` for block.
+    *args, **settings
+        The settings of :class:`~deepreduce.config.ExchangeConfig`, in its order
+        or by name, with the same defaults as every deepreduce integration:
+        ``sparsifier`` (Top-1%), ``index`` ("auto"), ``value`` ("fp16"),
+        ``error_feedback`` (True, per variable), ``min_size`` (1024), ``seed``
+        (0), ``communicator`` ("allgather"; or "sparse_allreduce", "block")
+        and ``communicator_options``. ``Compression(None, value="raw")`` sends
+        every non-zero, losslessly.
+    config : ExchangeConfig, optional
+        All of them at once, instead.
+
+    Attributes
+    ----------
+    exchange : deepreduce.exchange.GradientExchange
+        The framework-neutral exchange doing the work.
+    stats : deepreduce.stats.CompressionStats
+        The bytes and times of every step it compressed:
+        ``compression.stats.last.ratio``, ``compression.stats.as_dict()``.
 
     Notes
     -----
@@ -129,23 +126,41 @@ class Compression(GradientExchange):
     payloads differ in length Horovod itself refuses the mismatched allreduce.
     A wrong gradient is never returned: every payload carries a CRC32.
 
-    ``stats`` (a :class:`~deepreduce.stats.CompressionStats`) counts
-    the bytes and times of every step this object compresses in the
-    communicator: ``compression.stats.last.ratio``,
-    ``compression.stats.as_dict()``.
-
     With sparse allreduce, a lossy value codec rounds twice (what a rank
     sends to a range owner, then the owner's sum); the residual holds the
     first rounding exactly, the second is the same on every rank and not fed
     back.
     """
 
-    def __init__(self, sparsifier=None, index=DEFAULT_INDEX, value=DEFAULT_VALUE,
-                 memory="residual", min_size: int = 1024, seed: int = 0,
-                 communicator: str = "allgather", communicator_options=None):
-        super().__init__(sparsifier, index=index, value=value, memory=memory,
-                         min_size=min_size, seed=seed, communicator=communicator,
-                         communicator_options=communicator_options)
+    def __init__(self, *args, config=None, **settings):
+        self.exchange = GradientExchange(*args, config=config, **settings)
+
+    def __repr__(self):
+        return f"Compression({self.exchange!r})"
+
+    @property
+    def config(self):
+        return self.exchange.config
+
+    @property
+    def stats(self):
+        return self.exchange.stats
+
+    @property
+    def memory(self):
+        return self.exchange.memory
+
+    @property
+    def pipeline(self):
+        return self.exchange.pipeline
+
+    def state_dict(self) -> dict:
+        """The residuals and random streams, to continue exactly after a restart."""
+        return self.exchange.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` (of a Compression with the same settings)."""
+        self.exchange.load_state_dict(state)
 
     # -- Horovod's compressor protocol ---------------------------------------
     @_plain_python
@@ -158,7 +173,7 @@ class Compression(GradientExchange):
         tensor = tf.convert_to_tensor(tensor)
 
         def encode_one(x):
-            return (np.frombuffer(self.encode_tensor(x)[0], dtype=np.uint8),)
+            return (np.frombuffer(self.exchange.encode_tensor(x)[0], dtype=np.uint8),)
 
         (payload,) = _host_call(encode_one, [tensor], [tf.uint8])
         payload.set_shape([None])
@@ -184,7 +199,7 @@ class Compression(GradientExchange):
 def _check_compression(compression):
     if compression is None:
         return Compression()
-    if not isinstance(compression, GradientExchange):
+    if not isinstance(compression, Compression):
         raise ValueError("compression must be a deepreduce.horovod.tensorflow.Compression "
                          f"(horovod's own compressors are for allreduce), got {compression!r}")
     return compression
@@ -278,17 +293,17 @@ class _Reducer:
         tout = []
         for kind, template in zip(kinds, templates):
             tout += [template.dtype] if kind == "dense" else [template.values.dtype, tf.int64]
-        compression, as_rows = self.compression, [k == "rows" for k in kinds]
+        exchange, as_rows = self.compression.exchange, [k == "rows" for k in kinds]
         average = self.op == hvd.Average
-        if compression.communicator == "allgather":
+        if exchange.communicator == "allgather":
             ranks, rank = self.process_set.size(), self.process_set.rank()
             # tensor i's host arrays are inputs[starts[i]:starts[i + 1]]
             starts = np.cumsum([0] + [1 if kind == "dense" else 3 for kind in kinds]).tolist()
             gathered, ranges = [], _balanced_groups(templates, self.num_groups)
             for group, (lo, hi) in enumerate(ranges):
                 def encode(*arrays, lo=lo, hi=hi, group=group):
-                    bundle = compression.encode_bundle(names[lo:hi],
-                                                       unpack(arrays, kinds[lo:hi]), group)
+                    bundle = exchange.encode_bundle(names[lo:hi], unpack(arrays, kinds[lo:hi]),
+                                                    group)
                     return (np.frombuffer(bundle, dtype=np.uint8),)
 
                 # in a graph the groups' encodes are not chained to the allgathers (as
@@ -301,26 +316,26 @@ class _Reducer:
                 gathered.append(hvd.allgather(bundle, process_set=self.process_set))
 
             def decode_all(*groups):
-                return pack(compression.decode_groups(list(groups), ranks, rank, average,
-                                                      as_rows=as_rows))
+                return pack(exchange.decode_groups(list(groups), ranks, rank, average,
+                                                   as_rows=as_rows))
 
             outputs = _host_call(decode_all, gathered, tout)
         else:
-            op, process_set = "average" if average else "sum", self.process_set
+            op, transport = "average" if average else "sum", horovod_transport(self.process_set)
             if not tf.executing_eagerly() and \
                     tf.config.threading.get_inter_op_parallelism_threads() == 1:
                 # The communicator runs Horovod ops from inside the host call; in a graph
                 # that call holds TensorFlow's only inter-op thread, and they would wait
                 # for it forever.
-                raise ValueError(f"communicator={compression.communicator!r} inside a "
+                raise ValueError(f"communicator={exchange.communicator!r} inside a "
                                  "tf.function needs TensorFlow's inter-op thread pool to have "
                                  "at least 2 threads (tf.config.threading."
                                  "set_inter_op_parallelism_threads; 0, the default, is fine), "
                                  "or run the step eagerly, or use communicator='allgather'")
 
             def reduce_all(*arrays):
-                return pack(compression.reduce_tensors(names, unpack(arrays), op, process_set,
-                                                       as_rows=as_rows))
+                return pack(exchange.reduce_async(names, unpack(arrays), transport, op,
+                                                  as_rows=as_rows).result()[0])
 
             outputs = _host_call(reduce_all, inputs, tout)
 
@@ -415,7 +430,7 @@ def grouped_allreduce(tensors, compression=None, op=hvd.Average, names=None,
     tensors = list(tensors)
     if names is None:
         if reducer.compression.memory is not None:
-            raise ValueError("names= is required with error feedback (memory='residual'): "
+            raise ValueError("names= is required with error feedback (error_feedback=True): "
                              "residuals are kept per name")
         names = [f"#{i}" for i in range(len(tensors))]
     return reducer(tensors, list(names))
