@@ -72,12 +72,21 @@ def check_lossless(rank):
     return out
 
 
+def error_feedback_state():
+    return drt.DeepReduceState(process_group=None, sparsifier=dr.TopK(0.05), value="raw",
+                               start_iter=0, min_compression_rate=0)
+
+
+#: Built before init_process_group, as Lightning's DDPStrategy(ddp_comm_state=...) does.
+EARLY_STATES = {}
+
+
 def check_error_feedback(rank):
-    """Top-k with error feedback: delivered sum + everyone's residual == sum of inputs."""
+    """Top-k with error feedback: delivered sum + everyone's residual == sum of inputs.
+    The state was built before the process group existed."""
     net = model()
     ddp = DDP(net)
-    state = drt.DeepReduceState(sparsifier=dr.TopK(0.05), value="raw", start_iter=0,
-                                min_compression_rate=0)
+    state = EARLY_STATES.pop("error_feedback")
     ddp.register_comm_hook(state, drt.deepreduce_hook)
     x, y = batches(rank, 1)[0]
     local = model()
@@ -226,6 +235,7 @@ def main(rank, out_dir, port):
     backend = os.environ.get("DEEPREDUCE_TEST_BACKEND", "gloo")
     if backend == "nccl":  # frames travel between GPUs; the training checks are gloo's
         torch.cuda.set_device(rank)
+    EARLY_STATES["error_feedback"] = error_feedback_state()
     dist.init_process_group(backend, rank=rank, world_size=2)
     findings = {}
     for check in CHECKS if backend == "gloo" else [check_transport]:

@@ -33,7 +33,6 @@ from deepreduce.collectives import frames
 from deepreduce.collectives.base import check_peers
 from deepreduce.collectives.transport import TorchTransport, Traffic, Transport
 from deepreduce.exchange import GradientExchange
-from deepreduce.pipeline import DEFAULT_INDEX
 from deepreduce.sparse import BFLOAT16
 from deepreduce.stats import StepStats
 
@@ -99,25 +98,18 @@ class DeepReduceState:
     ----------
     process_group : torch.distributed.ProcessGroup, optional
         The group to reduce in; the default group when None. gloo and NCCL
-        are supported (anything else raises here, before any collective).
-    sparsifier : callable or str, default ``"topk:0.01"``
-        What travels of each parameter's gradient: ``dr.TopK(0.01)``,
-        ``"randomk:0.01"``, ``dr.Threshold(1e-3)``; None sends every non-zero.
-    index : str, dict or IndexCodec, default "auto"
-        Index codec; ``"auto"`` picks the smallest exact code per tensor, and
-        ``"auto:link_gbits=10"`` the cheapest to code and send over a 10 Gbit/s
-        link (each rank may give its own bandwidth).
-    value : str, dict or ValueCodec, default "fp16"
-        Value codec: ``"raw"`` (lossless), ``"fp16"``, ``"bf16"``,
-        ``"qsgd:bits=8"``...
-    communicator : {"allgather", "sparse_allreduce", "block"}, default "allgather"
-        Every rank's payloads to every rank (DeepReduce), SparCML's split
-        allgather, or OmniReduce's non-zero blocks.
-    communicator_options : dict, optional
-        Options of that communicator (``{"block_size": 256}`` for block).
-    use_error_feedback : bool, default True
-        Keep, per parameter, what was not delivered (``input - received``,
-        exactly) and add it to the next gradient: Top-k needs it to converge.
+        are supported. The group is looked up at the first hook call, so the
+        state can be built before ``init_process_group`` (as Lightning's
+        ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` does).
+    *args, **settings
+        The settings of :class:`~deepreduce.config.ExchangeConfig`, in its order
+        or by name, with the same defaults as every deepreduce integration:
+        ``sparsifier`` (Top-1%), ``index`` ("auto"), ``value`` ("fp16"),
+        ``error_feedback`` (True, per parameter), ``min_size`` (1024),
+        ``seed`` (0), ``communicator`` ("allgather"; or "sparse_allreduce",
+        "block") and ``communicator_options``.
+    config : ExchangeConfig, optional
+        All of them at once, instead.
     start_iter : int, default 10
         Iterations (backward passes) of plain allreduce before compression
         starts. Early gradients change fast and error feedback has nothing to
@@ -128,12 +120,6 @@ class DeepReduceState:
         would cost CPU for little traffic saved. The estimate encodes a
         synthetic Gaussian tensor of each parameter's shape once, so it
         depends only on shapes and settings and all ranks agree on it.
-    min_size : int, default 1024
-        Parameters with fewer elements (biases, norms) travel losslessly in
-        the same bundle, those of one dtype in one payload.
-    seed : int, default 0
-        Seed of randomised sparsifiers and codecs. The same seed on every
-        rank makes RandomK pick the same coordinates everywhere.
 
     Attributes
     ----------
@@ -160,10 +146,8 @@ class DeepReduceState:
     layout, which DDP builds afresh after a restart.
     """
 
-    def __init__(self, process_group=None, sparsifier="topk:0.01", index=DEFAULT_INDEX,
-                 value="fp16", communicator="allgather", communicator_options=None,
-                 use_error_feedback=True, start_iter=10, min_compression_rate=2.0,
-                 min_size=1024, seed=0):
+    def __init__(self, process_group=None, *args, config=None, start_iter=10,
+                 min_compression_rate=2.0, **settings):
         if isinstance(start_iter, bool) or not isinstance(start_iter, numbers.Integral) \
                 or start_iter < 0:
             raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
@@ -171,13 +155,9 @@ class DeepReduceState:
                 not math.isfinite(min_compression_rate) or min_compression_rate < 0:
             raise ValueError("min_compression_rate must be a finite number >= 0, got "
                              f"{min_compression_rate!r}")
-        self.exchange = GradientExchange(
-            sparsifier, index=index, value=value,
-            memory="residual" if use_error_feedback else None, min_size=min_size, seed=seed,
-            communicator=communicator, communicator_options=communicator_options)
+        self.exchange = GradientExchange(*args, config=config, **settings)
         self.process_group = process_group
-        self._transport = transport_of(process_group)
-        self.use_error_feedback = bool(use_error_feedback)
+        self._transport = None  # bound at the first hook call: see the transport property
         self.start_iter, self.min_compression_rate = int(start_iter), float(min_compression_rate)
         self.iter = 0
         pipeline = self.exchange.pipeline
@@ -187,7 +167,8 @@ class DeepReduceState:
                           "value": _shared_setting(pipeline.value_codec),
                           "communicator": self.exchange.communicator,
                           "communicator_options": repr(self.exchange.communicator_options),
-                          "use_error_feedback": self.use_error_feedback,
+                          # (the key checkpoints have always carried)
+                          "use_error_feedback": self.exchange.memory is not None,
                           "start_iter": self.start_iter,
                           "min_compression_rate": self.min_compression_rate,
                           "min_size": self.exchange.min_size}
@@ -394,10 +375,9 @@ def deepreduce_hook(state: DeepReduceState,
                                               reuse_out=reuse)
     else:
         memory = state.exchange.memory
-        for key, view in zip(keys, views):   # what error feedback still owes goes now
-            if memory is not None and key in memory:
-                view += memory.residual(key).astype(view.dtype, copy=False)
-                memory.reset(key)
+        if memory is not None:
+            for key, view in zip(keys, views):   # what error feedback still owes goes now
+                memory.pay(key, view)
         started = state._submit(lambda: _allreduce_average(state, buffer, host, on_host, size))
     started.add_done_callback(deliver)
     if bucket.is_last():
