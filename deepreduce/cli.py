@@ -15,7 +15,7 @@ import numpy as np
 
 import deepreduce as dr
 from deepreduce import container
-from deepreduce.exchange import BUNDLE_MAGIC, split_bundles
+from deepreduce.bundle import BUNDLE_MAGIC, split_bundles
 from deepreduce.pipeline import (DEFAULT_INDEX, DEFAULT_MAX_ELEMENTS, DEFAULT_VALUE, Pipeline,
                                  index_entropy_bits)
 from deepreduce.registry import registered_codecs

@@ -93,7 +93,8 @@ def check_held_results_survive(rank):
         result = reduce(gradient(step))
         correct.append(equal(result, hvd.allreduce(gradient(step), op=hvd.Sum)))
         addresses.append(address(result))
-        (written, _), = compression.exchange._allgather._sums._last.values()  # the array deepreduce summed into
+        # the array deepreduce summed into
+        (written, _), = compression.exchange._allgather._sums._last.values()
         adopted.append(addresses[-1] == written.__array_interface__["data"][0])
         del result
     # eagerly too: whatever TensorFlow does with the host arrays, a held result stays

@@ -19,7 +19,7 @@ import pytest
 
 import deepreduce as dr
 from deepreduce.collectives import frames
-from deepreduce.exchange import pack_bundle, split_bundles
+from deepreduce.bundle import pack_bundle, split_bundles
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

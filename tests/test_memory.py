@@ -15,10 +15,11 @@ def test_residual_plus_delivered_equals_input_over_steps(value):
     for _ in range(20):
         g = rng.standard_normal(2000).astype(np.float32)
         inputs += g
-        corrected = memory.compensate("w", g)
+        corrected = memory.accumulate("w", g)
+        owed = corrected.copy()   # (settle subtracts in the same memory)
         _, received = pipe.encode(corrected)
-        memory.update("w", corrected, received)
-        np.testing.assert_array_equal(received.to_dense() + memory.residual("w"), corrected)
+        memory.settle("w", corrected, received)
+        np.testing.assert_array_equal(received.to_dense() + memory.residual("w"), owed)
         delivered += received.to_dense()
     # no gradient mass lost: what arrived plus what is still owed is what was put in
     np.testing.assert_allclose(delivered + memory.residual("w"), inputs, rtol=0, atol=1e-4)
@@ -27,8 +28,8 @@ def test_residual_plus_delivered_equals_input_over_steps(value):
 def test_beta_and_reset():
     memory = dr.ResidualMemory(beta=0.5)
     g = np.array([1.0, 2.0], np.float32)
-    memory.update("w", g, dr.SparseTensor([2.0], [1], (2,)))
-    np.testing.assert_array_equal(memory.compensate("w", g), [1.5, 2.0])
+    memory.settle("w", g, dr.SparseTensor([2.0], [1], (2,)))
+    np.testing.assert_array_equal(memory.accumulate("w", g), [1.5, 2.0])
     assert "w" in memory and len(memory) == 1
     memory.reset("w")
     assert memory.residual("w") is None
@@ -38,58 +39,85 @@ def test_beta_and_reset():
 
 def test_shape_change_is_an_error():
     memory = dr.ResidualMemory()
-    memory.update("w", np.ones(3, np.float32), dr.SparseTensor([], [], (3,)))
+    memory.settle("w", np.ones(3, np.float32), dr.SparseTensor([], [], (3,)))
     with pytest.raises(ValueError, match="changed shape"):
-        memory.compensate("w", np.ones(4, np.float32))
+        memory.accumulate("w", np.ones(4, np.float32))
+
+
+def reference_step(residual, g, beta, encode):
+    """Error feedback written out with new arrays: ``(corrected, received, residual)``."""
+    corrected = g if residual is None else \
+        g + (residual if beta == 1.0 else beta * residual).astype(g.dtype)
+    _, received = encode(corrected)
+    residual = corrected.copy()
+    residual.reshape(-1)[received.indices] -= received.values.astype(g.dtype)
+    return corrected, received, residual
 
 
 @pytest.mark.parametrize("beta", [1.0, 0.5])
-def test_feedback_equals_compensate_and_update_in_one_buffer(beta):
+def test_accumulate_and_settle_equal_error_feedback_in_one_buffer(beta):
     rng = np.random.default_rng(1)
     pipe = dr.Pipeline(dr.TopK(0.05), "varint", "fp16")
-    fast, reference = dr.ResidualMemory(beta), dr.ResidualMemory(beta)
+    memory, residual = dr.ResidualMemory(beta), None
     buffers = set()
     for step in range(6):
         g = rng.standard_normal((40, 50)).astype(np.float32)
-        _, received = fast.feedback("w", g, pipe.encode)
-        corrected = reference.compensate("w", g)
-        _, expected = pipe.encode(corrected)
-        reference.update("w", corrected, expected)
+        corrected = memory.accumulate("w", g)
+        _, received = pipe.encode(corrected)
+        memory.settle("w", corrected, received)
+        _, expected, residual = reference_step(residual, g, beta, pipe.encode)
         assert received == expected
-        np.testing.assert_array_equal(fast.residual("w"), reference.residual("w"))
+        np.testing.assert_array_equal(memory.residual("w"), residual)
         if step >= 1:
-            buffers.add(id(fast.residual("w")))
+            buffers.add(id(memory.residual("w")))
     assert len(buffers) == 1  # updated in place from the second step on
 
 
-def test_feedback_keeps_everything_owed_when_encoding_fails():
+def test_everything_stays_owed_when_encoding_fails():
     memory, pipe = dr.ResidualMemory(), dr.Pipeline(dr.TopK(1))
     g = np.array([0.5, -2.0, 1.0], np.float32)
-    memory.feedback("w", g, pipe.encode)
+    corrected = memory.accumulate("w", g)
+    memory.settle("w", corrected, pipe.encode(corrected)[1])
     owed = g + memory.residual("w")
-
-    def failing(corrected):
-        raise RuntimeError("network down")
-
-    with pytest.raises(RuntimeError):
-        memory.feedback("w", g, failing)
+    memory.accumulate("w", g)   # an encoding that raises never reaches settle
     np.testing.assert_array_equal(memory.residual("w"), owed)
+
+
+def test_pay_adds_what_is_owed_and_forgets_it():
+    memory = dr.ResidualMemory(beta=0.5)
+    memory.settle("w", np.array([2.0, 4.0], np.float32), dr.SparseTensor([4.0], [1], (2,)))
+    gradient = np.ones(2, np.float32)
+    assert memory.pay("w", gradient) is gradient
+    np.testing.assert_array_equal(gradient, [2.0, 1.0])
+    assert "w" not in memory
+    np.testing.assert_array_equal(memory.pay("w", gradient), [2.0, 1.0])  # nothing owed
+
+
+def test_the_earlier_api_still_works_with_a_warning():
+    memory, pipe = dr.ResidualMemory(), dr.Pipeline(dr.TopK(1))
+    g = np.array([0.5, -2.0, 1.0], np.float32)
+    with pytest.warns(DeprecationWarning, match="accumulate"):
+        corrected = memory.compensate("w", g)
+    with pytest.warns(DeprecationWarning, match="settle"):
+        memory.update("w", corrected, pipe.encode(corrected)[1])
+    with pytest.warns(DeprecationWarning):
+        memory.feedback("w", g, pipe.encode)
+    np.testing.assert_array_equal(memory.residual("w"), [2.0, 0.0, 2.0])
 
 
 def test_accumulate_and_settle_around_a_deferred_delivery():
     # the reducing communicators learn what was delivered only after their collectives
     rng = np.random.default_rng(2)
-    memory, reference = dr.ResidualMemory(), dr.ResidualMemory()
+    memory, residual = dr.ResidualMemory(), None
     topk = dr.TopK(0.1)
     for step in range(4):
         g = rng.standard_normal(500).astype(np.float32)
         corrected = memory.accumulate("w", g)
-        expected_input = reference.compensate("w", g)
+        expected_input, sent, residual = reference_step(residual, g, 1.0,
+                                                        lambda x: (None, topk(x)))
         np.testing.assert_array_equal(corrected, expected_input)
-        sent = topk(corrected)
-        memory.settle("w", corrected, sent)
-        reference.update("w", expected_input, sent)
-        np.testing.assert_array_equal(memory.residual("w"), reference.residual("w"))
+        memory.settle("w", corrected, topk(corrected))
+        np.testing.assert_array_equal(memory.residual("w"), residual)
         if step >= 1:  # from the second step the residual's own memory is reused
             assert corrected is memory.residual("w")
     # an array accumulate did not make is copied, never adopted
@@ -166,7 +194,8 @@ def test_settle_with_the_selection_has_the_same_bits(value, dtype):
 def test_a_bundle_whose_coding_fails_keeps_every_residual_owed(monkeypatch):
     # the exchange codes a bundle's tensors after all their selections and settles the
     # residuals after all codings: a failure sends nothing, so nothing may be settled
-    from deepreduce.exchange import SHARED_BELOW, GradientExchange
+    from deepreduce.allgather_exchange import SHARED_BELOW
+    from deepreduce.exchange import GradientExchange
 
     ex = GradientExchange(dr.TopK(0.01), value="fp16")
     rng = np.random.default_rng(3)
@@ -180,7 +209,7 @@ def test_a_bundle_whose_coding_fails_keeps_every_residual_owed(monkeypatch):
     def failing(selected, dense=None):
         raise RuntimeError("codec failed")
 
-    monkeypatch.setattr(ex._pipeline_of("b"), "encode_sparse", failing)
+    monkeypatch.setattr(ex.selector.pipeline_of("b"), "encode_sparse", failing)
     with pytest.raises(RuntimeError, match="codec failed"):
         ex.encode_bundle(names, grads)
     for name, expected in zip(names, owed):
