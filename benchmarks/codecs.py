@@ -9,7 +9,7 @@ Synthetic supports
     pipeline targets. Throughput is in MB/s of *dense* input (n * 4 bytes), the
     figure that compares with a memory copy and with sending the dense tensor.
 Real gradients
-    The cache written by ``benchmarks/gradients.py`` (a CNN, a ResNet-20 and an
+    The cache written by ``benchmarks.gradients`` (a CNN, a ResNet-20 and an
     embedding model on scikit-learn's digits; generated on first use), Top-k
     0.1%, 1% and 10% per tensor: bits per index of every index codec per model,
     every value codec's bits and error, and what one training step sends per
@@ -27,8 +27,8 @@ dense input; decode + scatter into a dense buffer >= 1 GB/s (issue 2). ``auto``
 within 3% of the entropy bound on every synthetic cell, and the smallest exact
 codec or within 2% of it on real gradients (issue 3).
 
-    python benchmarks/codecs.py                 # full run (a few minutes)
-    python benchmarks/codecs.py --sizes 1000000 # quicker
+    python -m benchmarks.codecs                 # full run (a few minutes)
+    python -m benchmarks.codecs --sizes 1000000 # quicker
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core: the targets are per core
@@ -49,22 +46,14 @@ import zstandard  # noqa: E402
 import deepreduce as dr  # noqa: E402
 from deepreduce.registry import registered_codecs  # noqa: E402
 
-HERE = Path(__file__).parent
-RESULTS = HERE / "results"
-GRADIENTS = HERE / "cache" / "gradients.npz"
+from benchmarks.common import GRADIENTS, RESULTS, best_of, load_gradients, table  # noqa: E402
+
 MODELS = ("cnn", "resnet20", "embedding")
 GRADIENT_DENSITIES = (0.001, 0.01, 0.1)
-#: Value codec settings shown besides each codec's defaults, when that codec exists.
+#: The index codec of the deepreduce pipelines set against the baselines.
+PIPELINE_INDEX = "auto"
+#: Value codec settings shown besides each codec's defaults.
 EXTRA_VALUE_SPECS = ("qsgd:bits=2", "qsgd:bits=8", "polyfit:degree=3")
-
-
-def best_of(fn, repeat):
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, out
 
 
 def exact_index_codecs():
@@ -81,17 +70,9 @@ def value_codecs(include_sorting=False):
               if include_sorting or not cls.sorts_values}
     for spec in EXTRA_VALUE_SPECS:
         cid = spec.split(":")[0]
-        if cid in codecs and (include_sorting or not codecs[cid].sorts_values):
-            try:
-                codecs[spec] = dr.get_codec(spec, family="value")
-            except ValueError:  # that codec names its parameters differently
-                pass
+        if cid in codecs:  # not left out for sorting its values
+            codecs[spec] = dr.get_codec(spec, family="value")
     return codecs
-
-
-def pipeline_index_codec():
-    """``auto`` (the default index codec) once registered; until then the best fixed one."""
-    return "auto" if "auto" in registered_codecs("index") else "eliasfano"
 
 
 def index_table(n, st, repeat):
@@ -146,25 +127,21 @@ def synthetic_section(sizes, densities, repeat):
             st = dr.TopK(density)(x)
             bound, rows = index_table(n, st, repeat)
             lines += [f"### n = {n:,}, density {density:g} (k = {st.nnz:,})", "",
-                      f"Index codecs; entropy bound {bound:.2f} bits/index.", "",
-                      "| index codec | bits/index | x bound | encode MB/s | decode MB/s "
-                      "| encode M idx/s | decode M idx/s |", "|---|---|---|---|---|---|---|"]
-            lines += [f"| {r[0]} | {r[1]:.2f} | {r[2]:.3f} | {r[3]:,.0f} | {r[4]:,.0f} "
-                      f"| {r[5]:.0f} | {r[6]:.0f} |" for r in rows]
-            auto = [r for r in rows if r[0] == "auto"]
-            if auto:
-                verdict = "met" if auto[0][2] <= 1.03 else "MISSED"
-                lines += ["", f"`auto`: {auto[0][2]:.3f} x bound (target <= 1.03: {verdict}); "
-                              f"encode {auto[0][5]:.0f} M idx/s (target >= 50 at n = 25M, 1%), "
-                              f"decode {auto[0][6]:.0f} M idx/s (target >= 100)."]
-            else:
-                lines += ["", "`auto` is not registered yet (issue 3): no figure for its "
-                              "target (<= 1.03 x bound)."]
+                      f"Index codecs; entropy bound {bound:.2f} bits/index.", ""]
+            lines += table(["index codec", "bits/index", "x bound", "encode MB/s", "decode MB/s",
+                            "encode M idx/s", "decode M idx/s"],
+                           [[r[0], f"{r[1]:.2f}", f"{r[2]:.3f}", f"{r[3]:,.0f}", f"{r[4]:,.0f}",
+                             f"{r[5]:.0f}", f"{r[6]:.0f}"] for r in rows])
+            auto = next(r for r in rows if r[0] == "auto")
+            verdict = "met" if auto[2] <= 1.03 else "MISSED"
+            lines += ["", f"`auto`: {auto[2]:.3f} x bound (target <= 1.03: {verdict}); "
+                          f"encode {auto[5]:.0f} M idx/s (target >= 50 at n = 25M, 1%), "
+                          f"decode {auto[6]:.0f} M idx/s (target >= 100).", ""]
             values = value_table(n, st, repeat)
-            lines += ["", "| value codec | bits/value | rel. L2 error | encode MB/s | decode MB/s |",
-                      "|---|---|---|---|---|"]
-            lines += [f"| {r[0]} | {r[1]:.2f} | {r[2]:.2e} | {r[3]:,.0f} | {r[4]:,.0f} |"
-                      for r in values]
+            lines += table(["value codec", "bits/value", "rel. L2 error", "encode MB/s",
+                            "decode MB/s"],
+                           [[r[0], f"{r[1]:.2f}", f"{r[2]:.2e}", f"{r[3]:,.0f}", f"{r[4]:,.0f}"]
+                            for r in values])
             p = pipeline_row(x, density, "varint", "fp16", repeat)
             # issue 2's targets are stated for Top-k 1%; other densities are reported as is
             targets = ((" (target >= 500: " + ("met" if p["encode"] >= 500 else "NOT met") + ")",
@@ -187,17 +164,10 @@ def synthetic_section(sizes, densities, repeat):
 
 # -- real gradients -------------------------------------------------------------------
 
-def load_gradients(path: Path) -> dict:
-    """``{model: [(name, dense float32 array)]}`` from the gradient cache; makes it if missing."""
-    if not path.exists():
-        print(f"{path} is missing: capturing gradients with benchmarks/gradients.py "
-              "(about a minute)", flush=True)
-        subprocess.run([sys.executable, str(HERE / "gradients.py"), "--out", str(path)],
-                       check=True)
-    with np.load(path) as z:
-        arrays = {k: z[k] for k in z.files if ".indexed_" not in k}
+def by_model(gradients: dict) -> dict:
+    """``{model: [(variable, gradient)]}`` of the ``{"model/variable": gradient}`` cache."""
     grouped = {}
-    for key, array in arrays.items():
+    for key, array in gradients.items():
         model, name = key.split("/", 1)
         grouped.setdefault(model, []).append((name, array))
     return grouped
@@ -227,21 +197,11 @@ def _step_bytes(selected, grads, density):
             ("Top-k raw pairs int32+fp32", {m: 8 * nnz[m] for m in models}, 0.0),
             ("Top-k raw pairs + zstd", {m: sum(len(zstd.compress(raw_pairs(s)))
                                              for s in selected[m]) for m in models}, 0.0)]
-    index = pipeline_index_codec()
-    specs = [(index, "raw"), (index, "zstd"), (index, "fp16"), (index, "bf16")]
-    registered = registered_codecs("value")
-    if "qsgd" in registered:
-        specs += [(index, "qsgd"), (index, "qsgd:bits=8")]
-    if "sign" in registered:
-        specs.append((index, "sign"))
-    if "polyfit" in registered:
-        specs.append((None, "polyfit"))
+    specs = [(PIPELINE_INDEX, value) for value in
+             ("raw", "zstd", "fp16", "bf16", "qsgd", "qsgd:bits=8", "sign")] + [(None, "polyfit")]
     for index_spec, value_spec in specs:
-        try:
-            pipe = dr.Pipeline(None, index_spec or "auto", value_spec) if index_spec \
-                else dr.Pipeline(None, value=value_spec)
-        except ValueError:
-            continue
+        pipe = dr.Pipeline(None, index_spec, value_spec) if index_spec \
+            else dr.Pipeline(None, value=value_spec)
         sizes, err2, norm2 = {}, 0.0, 0.0
         for m in models:
             total = 0
@@ -258,7 +218,7 @@ def _step_bytes(selected, grads, density):
 
 
 def gradient_section(path: Path, repeat: int, densities=GRADIENT_DENSITIES):
-    grads = load_gradients(path)
+    grads = by_model(load_gradients(path))
     models = [m for m in MODELS if m in grads] + [m for m in grads if m not in MODELS]
     total = sum(g.size for m in models for _, g in grads[m])
     lines = [f"## Real gradients ({path.name}: {sum(len(grads[m]) for m in models)} tensors, "
@@ -284,10 +244,7 @@ def gradient_section(path: Path, repeat: int, densities=GRADIENT_DENSITIES):
                   f"({', '.join(f'{m} {nnz[m]:,}' for m in models)})", "",
                   "Index codecs (exact). Entropy bound log2 C(n,k)/k per tensor, weighted: "
                   + ", ".join(f"{m} {bound[m]:.2f}" for m in models)
-                  + f", all {bound_all:.2f} bits/index.", "",
-                  "| index codec | " + " | ".join(f"{m} bits/idx" for m in models)
-                  + " | all bits/idx | x bound | encode M idx/s | decode M idx/s |",
-                  "|---|" + "---|" * (len(models) + 4)]
+                  + f", all {bound_all:.2f} bits/index.", ""]
         index_rows = []
         for cid, codec in exact_index_codecs().items():
             t_enc, streams = best_of(lambda: [codec.encode(s.indices, s.size) for s in every],
@@ -305,16 +262,18 @@ def gradient_section(path: Path, repeat: int, densities=GRADIENT_DENSITIES):
                                    x_bound=bits_all / bound_all,
                                    encode_midx=nnz_all / t_enc / 1e6,
                                    decode_midx=nnz_all / t_dec / 1e6))
-            lines.append(f"| {cid} | " + " | ".join(f"{bits[m]:.2f}" for m in models)
-                         + f" | {bits_all:.2f} | {bits_all / bound_all:.3f} "
-                         f"| {nnz_all / t_enc / 1e6:.3g} | {nnz_all / t_dec / 1e6:.3g} |")
+        lines += table(["index codec"] + [f"{m} bits/idx" for m in models]
+                       + ["all bits/idx", "x bound", "encode M idx/s", "decode M idx/s"],
+                       [[r["codec"]] + [f"{r['bits'][m]:.2f}" for m in models]
+                        + [f"{r['bits_all']:.2f}", f"{r['x_bound']:.3f}",
+                           f"{r['encode_midx']:.3g}", f"{r['decode_midx']:.3g}"]
+                        for r in index_rows])
         smallest = min(r["bits_all"] for r in index_rows)
-        auto = [r for r in index_rows if r["codec"] == "auto"]
-        if auto:
-            gap = auto[0]["bits_all"] / smallest - 1
-            lines += ["", f"`auto`: {auto[0]['bits_all']:.2f} bits/index, {gap:+.1%} against "
-                          f"the smallest exact codec (target <= +2%: "
-                          f"{'met' if gap <= 0.02 else 'MISSED'})."]
+        auto = next(r for r in index_rows if r["codec"] == "auto")
+        gap = auto["bits_all"] / smallest - 1
+        lines += ["", f"`auto`: {auto['bits_all']:.2f} bits/index, {gap:+.1%} against "
+                      f"the smallest exact codec (target <= +2%: "
+                      f"{'met' if gap <= 0.02 else 'MISSED'})."]
         lossy_rows = []
         for cid, codec in lossy_index_codecs().items():
             t_enc, encoded = best_of(lambda: [codec.encode_selection(s.indices, s.values, s.size, d)
@@ -327,13 +286,13 @@ def gradient_section(path: Path, repeat: int, densities=GRADIENT_DENSITIES):
                                    delivered=delivered / nnz_all,
                                    encode_midx=nnz_all / t_enc / 1e6,
                                    decode_midx=nnz_all / t_dec / 1e6))
-        if lossy_rows:
-            lines += ["", "Lossy index codecs (default settings; bits per selected index, "
-                          "delivered = indices the receiver gets / k):", "",
-                      "| index codec | bits/idx | delivered | encode M idx/s | decode M idx/s |",
-                      "|---|---|---|---|---|"]
-            lines += [f"| {r['codec']} | {r['bits_all']:.2f} | {r['delivered']:.3f} "
-                      f"| {r['encode_midx']:.3g} | {r['decode_midx']:.3g} |" for r in lossy_rows]
+        lines += ["", "Lossy index codecs (default settings; bits per selected index, "
+                      "delivered = indices the receiver gets / k):", ""]
+        lines += table(["index codec", "bits/idx", "delivered", "encode M idx/s",
+                        "decode M idx/s"],
+                       [[r["codec"], f"{r['bits_all']:.2f}", f"{r['delivered']:.3f}",
+                         f"{r['encode_midx']:.3g}", f"{r['decode_midx']:.3g}"]
+                        for r in lossy_rows])
 
         value_rows = []
         for cid, codec in value_codecs(include_sorting=True).items():
@@ -352,27 +311,25 @@ def gradient_section(path: Path, repeat: int, densities=GRADIENT_DENSITIES):
                                    encode_mvals=nnz_all / t_enc / 1e6,
                                    decode_mvals=nnz_all / t_dec / 1e6))
         lines += ["", "Value codecs (all models; codecs marked * sort the values, so their "
-                      "indices travel in value order, bit-packed):", "",
-                  "| value codec | bits/value | rel. L2 error | encode M val/s | decode M val/s |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {r['codec']}{' *' if r['sorts'] else ''} | {r['bits']:.2f} "
-                  f"| {r['rel_l2']:.2e} | {r['encode_mvals']:.3g} | {r['decode_mvals']:.3g} |"
-                  for r in value_rows]
+                      "indices travel in value order, bit-packed):", ""]
+        lines += table(["value codec", "bits/value", "rel. L2 error", "encode M val/s",
+                        "decode M val/s"],
+                       [[r["codec"] + (" *" if r["sorts"] else ""), f"{r['bits']:.2f}",
+                         f"{r['rel_l2']:.2e}", f"{r['encode_mvals']:.3g}",
+                         f"{r['decode_mvals']:.3g}"] for r in value_rows])
 
         step_rows = _step_bytes(selected, grads, density)
         dense_all = sum(step_rows[0][1].values())
         raw_all = sum(step_rows[2][1].values())
         lines += ["", "Bytes one step sends per rank (whole payloads, headers included), "
-                      "against the baselines:", "",
-                  "| scheme | " + " | ".join(f"{m} bytes" for m in models)
-                  + " | all bytes | x smaller than dense fp32 | x smaller than raw pairs "
-                    "| value rel. L2 error |",
-                  "|---|" + "---|" * (len(models) + 4)]
-        for label, sizes, err in step_rows:
-            all_bytes = sum(sizes.values())
-            lines.append(f"| {label} | " + " | ".join(f"{sizes[m]:,}" for m in models)
-                         + f" | {all_bytes:,} | {dense_all / all_bytes:.1f} "
-                         f"| {raw_all / all_bytes:.2f} | {err:.1e} |")
+                      "against the baselines:", ""]
+        lines += table(["scheme"] + [f"{m} bytes" for m in models]
+                       + ["all bytes", "x smaller than dense fp32", "x smaller than raw pairs",
+                          "value rel. L2 error"],
+                       [[label] + [f"{sizes[m]:,}" for m in models]
+                        + [f"{sum(sizes.values()):,}", f"{dense_all / sum(sizes.values()):.1f}",
+                           f"{raw_all / sum(sizes.values()):.2f}", f"{err:.1e}"]
+                        for label, sizes, err in step_rows])
         lines.append("")
         records.append(dict(density=density, nnz=nnz, nnz_all=nnz_all, bound=bound,
                             bound_all=bound_all, index=index_rows, lossy_index=lossy_rows,
@@ -494,7 +451,7 @@ def run(sizes, densities, repeat, gradients, gradient_repeat):
         lines += real_lines
     records = dict(synthetic=synthetic, gradients=real, repeat=repeat,
                    gradient_repeat=gradient_repeat,
-                   pipeline_index=pipeline_index_codec())
+                   pipeline_index=PIPELINE_INDEX)
     return "\n".join(lines) + "\n", records
 
 
@@ -508,7 +465,7 @@ def main():
     parser.add_argument("--gradient-repeat", type=int, default=7,
                         help="timing repetitions on the (small) real gradients")
     parser.add_argument("--gradients", default=str(GRADIENTS),
-                        help="real gradient cache from benchmarks/gradients.py (made when "
+                        help="real gradient cache of benchmarks.gradients (made when "
                              "missing); 'none' skips the real gradients")
     parser.add_argument("--out", default=str(RESULTS / "codecs.md"))
     args = parser.parse_args()
