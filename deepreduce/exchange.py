@@ -242,21 +242,10 @@ class GradientExchange:
         if len(as_rows) != len(tensors):
             raise ValueError(f"as_rows has {len(as_rows)} entries for {len(tensors)} tensors")
         if self._reducing is not None:
-            with self._lock:
-                reduced = self._reducing.start(list(names), list(tensors), op, transport,
-                                               as_rows)
+            return self._reducing_step(list(names), list(tensors), transport, op, as_rows, out)
+        return self._allgather_step(names, tensors, transport, op, as_rows, out, reuse_out)
 
-            def finish():
-                with self._lock:
-                    outputs, traffic, stats = reduced()
-                for target, output in zip(out or [], outputs):
-                    if target is not None:
-                        np.copyto(target, np.asarray(output).reshape(target.shape))
-                self.stats.record_step(stats)
-                return [o if t is None else t for o, t in
-                        zip(outputs, out or [None] * len(outputs))], traffic
-            # queued behind the reduction's own collectives on the same thread
-            return transport.submit(finish)
+    def _allgather_step(self, names, tensors, transport, op, as_rows, out, reuse_out):
         try:
             with self._lock:
                 bundle, sent, encoded = self._allgather.encode(names, tensors)
@@ -278,6 +267,22 @@ class GradientExchange:
             # one record per exchange: exchanges may overlap, open/close pairs may not
             self.stats.record_step(encoded + decoded + exchanged)
             return outputs, traffic
+        return transport.submit(finish)
+
+    def _reducing_step(self, names, tensors, transport, op, as_rows, out):
+        with self._lock:
+            reduced = self._reducing.start(names, tensors, op, transport, as_rows)
+
+        def finish():
+            with self._lock:
+                outputs, traffic, stats = reduced()
+            self.stats.record_step(stats)
+            for i, target in enumerate(out or []):
+                if target is not None:
+                    np.copyto(target, np.asarray(outputs[i]).reshape(target.shape))
+                    outputs[i] = target
+            return outputs, traffic
+        # queued behind the reduction's own collectives on the same thread
         return transport.submit(finish)
 
     # -- the same step in two halves, for an allgather inside a TensorFlow graph --------

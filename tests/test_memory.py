@@ -101,8 +101,8 @@ def test_the_earlier_api_still_works_with_a_warning():
     with pytest.warns(DeprecationWarning, match="settle"):
         memory.update("w", corrected, pipe.encode(corrected)[1])
     with pytest.warns(DeprecationWarning):
-        memory.feedback("w", g, pipe.encode)
-    np.testing.assert_array_equal(memory.residual("w"), [2.0, 0.0, 2.0])
+        memory.feedback("w", np.array([0.5, -3.0, 1.0], np.float32), pipe.encode)
+    np.testing.assert_array_equal(memory.residual("w"), [1.0, 0.0, 2.0])
 
 
 def test_accumulate_and_settle_around_a_deferred_delivery():
