@@ -9,7 +9,7 @@ Synthetic supports
     pipeline targets. Throughput is in MB/s of *dense* input (n * 4 bytes), the
     figure that compares with a memory copy and with sending the dense tensor.
 Real gradients
-    The cache written by ``benchmarks.gradients`` (a CNN, a ResNet-20 and an
+    The cache written by ``benchmarks/gradients.py`` (a CNN, a ResNet-20 and an
     embedding model on scikit-learn's digits; generated on first use), Top-k
     0.1%, 1% and 10% per tensor: bits per index of every index codec per model,
     every value codec's bits and error, and what one training step sends per
@@ -465,7 +465,7 @@ def main():
     parser.add_argument("--gradient-repeat", type=int, default=7,
                         help="timing repetitions on the (small) real gradients")
     parser.add_argument("--gradients", default=str(GRADIENTS),
-                        help="real gradient cache of benchmarks.gradients (made when "
+                        help="real gradient cache from benchmarks/gradients.py (made when "
                              "missing); 'none' skips the real gradients")
     parser.add_argument("--out", default=str(RESULTS / "codecs.md"))
     args = parser.parse_args()

@@ -31,25 +31,22 @@ errors on captured gradients, not accuracy.
 
 Writes ``benchmarks/results/paper_comparison.md`` and ``.json``.
 
-    python benchmarks/paper_comparison.py
+    python -m benchmarks.paper_comparison
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
 import deepreduce as dr
-from deepreduce.registry import registered_codecs
 
-HERE = Path(__file__).parent
-RESULTS = HERE / "results"
-GRADIENTS = HERE / "cache" / "gradients.npz"
+from benchmarks.common import GRADIENTS, RESULTS, load_gradients, table
+
 MIN_SIZE = 1024
 RAW_PAIR_BYTES = 8  # int32 index + float32 value
 
@@ -70,28 +67,8 @@ def ours(index):
             (f"deepreduce {index} + raw fp32 (lossless)", index, "raw")]
 
 
-def load_gradients(path: Path):
-    if not path.exists():
-        print(f"{path} is missing: capturing gradients with benchmarks/gradients.py", flush=True)
-        subprocess.run([sys.executable, str(HERE / "gradients.py"), "--out", str(path)],
-                       check=True)
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files if ".indexed_" not in k}
-
-
-def missing_codecs(index_spec, value_spec):
-    missing = []
-    if index_spec and index_spec.split(":")[0] not in registered_codecs("index"):
-        missing.append(f"index codec {index_spec.split(':')[0]!r}")
-    if value_spec.split(":")[0] not in registered_codecs("value"):
-        missing.append(f"value codec {value_spec.split(':')[0]!r}")
-    return missing
-
-
 def measure(tensors, ratio, index_spec, value_spec):
-    """Volumes and errors of one scheme over all tensors; None when a codec is missing."""
-    if missing_codecs(index_spec, value_spec):
-        return None
+    """Volumes and errors of one scheme over all tensors."""
     pipe = (dr.Pipeline(dr.TopK(ratio), index=index_spec, value=value_spec) if index_spec
             else dr.Pipeline(dr.TopK(ratio), value=value_spec))
     payload_bytes = stream_bytes = delivered = kept = 0
@@ -119,7 +96,7 @@ def measure(tensors, ratio, index_spec, value_spec):
 def run(path: Path):
     arrays = load_gradients(path)
     tensors = [a for a in arrays.values() if a.size >= MIN_SIZE]
-    index = "auto" if "auto" in registered_codecs("index") else "eliasfano"
+    index = "auto"
     elements = sum(t.size for t in tensors)
     lines = ["# DeepReduce paper's volumes next to ours", "",
              "Paper: Kostopoulou, Xu et al., *DeepReduce: A Sparse-tensor Communication "
@@ -139,11 +116,7 @@ def run(path: Path):
     detail = []
     for ratio in sorted({p[0] for p in PAPER}):
         raw = RAW_PAIR_BYTES * sum(dr.TopK(ratio)(t).nnz for t in tensors)
-        detail += [f"## Top-r {ratio:.0%} (raw pairs: {raw:,} bytes)", "",
-                  "| scheme | paper: x less than Top-r | ours: x less (streams) "
-                  "| ours: x less (payloads) | bits per kept entry (streams) "
-                  "| delivered / kept | rel. error vs Top-r | rel. error vs dense |",
-                  "|---|---|---|---|---|---|---|---|"]
+        rows = []
         schemes = [(label, ix, val, claim, PAPER_TEXT[i])
                    for i, (r, label, ix, val, claim) in enumerate(PAPER) if r == ratio]
         schemes.append(("Top-r raw pairs int32 + fp32 (the paper's baseline)", "raw", "raw",
@@ -151,24 +124,21 @@ def run(path: Path):
         schemes += [(label, ix, val, None, "") for label, ix, val in ours(index)]
         for label, index_spec, value_spec, claim, claim_text in schemes:
             m = measure(tensors, ratio, index_spec, value_spec)
-            if m is None:
-                missing = ", ".join(missing_codecs(index_spec, value_spec))
-                detail.append(f"| {label} | {claim_text} | not measured: {missing} not "
-                             "registered yet | | | | | |")
-                records.append(dict(ratio=ratio, scheme=label, paper_x_less=claim,
-                                    missing=missing))
-                continue
             x_streams = raw / m["stream_bytes"]
             x_payloads = raw / m["payload_bytes"]
-            detail.append(f"| {label} | {claim_text} | {x_streams:.2f} | {x_payloads:.2f} "
-                         f"| {8 * m['stream_bytes'] / m['kept']:.2f} "
-                         f"| {m['delivered'] / m['kept']:.3f} | {m['rel_err_topr']:.2e} "
-                         f"| {m['rel_err_dense']:.3f} |")
+            rows.append([label, claim_text, f"{x_streams:.2f}", f"{x_payloads:.2f}",
+                         f"{8 * m['stream_bytes'] / m['kept']:.2f}",
+                         f"{m['delivered'] / m['kept']:.3f}", f"{m['rel_err_topr']:.2e}",
+                         f"{m['rel_err_dense']:.3f}"])
             records.append(dict(ratio=ratio, scheme=label, index=index_spec, value=value_spec,
                                 paper_x_less=claim, x_less_streams=x_streams,
                                 x_less_payloads=x_payloads, **m))
             print(f"done {ratio:.0%} {label}", flush=True)
-        detail.append("")
+        detail += [f"## Top-r {ratio:.0%} (raw pairs: {raw:,} bytes)", ""]
+        detail += table(["scheme", "paper: x less than Top-r", "ours: x less (streams)",
+                         "ours: x less (payloads)", "bits per kept entry (streams)",
+                         "delivered / kept", "rel. error vs Top-r", "rel. error vs dense"],
+                        rows) + [""]
     lines += summary(records, index) + detail + NOTES
     return "\n".join(lines) + "\n", records
 
@@ -179,24 +149,21 @@ def summary(records, index):
     deepreduce's entry is its smallest exact-index pipeline whose value error
     (against the Top-r selection) is no larger than the paper scheme's.
     """
-    lines = ["## Summary", "",
-             "| Top-r | paper's scheme | paper: x less | ours, same scheme: x less (streams) "
-             "| its error vs Top-r | deepreduce exact index, no more error | x less (streams) "
-             "| its error vs Top-r |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for ratio, label, _, _, claim in PAPER:
-        mine = next((r for r in records if r["ratio"] == ratio and r["scheme"] == label), None)
-        if mine is None or "missing" in mine:
-            lines.append(f"| {ratio:.0%} | {label} | {claim:.2f} | not measured | | | | |")
-            continue
-        candidates = [r for r in records if r["ratio"] == ratio and "missing" not in r
+        mine = next(r for r in records if r["ratio"] == ratio and r["scheme"] == label)
+        candidates = [r for r in records if r["ratio"] == ratio
                       and r["scheme"].startswith(f"deepreduce {index}")
                       and r["rel_err_topr"] <= mine["rel_err_topr"]]
         best = max(candidates, key=lambda r: r["x_less_streams"], default=None)
-        ours_text = (f"{best['scheme']} | {best['x_less_streams']:.2f} "
-                     f"| {best['rel_err_topr']:.2e}" if best else "none | | ")
-        lines.append(f"| {ratio:.0%} | {label} | {claim:.2f} | {mine['x_less_streams']:.2f} "
-                     f"| {mine['rel_err_topr']:.2e} | {ours_text} |")
-    return lines + [""]
+        ours_cells = ([best["scheme"], f"{best['x_less_streams']:.2f}",
+                       f"{best['rel_err_topr']:.2e}"] if best else ["none", "", ""])
+        rows.append([f"{ratio:.0%}", label, f"{claim:.2f}", f"{mine['x_less_streams']:.2f}",
+                     f"{mine['rel_err_topr']:.2e}"] + ours_cells)
+    return ["## Summary", ""] + table(
+        ["Top-r", "paper's scheme", "paper: x less", "ours, same scheme: x less (streams)",
+         "its error vs Top-r", "deepreduce exact index, no more error", "x less (streams)",
+         "its error vs Top-r"], rows) + [""]
 
 
 NOTES = [
