@@ -25,8 +25,8 @@ pipeline; it is not part of this script.
 
 Usage::
 
-    python benchmarks/lossy_codecs.py            # prints, writes the results file
-    python benchmarks/lossy_codecs.py --quick    # smaller scan, fewer repeats
+    python -m benchmarks.lossy_codecs            # prints, writes the results file
+    python -m benchmarks.lossy_codecs --quick    # smaller scan, fewer repeats
 """
 
 from __future__ import annotations
@@ -35,25 +35,21 @@ import argparse
 import contextlib
 import math
 import os
-import sys
 import time
 from unittest import mock
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from deepreduce.codecs import bloom
+from deepreduce.codecs._murmur import RangeHasher
+from deepreduce.codecs.bloom import BloomFilter, BloomIndices, filter_geometry
+from deepreduce.codecs.dexp import DoubleExpValues
+from deepreduce.codecs.polyfit import PolyFitValues
+from deepreduce.codecs.qsgd import QSGDValues
+from deepreduce.codecs.sign import SignValues
 
-from deepreduce.codecs import bloom  # noqa: E402
-from deepreduce.codecs._murmur import RangeHasher  # noqa: E402
-from deepreduce.codecs.bloom import BloomFilter, BloomIndices, filter_geometry  # noqa: E402
-from deepreduce.codecs.dexp import DoubleExpValues  # noqa: E402
-from deepreduce.codecs.polyfit import PolyFitValues  # noqa: E402
-from deepreduce.codecs.qsgd import QSGDValues  # noqa: E402
-from deepreduce.codecs.sign import SignValues  # noqa: E402
+from benchmarks.common import GRADIENTS, RESULTS, ROOT, best_of, load_gradients, table
 
-CACHE = os.path.join(ROOT, "benchmarks", "cache", "gradients.npz")
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "lossy_codecs.md")
 RATIOS = (0.01, 0.1)
 FPRS = (1e-2, 1e-3, 1e-4)
 #: Tensors below this size are left out of the per-tensor codec statistics:
@@ -62,12 +58,11 @@ FPRS = (1e-2, 1e-3, 1e-4)
 MIN_TENSOR = 4096
 
 
-def load_gradients(path: str = CACHE) -> tuple[dict[str, np.ndarray], str]:
-    """``{name: flat float32 gradient}`` and a sentence saying where they come from."""
-    if os.path.exists(path):
-        with np.load(path) as archive:
-            grads = {key: archive[key].astype(np.float32).ravel() for key in archive.files
-                     if not key.endswith((".indexed_values", ".indexed_indices"))}
+def gradients(path=GRADIENTS) -> tuple[dict[str, np.ndarray], str]:
+    """``{name: flat float32 gradient}`` and a sentence saying where they come from: the
+    cache when it exists, else synthetic gradients."""
+    if path.exists():
+        grads = {key: g.astype(np.float32).ravel() for key, g in load_gradients(path).items()}
         sizes = sum(g.size for g in grads.values())
         return grads, (f"real gradients: {len(grads)} tensors, {sizes:,} values, from "
                        f"`{os.path.relpath(path, ROOT)}` (benchmarks/gradients.py)")
@@ -89,15 +84,6 @@ def top_k(x: np.ndarray, ratio: float) -> tuple[np.ndarray, np.ndarray]:
 
 def large(grads):
     return {name: g for name, g in grads.items() if g.size >= MIN_TENSOR}
-
-
-def best_time(fn, repeats: int, clock=time.perf_counter) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        best = min(best, clock() - start)
-    return best
 
 
 # ----------------------------------------------------------------- bloom
@@ -164,12 +150,12 @@ def bloom_scan_speed(n: int, repeats: int) -> list[dict]:
                     codec = BloomIndices(fpr=fpr, policy="p0")
                     data = codec.encode(idx, n)
                     nnz = BloomFilter.from_bytes(data, n, "bench").positives().size
-                    cpu = best_time(lambda: codec.decode(data, n, nnz), repeats,
-                                    time.thread_time)
-                    wall = best_time(lambda: codec.decode(data, n, nnz), repeats)
+                    cpu, _ = best_of(lambda: codec.decode(data, n, nnz), repeats,
+                                     time.thread_time)
+                    wall, _ = best_of(lambda: codec.decode(data, n, nnz), repeats)
                     ones = np.ones(idx.size, np.float32)
-                    encode = best_time(lambda: codec.encode_selection(idx, ones, n), 3,
-                                       time.thread_time)
+                    encode, _ = best_of(lambda: codec.encode_selection(idx, ones, n), 3,
+                                        time.thread_time)
                 rows.append({"n": n, "ratio": ratio, "fpr": fpr, "scan": implementation,
                              "cpu": cpu, "wall": wall, "rate": n / cpu / 1e6, "encode": encode})
     return rows
@@ -196,10 +182,10 @@ def bloom_scan_breakdown(n: int, repeats: int, ratio: float = 0.01, fpr: float =
     result = {"n": n, "ratio": ratio, "fpr": fpr}
     for implementation in implementations():
         with scan_implementation(implementation):
-            times = {"word test": best_time(word_test_only.positives, repeats, time.thread_time),
-                     "all": best_time(filt.positives, repeats, time.thread_time)}
+            times = {"word test": best_of(word_test_only.positives, repeats, time.thread_time)[0],
+                     "all": best_of(filt.positives, repeats, time.thread_time)[0]}
         if implementation == "numpy":
-            times["hash"] = best_time(hash_all, repeats, time.thread_time)
+            times["hash"] = best_of(hash_all, repeats, time.thread_time)[0]
         result[implementation] = {name: seconds / n * 1e9 for name, seconds in times.items()}
     return result
 
@@ -279,7 +265,7 @@ def fit_scaling(n: int) -> list[dict]:
 
 def report(source, sizes, rates, scans, breakdown, policies, values, scaling, load) -> str:
     lines = ["# Lossy codecs: Bloom filter, curve fits, QSGD, sign", "",
-             f"Generated by `benchmarks/lossy_codecs.py`. Gradients: {source}. "
+             f"Generated by `python -m benchmarks.lossy_codecs`. Gradients: {source}. "
              f"Tensors under {MIN_TENSOR:,} values are left out of the per-tensor statistics.",
              "", f"Load average while measuring: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
              f"(1 / 5 / 15 min; the machine has {os.cpu_count()} cores shared with other jobs, "
@@ -287,21 +273,19 @@ def report(source, sizes, rates, scans, breakdown, policies, values, scaling, lo
     lines += ["## Bloom filter size", "",
               "Bits per true index (Top-k indices of every tensor, summed), against the "
               "standard filter's 1.44 log2(1/fpr). *Filter* counts the filter words only, "
-              "*stream* adds the 7-8-byte header per tensor. Target: within 5%.", "",
-              "| fpr | Top-k | indices | 1.44 log2(1/fpr) | filter bits/index | stream bits/index "
-              "| stream vs target |", "|---|---|---|---|---|---|---|"]
-    for row in sizes:
-        lines.append(f"| {row['fpr']:g} | {row['ratio']:.0%} | {row['indices']:,} | "
-                     f"{row['target']:.2f} | {row['filter']:.2f} | {row['stream']:.2f} | "
-                     f"{row['stream'] / row['target'] - 1:+.1%} |")
+              "*stream* adds the 7-8-byte header per tensor. Target: within 5%.", ""]
+    lines += table(["fpr", "Top-k", "indices", "1.44 log2(1/fpr)", "filter bits/index",
+                    "stream bits/index", "stream vs target"],
+                   [[f"{row['fpr']:g}", f"{row['ratio']:.0%}", f"{row['indices']:,}",
+                     f"{row['target']:.2f}", f"{row['filter']:.2f}", f"{row['stream']:.2f}",
+                     f"{row['stream'] / row['target'] - 1:+.1%}"] for row in sizes])
     lines += ["", "## Measured false-positive rate", "",
               f"Over {rates[0]['tensors']} filters (the large tensors cycled; every call hashes "
-              "with a fresh seed). Target: within 20% of the requested rate.", "",
-              "| requested fpr | Top-k | false positives | measured fpr | measured / requested |",
-              "|---|---|---|---|---|"]
-    for row in rates:
-        lines.append(f"| {row['fpr']:g} | {row['ratio']:.0%} | {row['false_positives']:,} | "
-                     f"{row['measured']:.3g} | {row['ratio_to_target']:.3f} |")
+              "with a fresh seed). Target: within 20% of the requested rate.", ""]
+    lines += table(["requested fpr", "Top-k", "false positives", "measured fpr",
+                    "measured / requested"],
+                   [[f"{row['fpr']:g}", f"{row['ratio']:.0%}", f"{row['false_positives']:,}",
+                     f"{row['measured']:.3g}", f"{row['ratio_to_target']:.3f}"] for row in rates])
     lines += ["", "## Decoder scan speed", "",
               "p0 decode (tests every position of the universe) of a synthetic tensor on one "
               "core: CPU time of the decoding thread and wall-clock time, each the best of "
@@ -310,14 +294,12 @@ def report(source, sizes, rates, scans, breakdown, policies, values, scaling, lo
               "the C scan `deepreduce._bloomscan` that `pip install` builds; *numpy*: the "
               "fallback where it is not built (same positions). Encoding also scans (to know "
               "the positives) and builds the filter (in C, or numpy for the fallback); its "
-              "CPU time is the best of three.", "",
-              "| universe | Top-k | fpr | scan | decode CPU ms | decode wall ms "
-              "| M positions/s (CPU) | encode_selection CPU ms |",
-              "|---|---|---|---|---|---|---|---|"]
-    for row in scans:
-        lines.append(f"| {row['n']:,} | {row['ratio']:.0%} | {row['fpr']:g} | {row['scan']} | "
-                     f"{row['cpu'] * 1e3:.0f} | {row['wall'] * 1e3:.0f} | {row['rate']:.0f} | "
-                     f"{row['encode'] * 1e3:.0f} |")
+              "CPU time is the best of three.", ""]
+    lines += table(["universe", "Top-k", "fpr", "scan", "decode CPU ms", "decode wall ms",
+                    "M positions/s (CPU)", "encode_selection CPU ms"],
+                   [[f"{row['n']:,}", f"{row['ratio']:.0%}", f"{row['fpr']:g}", row["scan"],
+                     f"{row['cpu'] * 1e3:.0f}", f"{row['wall'] * 1e3:.0f}", f"{row['rate']:.0f}",
+                     f"{row['encode'] * 1e3:.0f}"] for row in scans])
     b = breakdown
     lines += ["", f"Where the CPU time goes (Top-{b['ratio']:.0%}, fpr {b['fpr']:g}, "
               f"{b['n']:,} positions, ns per position):", ""]
@@ -336,29 +318,26 @@ def report(source, sizes, rates, scans, breakdown, policies, values, scaling, lo
     lines += ["", "## Policies", "",
               "Share of true Top-1% indices among the positions each policy gives values to "
               "(p0 gives values to every positive; the others to exactly r), and "
-              "encode_selection time summed over the tensors.", "",
-              "| fpr | policy | positions | true share | encode s |", "|---|---|---|---|---|"]
-    for row in policies:
-        lines.append(f"| {row['fpr']:g} | {row['policy']} | {row['received']:,} | "
-                     f"{row['true_share']:.4f} | {row['seconds']:.2f} |")
+              "encode_selection time summed over the tensors.", ""]
+    lines += table(["fpr", "policy", "positions", "true share", "encode s"],
+                   [[f"{row['fpr']:g}", row["policy"], f"{row['received']:,}",
+                     f"{row['true_share']:.4f}", f"{row['seconds']:.2f}"] for row in policies])
     lines += ["", "## Value codecs", "",
               "Top-k values of every tensor; bits per value include every header and "
               "coefficient; relative L2 error over all values (curve fits: of the sorted "
               "values, which is what the receiver pairs with the indices sent in value "
-              "order); encode time summed over the tensors (sorting excluded).", "",
-              "| Top-k | codec | values | bits/value | relative L2 error | encode ms |",
-              "|---|---|---|---|---|---|"]
-    for row in values:
-        lines.append(f"| {row['ratio']:.0%} | `{row['codec']}` | {row['values']:,} | "
-                     f"{row['bits']:.3f} | {row['error']:.4f} | {row['seconds'] * 1e3:.1f} |")
+              "order); encode time summed over the tensors (sorting excluded).", ""]
+    lines += table(["Top-k", "codec", "values", "bits/value", "relative L2 error", "encode ms"],
+                   [[f"{row['ratio']:.0%}", f"`{row['codec']}`", f"{row['values']:,}",
+                     f"{row['bits']:.3f}", f"{row['error']:.4f}", f"{row['seconds'] * 1e3:.1f}"]
+                    for row in values])
     lines += ["", f"Curve fits on one synthetic gradient of {scaling[0]['n']:,} values (Laplace "
               "values, log-normal scale per run of 64; sort = `order()`, fit = "
-              "`encode_and_receive` of the sorted values):", "",
-              "| Top-k | codec | values | sort ms | fit ms | relative L2 error |",
-              "|---|---|---|---|---|---|"]
-    for row in scaling:
-        lines.append(f"| {row['ratio']:.0%} | `{row['codec']}` | {row['values']:,} | "
-                     f"{row['sort'] * 1e3:.0f} | {row['fit'] * 1e3:.0f} | {row['error']:.4f} |")
+              "`encode_and_receive` of the sorted values):", ""]
+    lines += table(["Top-k", "codec", "values", "sort ms", "fit ms", "relative L2 error"],
+                   [[f"{row['ratio']:.0%}", f"`{row['codec']}`", f"{row['values']:,}",
+                     f"{row['sort'] * 1e3:.0f}", f"{row['fit'] * 1e3:.0f}", f"{row['error']:.4f}"]
+                    for row in scaling])
     lines += ["", "## Not measured here", "",
               "The paper's volume comparisons (BF-P0 at fpr 1e-3, Fit-Poly and QSGD+BF-P0 "
               "against raw Top-r pairs) need whole payloads from the pipeline, including the "
@@ -370,9 +349,10 @@ def report(source, sizes, rates, scans, breakdown, policies, values, scaling, lo
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2.5M-position scan, 2 repeats")
-    parser.add_argument("--out", default=RESULTS, help="markdown file to write")
+    parser.add_argument("--out", default=str(RESULTS / "lossy_codecs.md"),
+                        help="markdown file to write")
     args = parser.parse_args(argv)
-    grads, source = load_gradients()
+    grads, source = gradients()
     scan_n, repeats = (2_500_000, 2) if args.quick else (25_000_000, 5)
     print(f"gradients: {source}", flush=True)
     sizes = bloom_sizes(grads)
