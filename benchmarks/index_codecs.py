@@ -35,8 +35,8 @@ bound ``log2 C(n, k) / k`` of the set, and checks the targets of issue 3:
 
 Prints markdown and writes it to ``benchmarks/results/index_codecs.md``.
 
-    python benchmarks/index_codecs.py              # full run (a few minutes)
-    python benchmarks/index_codecs.py --sizes 1000000 --repeat 5
+    python -m benchmarks.index_codecs              # full run (a few minutes)
+    python -m benchmarks.index_codecs --sizes 1000000 --repeat 5
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -56,9 +55,8 @@ import deepreduce as dr  # noqa: E402
 from deepreduce.codecs import _entropy, auto, golomb, huffman  # noqa: E402
 from deepreduce.registry import registered_codecs  # noqa: E402
 
-HERE = Path(__file__).parent
-RESULTS = HERE / "results" / "index_codecs.md"
-GRADIENTS = HERE / "cache" / "gradients.npz"
+from benchmarks.common import (GRADIENTS, RESULTS, best_of, best_wall_and_cpu,  # noqa: E402
+                               load_gradients, table)
 
 BOUND_TARGET = 1.03
 ENCODE_TARGET = 250e6  # indices per second (issue 14)
@@ -73,17 +71,6 @@ LINK_TOLERANCE = 1.05     # auto:link_gbits's send + code time over plain auto's
 def exact_codecs() -> dict:
     return {cid: cls() for cid, cls in sorted(registered_codecs("index").items())
             if cls.lossless}
-
-
-def best_of(fn, repeat):
-    """Best wall-clock and best CPU (process) time of ``repeat`` runs, in seconds."""
-    wall = cpu = float("inf")
-    for _ in range(repeat):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        fn()
-        wall = min(wall, time.perf_counter() - start)
-        cpu = min(cpu, time.process_time() - start_cpu)
-    return wall, cpu
 
 
 def sizes_of(codecs, indices, n) -> dict:
@@ -103,13 +90,6 @@ def auto_choice(indices, n, codec=None) -> str:
         return "-"
     tag = auto.TAGS[data[0] & ~auto.COMPLEMENT]
     return tag + (" (complement)" if data[0] & auto.COMPLEMENT else "")
-
-
-def table(header, rows) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join("---" if i == 0 else "--:" for i in range(len(header))) + "|"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return lines
 
 
 # ------------------------------------------------------------------ sections
@@ -134,7 +114,8 @@ def uniform_section(sizes_n, densities, codecs, seed) -> tuple[list[str], bool]:
              "",
              f"Bits per index; target: auto <= {BOUND_TARGET} x bound in every cell.",
              ""]
-    lines += table(["n", "density", "bound", "auto", "auto / bound", "auto chose"] + names, rows)
+    lines += table(["n", "density", "bound", "auto", "auto / bound", "auto chose"] + names, rows,
+                   right_aligned=True)
     return lines, ok
 
 
@@ -145,8 +126,8 @@ def speed_section(n, density, codecs, repeat, seed) -> tuple[list[str], bool]:
     rows, ok = [], True
     for cid, codec in codecs.items():
         data = codec.encode(indices, n)
-        encode, encode_cpu = best_of(lambda: codec.encode(indices, n), repeat)
-        decode, decode_cpu = best_of(lambda: codec.decode(data, n, k), repeat)
+        encode, encode_cpu = best_wall_and_cpu(lambda: codec.encode(indices, n), repeat)
+        decode, decode_cpu = best_wall_and_cpu(lambda: codec.decode(data, n, k), repeat)
         row = [cid, f"{8 * len(data) / k:.2f}", f"{1e3 * encode:.2f}", f"{1e3 * encode_cpu:.2f}",
                f"{k / encode / 1e6:.1f}", f"{1e3 * decode:.2f}", f"{1e3 * decode_cpu:.2f}",
                f"{k / decode / 1e6:.1f}"]
@@ -163,7 +144,7 @@ def speed_section(n, density, codecs, repeat, seed) -> tuple[list[str], bool]:
              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start).",
              ""]
     lines += table(["codec", "bits/index", "encode ms", "encode CPU ms", "encode M idx/s",
-                    "decode ms", "decode CPU ms", "decode M idx/s"], rows)
+                    "decode ms", "decode CPU ms", "decode M idx/s"], rows, right_aligned=True)
     return lines, ok
 
 
@@ -187,7 +168,7 @@ def small_call_section(repeat, seed) -> tuple[list[str], bool]:
              f"Best of {repeat} encodes; the overhead is auto's time beyond Golomb's, the "
              f"code it picks here (target: under {1e3 * SMALL_CALL_TARGET:.1f} ms).", ""]
     return lines + table(["indices", "auto picks", "auto ms", "golomb ms", "overhead ms"],
-                         rows), ok
+                         rows, right_aligned=True), ok
 
 
 def value_speed_section(repeat, seed) -> tuple[list[str], bool]:
@@ -221,7 +202,7 @@ def value_speed_section(repeat, seed) -> tuple[list[str], bool]:
              "", f"Best of {repeat} runs (target: `qsgd:bits=8` encode and decode within "
              f"{QSGD_TARGET:.0f}x of fp16's).", ""]
     return lines + table(["codec", "bits/value", "encode ms", "decode ms",
-                          "x fp16 (encode / decode)"], rows), ok
+                          "x fp16 (encode / decode)"], rows, right_aligned=True), ok
 
 
 def entropy_implementation(name: str):
@@ -255,8 +236,10 @@ def huffman_speed_section(repeat, seed) -> list[str]:
             for name in names:
                 with entropy_implementation(name):
                     data = codec.encode(indices, n)
-                    encode, encode_cpu = best_of(lambda: codec.encode(indices, n), repeat)
-                    decode, decode_cpu = best_of(lambda: codec.decode(data, n, k), repeat)
+                    encode, encode_cpu = best_wall_and_cpu(lambda: codec.encode(indices, n),
+                                                           repeat)
+                    decode, decode_cpu = best_wall_and_cpu(lambda: codec.decode(data, n, k),
+                                                           repeat)
                 rows.append([label, f"{k:,}", cid, name, f"{8 * len(data) / k:.2f}",
                              f"{1e3 * encode:.3f}", f"{1e3 * encode_cpu:.3f}",
                              f"{k / encode / 1e6:.1f}", f"{1e3 * decode:.3f}",
@@ -270,7 +253,7 @@ def huffman_speed_section(repeat, seed) -> list[str]:
              ""]
     lines += table(["set", "k", "codec", "implementation", "bits/index", "encode ms",
                     "encode CPU ms", "encode M idx/s", "decode ms", "decode CPU ms",
-                    "decode M idx/s"], rows)
+                    "decode M idx/s"], rows, right_aligned=True)
     return lines
 
 
@@ -315,7 +298,8 @@ def clustered_section(codecs, seed) -> list[str]:
              "Bits per index. The bound is that of an unstructured set of the same size: "
              "structured sets can go far below it.",
              ""]
-    lines += table(["support", "k", "bound", "auto", "auto chose", "smallest"] + names, rows)
+    lines += table(["support", "k", "bound", "auto", "auto chose", "smallest"] + names, rows,
+                   right_aligned=True)
     return lines
 
 
@@ -359,7 +343,7 @@ def structured_section(codecs, seed) -> tuple[list[str], bool]:
              f"target: within {REAL_TARGET} x the smallest exact codec.",
              ""]
     lines += table(["support", "k", "bound", "auto", "auto chose", "smallest",
-                    "auto / smallest"] + names, rows)
+                    "auto / smallest"] + names, rows, right_aligned=True)
     return lines, ok
 
 
@@ -458,10 +442,10 @@ def coding_time_section(repeat, seed) -> tuple[list[str], bool]:
     lines += table(["set", "k", "runs", "n"] + names,
                    [[label, f"{int(f[1]):,}", f"{int(f[2]):,}", f"{int(f[3]):,}"]
                     + [f"{1e3 * times[name][1]:.3f}" for name in names]
-                    for label, f, times in zip(sets, features, fixed)])
+                    for label, f, times in zip(sets, features, fixed)], right_aligned=True)
     lines += [""] + table(["codec", "call", "index", "run", "element", "call (fit here)",
                            "index (fit here)", "run (fit here)", "element (fit here)",
-                           "model error, median", "max", "fit here, median"], fits)
+                           "model error, median", "max", "fit here, median"], fits, right_aligned=True)
     lines += ["", "Then what each choice costs, measured: encode + decode of auto's stream "
               "(its choosing included) plus the stream's bytes at the link rate, in ms; "
               "*gain*: plain `auto`'s time (the smallest stream) over `auto:link_gbits`'s "
@@ -471,7 +455,8 @@ def coding_time_section(repeat, seed) -> tuple[list[str], bool]:
               f"Gain over all {len(gains)} cells: median {np.median(gains):.2f}x, "
               f"from {min(gains):.2f}x to {max(gains):.2f}x.", ""]
     lines += table(["set", "Gbit/s", "auto picks", "auto ms", "auto:link_gbits picks",
-                    "its ms", "gain", "cheapest fixed", "its ms", "auto:link_gbits / it"], rows)
+                    "its ms", "gain", "cheapest fixed", "its ms", "auto:link_gbits / it"], rows,
+                   right_aligned=True)
     return lines, ok
 
 
@@ -555,7 +540,7 @@ def fastpfor_section(repeat, seed) -> list[str]:
              f"{repeat} runs on one core. The last columns are encode + send + decode at "
              "each link rate, in ms.", ""]
     return lines + table(["set", "codec", "bits/index", "x bound", "encode ms", "decode ms"]
-                         + [f"{link} Gbit/s" for link in links], rows)
+                         + [f"{link} Gbit/s" for link in links], rows, right_aligned=True)
 
 
 def _version(package: str) -> str:
@@ -564,16 +549,14 @@ def _version(package: str) -> str:
 
 
 def real_section(path, codecs, density) -> tuple[list[str], bool]:
-    grads = np.load(path)
+    grads = load_gradients(path)
     names = [cid for cid in codecs if cid != "auto"]
     totals = dict.fromkeys(codecs, 0)
     total_k, total_bound, rows = 0, 0.0, []
     # tensors where auto exceeds the smallest stream by more than its tag byte, and the
     # bytes it gives up on those it writes without trials (streams below SMALL_STREAM)
     excess, small_excess, small_bytes = 0, 0, 0
-    for key in sorted(grads.files):
-        if key.endswith((".indexed_values", ".indexed_indices")):
-            continue
+    for key in sorted(grads):
         x = np.abs(grads[key].astype(np.float64).ravel())
         n = x.size
         k = max(1, int(round(n * density)))
@@ -604,7 +587,7 @@ def real_section(path, codecs, density) -> tuple[list[str], bool]:
     lines = [f"## Top-k {density:.0%} of real gradients ({path.name})",
              "",
              f"Bits per index, tensors with at least 40 selected indices listed; the total "
-             f"covers all {len([f for f in grads.files if '.indexed_' not in f])} tensors. "
+             f"covers all {len(grads)} tensors. "
              f"Target: auto within {REAL_TARGET} x the smallest exact codec. In total auto "
              f"takes {ratio:.3f} x {best_single} ({'PASS' if ok else 'FAIL'}); per tensor, "
              f"auto exceeds the smallest stream by more than its tag byte {excess} times on "
@@ -614,7 +597,7 @@ def real_section(path, codecs, density) -> tuple[list[str], bool]:
              f"{small_excess} tensors.",
              ""]
     lines += table(["tensor", "n", "k", "bound", "auto", "auto chose", "smallest"] + names,
-                   rows + summary)
+                   rows + summary, right_aligned=True)
     return lines, ok
 
 
@@ -640,7 +623,7 @@ def embedding_section(path, codecs) -> list[str]:
         return []
     lines = ["## Exact support of embedding gradients (rows looked up in the batch)", ""]
     lines += table(["tensor", "shape", "k", "bound", "auto", "auto chose", "smallest"] + names,
-                   rows)
+                   rows, right_aligned=True)
     return lines
 
 
@@ -651,14 +634,14 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradients", type=Path, default=GRADIENTS)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "index_codecs.md")
     args = parser.parse_args(argv)
     codecs = exact_codecs()
     sizes_n = [int(s) for s in args.sizes.split(",")]
     densities = [float(d) for d in args.densities.split(",")]
 
     lines = ["# Index codecs against the entropy bound", "",
-             "Written by `python benchmarks/index_codecs.py`. Codecs: "
+             "Written by `python -m benchmarks.index_codecs`. Codecs: "
              + ", ".join(codecs) + ". Bound: log2 C(n, k) / k bits per index.", ""]
     verdicts = {}
     section, verdicts["bound"] = uniform_section(sizes_n, densities, codecs, args.seed)
@@ -670,7 +653,7 @@ def main(argv=None):
         section, verdicts["real"] = real_section(args.gradients, codecs, 0.01)
         lines += section + [""] + embedding_section(args.gradients, codecs) + [""]
     else:
-        lines += [f"No gradient cache at {args.gradients}: run benchmarks/gradients.py "
+        lines += [f"No gradient cache at {args.gradients}: run `python -m benchmarks.gradients` "
                   f"first for the real-gradient section.", ""]
     section, verdicts["structured"] = structured_section(codecs, args.seed)
     lines += section + [""]
