@@ -13,11 +13,11 @@ Its inputs come from two runs of ``benchmarks/torch_e2e.py`` (PyTorch DDP,
 gloo, the e2e MLP with 1024-wide layers, 2.2M parameters, Top-k 1%), at
 P = 2 and P = 4 ranks and three rates each, as root::
 
-    for P in 2 4; do python benchmarks/torch_e2e.py --ranks $P --hidden 1024 \\
+    for P in 2 4; do python -m benchmarks.torch_e2e --ranks $P --hidden 1024 \\
         --steps 32 --rounds 8 --warmup 6 --start-iter 4 --schemes "allreduce fp32" \\
         "raw Top-k" "fp16 (allgather)" "(sparse_allreduce)" "(block)" \\
         --out benchmarks/results/scale/torch_p$P.md; done
-    python benchmarks/scale.py
+    python -m benchmarks.scale
 
 - bytes per sent element of each scheme: what a rank sent per step at P = 2
   (the traffic this predicts is checked against the bytes that crossed the
@@ -47,14 +47,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from deepreduce.collectives import cost  # noqa: E402
+from deepreduce.collectives import cost
 
-RESULTS = HERE / "results"
+from benchmarks.common import RESULTS, table
+
 RUNS = RESULTS / "scale"
 RATIO = 0.01
 #: Bytes per value of the compressed schemes' value codec (fp16): what a range sent dense
@@ -189,10 +187,10 @@ def cluster(model, n, compute):
                        for s in cost.SCHEMES} for P in CLUSTER_P} for gbit in CLUSTER_GBIT}
 
 
-def crossovers(table) -> list[str]:
+def crossovers(predicted) -> list[str]:
     """Where the fastest scheme changes as P grows, per rate."""
     lines = []
-    for gbit, by_p in table.items():
+    for gbit, by_p in predicted.items():
         winners = [(P, min(times, key=times.get)) for P, times in by_p.items()]
         changes = [f"{NAMES[b]} from P = {p2}" for (p1, a), (p2, b) in zip(winners, winners[1:])
                    if a != b]
@@ -202,12 +200,7 @@ def crossovers(table) -> list[str]:
     return lines
 
 
-def table(header, rows):
-    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"] \
-        + ["| " + " | ".join(row) + " |" for row in rows]
-
-
-def plot(table_, path):
+def plot(predicted, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -215,7 +208,7 @@ def plot(table_, path):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=False)
     for ax, gbit in zip(axes, (1, 10, 100)):
         for scheme in cost.SCHEMES:
-            ax.plot(CLUSTER_P, [1e3 * table_[gbit][P][scheme] for P in CLUSTER_P],
+            ax.plot(CLUSTER_P, [1e3 * predicted[gbit][P][scheme] for P in CLUSTER_P],
                     marker="o", label=NAMES[scheme])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -243,7 +236,7 @@ def main(argv=None):
     verdict = "PASS" if worst <= TARGET else "FAIL"
 
     lines = ["# Where compression pays as ranks grow", "",
-             "Written by `python benchmarks/scale.py` from `benchmarks/results/scale/"
+             "Written by `python -m benchmarks.scale` from `benchmarks/results/scale/"
              "torch_p2.json` and `torch_p4.json` (PyTorch DDP on gloo, the e2e MLP with "
              f"1024-wide layers: {n:,} parameters, Top-k 1%, fp16 values; see the script for "
              "the commands). The model is `deepreduce.collectives.cost.step_time`.", "",
