@@ -130,7 +130,7 @@ def worker(args):
     import tensorflow as tf
 
     import deepreduce as dr
-    from deepreduce import collectives as dc
+    from deepreduce.horovod import collectives as dc
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()

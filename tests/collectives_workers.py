@@ -66,7 +66,7 @@ def _run_checks():
     import horovod.tensorflow as hvd
 
     import deepreduce as dr
-    from deepreduce import collectives as dc
+    from deepreduce.horovod import collectives as dc
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()

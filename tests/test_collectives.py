@@ -615,6 +615,25 @@ def test_local_argument_errors():
         ThreadTransport.group(0)
 
 
+def test_no_default_transport_and_only_named_ops():
+    # the collectives know no framework: without a transport they say what to pass
+    comm = dc.SparseAllreduce(LOSSLESS)  # built without one (the exchanges do that)
+    for start in (lambda: comm.reduce(np.ones(4, np.float32)),
+                  lambda: dc.allreduce(np.ones(4, np.float32), "block", pipeline=LOSSLESS),
+                  lambda: dc.allreduce(np.ones(4, np.float32), "block", block_size=0)):
+        with pytest.raises(ValueError, match="no transport") as error:
+            start()
+        assert "deepreduce.horovod.collectives" in str(error.value)
+        assert "deepreduce.torch.transport.TorchTransport" in str(error.value)
+    with pytest.raises(ValueError, match="process_set alone .*horovod_transport"):
+        dc.BlockReduce(LOSSLESS, process_set=object()).reduce(np.ones(4, np.float32))
+    assert [base.op_name(op) for op in ("sum", "Average", "MEAN")] == ["sum", "average",
+                                                                       "average"]
+    for framework_constant in (0, 1, None):  # hvd.Average, hvd.Sum: the Horovod layer's
+        with pytest.raises(ValueError, match="deepreduce.horovod.collectives"):
+            base.op_name(framework_constant)
+
+
 # -- frames: malformed input raises DecodeError -------------------------------------------
 
 

@@ -25,3 +25,43 @@ def test_core_modules_do_not_import_the_codecs():
                  for module in imported_modules(path)
                  if module.startswith("deepreduce.codecs")}
     assert offenders == {}
+
+
+#: The frameworks deepreduce integrates with; the collectives know none of them (issue 30).
+FRAMEWORKS = ("horovod", "tensorflow", "torch", "keras", "jax")
+
+
+def framework_imports(path: pathlib.Path):
+    """Every module ``path`` imports anywhere (inside functions too), by statement or by
+    ``importlib.import_module(...)`` / ``__import__(...)`` of a constant name."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            yield node.lineno, node.module
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.Call) and node.args:
+            function = node.func
+            name = function.attr if isinstance(function, ast.Attribute) else \
+                getattr(function, "id", None)
+            argument = node.args[0]
+            if name in ("import_module", "__import__") and isinstance(argument, ast.Constant):
+                yield node.lineno, str(argument.value)
+
+
+def test_the_collectives_import_no_framework():
+    offenders = [f"{path.relative_to(CORE)}:{line} imports {module}"
+                 for path in sorted((CORE / "collectives").rglob("*.py"))
+                 for line, module in framework_imports(path)
+                 if module.split(".")[0] in FRAMEWORKS]
+    assert offenders == []
+
+
+def test_the_framework_check_sees_imports_anywhere(tmp_path):
+    module = tmp_path / "module.py"
+    module.write_text("import numpy\n"
+                      "def f():\n    import horovod.tensorflow as hvd\n"
+                      "def g():\n    from torch import distributed\n"
+                      "def h():\n    return importlib.import_module('tensorflow')\n"
+                      "def i():\n    return __import__('torch.distributed')\n")
+    found = [module for _, module in framework_imports(module)]
+    assert found == ["numpy", "horovod.tensorflow", "torch", "tensorflow", "torch.distributed"]

@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 import deepreduce as dr  # noqa: E402
 import deepreduce.torch as drt  # noqa: E402
 from deepreduce.collectives import Traffic  # noqa: E402
-from deepreduce.collectives import transport as transport_module  # noqa: E402
+from deepreduce.torch import transport as transport_module  # noqa: E402
 from deepreduce.torch import ddp  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

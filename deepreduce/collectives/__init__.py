@@ -1,7 +1,8 @@
-"""Reducing collectives for sparse tensors over Horovod (SparCML, OmniReduce, DeepReduce).
+"""Reducing collectives for sparse tensors (SparCML, OmniReduce, DeepReduce).
 
-Three communicators, chosen by name, all built on Horovod's own ``alltoall``
-and ``allgather`` and all applying a :class:`~deepreduce.Pipeline` (sparsifier,
+Three communicators, chosen by name, all built on the two byte collectives of a
+:class:`~deepreduce.collectives.transport.Transport` (``alltoall`` and
+``allgather``) and all applying a :class:`~deepreduce.Pipeline` (sparsifier,
 index codec, value codec) to what travels:
 
 ``"allgather"``
@@ -14,25 +15,39 @@ index codec, value codec) to what travels:
     OmniReduce: non-zero blocks of ``block_size`` elements to their owners,
     summed there, gathered back.
 
-Each works on numpy arrays, :class:`~deepreduce.SparseTensor`, and eager
-``tf.Tensor`` / ``tf.IndexedSlices``; each has a blocking ``reduce`` and a
-``reduce_async`` that returns a handle; every rank gets the same result. The
-bytes each rank sends and receives are counted (``Reduction.traffic``) and
-predicted by :mod:`deepreduce.collectives.cost`. See docs/collectives.md.
+Each works on numpy arrays and :class:`~deepreduce.SparseTensor`; each has a
+blocking ``reduce`` and a ``reduce_async`` that returns a handle; every rank gets
+the same result. The bytes each rank sends and receives are counted
+(``Reduction.traffic``) and predicted by :mod:`deepreduce.collectives.cost`.
+See docs/collectives.md.
+
+This package knows no framework and has no default transport: pass one
+(``transport=``), or use a framework's wrappers, which bring theirs.
+:mod:`deepreduce.horovod.collectives` gives the same communicators and
+:func:`allreduce` over Horovod (``process_set``, ``hvd.Sum`` / ``hvd.Average``,
+eager ``tf.Tensor`` and ``tf.IndexedSlices``);
+:class:`deepreduce.torch.transport.TorchTransport` runs them over
+``torch.distributed``; :class:`ThreadTransport` plays P ranks with threads.
 
 Examples
 --------
-In a script started with ``horovodrun -np 4 -H localhost:4 --gloo``::
+Two ranks played by threads:
 
-    import horovod.tensorflow as hvd, deepreduce as dr
-    from deepreduce import collectives
-    hvd.init()
-    pipe = dr.Pipeline(dr.TopK(0.01), index="eliasfano", value="fp16")
-    total = collectives.allreduce(grad, "sparse_allreduce", pipeline=pipe)
+>>> import numpy as np, deepreduce as dr
+>>> from concurrent.futures import ThreadPoolExecutor
+>>> from deepreduce import collectives
+>>> pipe = dr.Pipeline(dr.TopK(2), index="varint")
+>>> def rank_main(member):
+...     grad = np.array([0, 3, -1, 0, 2, 0], np.float32) * (member.rank + 1)
+...     return collectives.allreduce(grad, "sparse_allreduce", pipeline=pipe,
+...                                  transport=member)
+>>> with ThreadPoolExecutor(2) as pool:
+...     totals = list(pool.map(rank_main, collectives.ThreadTransport.group(2)))
+>>> totals[1]
+array([0., 9., 0., 0., 6., 0.], dtype=float32)
 """
 
-from deepreduce.collectives.transport import (HorovodTransport, ThreadTransport,
-                                              TorchTransport, Traffic, Transport,
+from deepreduce.collectives.transport import (ThreadTransport, Traffic, Transport,
                                               get_transport)
 from deepreduce.collectives.base import Communicator, Handle, Reduction, fail_collectively
 from deepreduce.collectives.allgather import AllgatherReduce
@@ -40,7 +55,8 @@ from deepreduce.collectives.sparse_allreduce import SparseAllreduce
 from deepreduce.collectives.block import BlockReduce
 from deepreduce.collectives import cost  # noqa: F401
 
-#: The communicators by the names the Horovod wrappers accept.
+#: The communicators by name: the one list of them (the framework wrappers and the
+#: gradient exchange take these names).
 COMMUNICATORS = {"allgather": AllgatherReduce, "sparse_allreduce": SparseAllreduce,
                  "block": BlockReduce}
 
@@ -91,19 +107,23 @@ def allreduce(x, communicator="sparse_allreduce", pipeline=None, op="sum", proce
 
     Parameters
     ----------
-    x : ndarray, SparseTensor, tf.Tensor or tf.IndexedSlices
+    x : ndarray or SparseTensor
     communicator : {"sparse_allreduce", "block", "allgather"} or Communicator
     pipeline : Pipeline, optional
     op : {"sum", "average"}
-    process_set : horovod ProcessSet, optional
-    transport : Transport, optional
-        Instead of Horovod (e.g. ``ThreadTransport.group(P)[rank]``).
+    process_set : optional
+        See :class:`Communicator`: Horovod's, for
+        :func:`deepreduce.horovod.collectives.allreduce`, which takes the same
+        arguments and TensorFlow tensors too.
+    transport : Transport
+        How the bytes move (e.g. ``ThreadTransport.group(P)[rank]``); needed
+        unless ``communicator`` is a built one.
     **settings
         Further constructor arguments (``block_size``, ``threshold`` for "block").
 
     Returns
     -------
-    ndarray or tf.Tensor
+    ndarray
         The reduced tensor, shaped like ``x``; the same on every rank.
     """
     return allreduce_async(x, communicator, pipeline, op, process_set, transport,
@@ -123,7 +143,6 @@ def block_allreduce(x, pipeline=None, block_size=256, threshold=0.0, op="sum",
 
 
 __all__ = ["AllgatherReduce", "SparseAllreduce", "BlockReduce", "Communicator", "Reduction",
-           "Handle", "Traffic", "Transport", "HorovodTransport", "ThreadTransport",
-           "TorchTransport",
+           "Handle", "Traffic", "Transport", "ThreadTransport",
            "COMMUNICATORS", "get_communicator", "allreduce", "allreduce_async",
            "sparse_allreduce", "block_allreduce", "cost"]

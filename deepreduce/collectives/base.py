@@ -39,19 +39,15 @@ _OPS = {"sum": "sum", "average": "average", "mean": "average"}
 
 
 def op_name(op) -> str:
-    """``"sum"`` or ``"average"`` from a name or Horovod's ``hvd.Sum`` / ``hvd.Average``."""
+    """``"sum"`` or ``"average"`` from ``"sum"``, ``"average"`` or ``"mean"`` (any case).
+
+    Framework constants are the framework layers' to translate:
+    :func:`deepreduce.horovod.collectives.op_name` takes ``hvd.Sum`` / ``hvd.Average``.
+    """
     if isinstance(op, str) and op.lower() in _OPS:
         return _OPS[op.lower()]
-    if not isinstance(op, str):
-        try:
-            from horovod.tensorflow import Average, Sum
-        except ImportError:
-            Average = Sum = None
-        if Sum is not None and op == Sum:
-            return "sum"
-        if Average is not None and op == Average:
-            return "average"
-    raise ValueError(f"op must be 'sum' or 'average' (or hvd.Sum / hvd.Average), got {op!r}")
+    raise ValueError(f"op must be 'sum' or 'average' ('mean'), got {op!r}; Horovod's hvd.Sum "
+                     "and hvd.Average go through deepreduce.horovod.collectives")
 
 
 @dataclass
@@ -60,10 +56,10 @@ class Reduction:
 
     Attributes
     ----------
-    output : numpy.ndarray or tf.Tensor
-        The reduced dense tensor, with the input's shape and dtype (a
-        ``tf.Tensor`` when the input was a TensorFlow tensor). Every rank gets
-        the same values.
+    output : numpy.ndarray
+        The reduced dense tensor, with the input's shape and dtype (the
+        communicators of :mod:`deepreduce.horovod.collectives` make it a
+        ``tf.Tensor`` for TensorFlow input). Every rank gets the same values.
     sent : SparseTensor
         What this rank's input contributed after the sparsifier and the codecs:
         ``input - sent`` is the error-feedback residual.
@@ -99,23 +95,12 @@ class Handle:
 class _Input:
     selected: SparseTensor          # after the sparsifier: flat, all pieces one after another
     dense: np.ndarray | None        # flat dense source, when the input was one dense tensor
-    pieces: list                    # (shape, framework) of each tensor, in order
+    shapes: list                    # the shape of each tensor, in order
     single: bool                    # reduce() rather than reduce_many()
 
     @property
     def dtype(self):
         return self.selected.dtype
-
-
-def _from_tensorflow(x):
-    """A TensorFlow tensor or IndexedSlices as a numpy array or SparseTensor."""
-    if hasattr(x, "dense_shape") and hasattr(x, "indices") and hasattr(x, "values"):
-        values = np.asarray(x.values.numpy() if hasattr(x.values, "numpy") else x.values)
-        if x.dense_shape is None:
-            raise ValueError("tf.IndexedSlices without dense_shape: the dense shape is needed")
-        return SparseTensor.from_rows(values, np.asarray(x.indices).reshape(-1),
-                                      np.asarray(x.dense_shape))
-    return x.numpy()
 
 
 class Communicator:
@@ -126,11 +111,17 @@ class Communicator:
     pipeline : Pipeline, optional
         Sparsifier and codecs of what travels; ``Pipeline()`` (every non-zero,
         automatic index codec, raw values) by default.
-    op : {"sum", "average"} or hvd.Sum / hvd.Average
-    process_set : horovod ProcessSet, optional
-        Reduce within this Horovod process set (the global one by default).
-    transport : Transport, optional
-        Instead of Horovod: e.g. a member of ``ThreadTransport.group(P)``.
+    op : {"sum", "average"}
+    process_set : optional
+        Not used by this package, which knows no framework: the communicators
+        of :mod:`deepreduce.horovod.collectives` reduce over Horovod's
+        transport of this Horovod process set. Give it or ``transport``, not both.
+    transport : Transport
+        How the bytes move between the ranks: a
+        :class:`~deepreduce.horovod.collectives.HorovodTransport`, a
+        :class:`~deepreduce.torch.transport.TorchTransport`, or a member of
+        ``ThreadTransport.group(P)``. Without one, the first reduction raises
+        ValueError (the framework layers' communicators bring their own).
     """
 
     name = ""
@@ -155,13 +146,14 @@ class Communicator:
 
     @property
     def transport(self):
+        """The transport this communicator's collectives run over."""
         if self._transport is None:
-            self._transport = get_transport(None, self._process_set)
+            get_transport(None, self._process_set)  # raises, saying what to pass
         return self._transport
 
     # -- public API -------------------------------------------------------------
     def reduce(self, x) -> Reduction:
-        """Reduce ``x`` (ndarray, SparseTensor, tf.Tensor or tf.IndexedSlices) over all ranks."""
+        """Reduce ``x`` (ndarray or SparseTensor) over all ranks."""
         return self.reduce_async(x).wait()
 
     def reduce_async(self, x) -> Handle:
@@ -199,18 +191,15 @@ class Communicator:
         return Handle(future, self._finish)
 
     def _input(self, xs: list, single: bool) -> _Input:
-        selections, pieces, dense = [], [], None
+        selections, shapes, dense = [], [], None
         for x in xs:
-            framework = "numpy"
-            if type(x).__module__.startswith("tensorflow"):
-                x, framework = _from_tensorflow(x), "tensorflow"
             selected, dense = self.pipeline.sparsify(x)
             selections.append(selected)
-            pieces.append((selected.shape, framework))
+            shapes.append(selected.shape)
         if single:
             flat = SparseTensor._trusted(selections[0].values, selections[0].indices,
                                          (selections[0].size,))
-            return _Input(flat, dense, pieces, True)
+            return _Input(flat, dense, shapes, True)
         if not selections:
             raise ValueError("reduce_many needs at least one tensor")
         dtypes = {st.dtype for st in selections}
@@ -222,12 +211,12 @@ class Communicator:
             np.concatenate([st.values for st in selections]),
             np.concatenate([st.indices + offset for st, offset in zip(selections, offsets)]),
             (int(offsets[-1]),))
-        return _Input(fused, None, pieces, False)
+        return _Input(fused, None, shapes, False)
 
     def _signature(self, inp: _Input) -> str:
-        shapes = ",".join("x".join(map(str, shape)) for shape, _ in inp.pieces)
+        shapes = ",".join("x".join(map(str, shape)) for shape in inp.shapes)
         if len(shapes) > 200:  # many fused tensors: a digest keeps the frame small
-            shapes = (f"{len(inp.pieces)} tensors of {inp.selected.size} elements "
+            shapes = (f"{len(inp.shapes)} tensors of {inp.selected.size} elements "
                       f"(crc32 {zlib.crc32(shapes.encode()):08x})")
         fields = {"communicator": self.name, "dtype": inp.dtype.name, "shapes": shapes,
                   "op": self.op, **self._settings()}
@@ -260,16 +249,12 @@ class Communicator:
     def _finish(self, result):
         inp, output, sent, traffic, algorithm = result
         reductions, offset = [], 0
-        for shape, framework in inp.pieces:
+        for shape in inp.shapes:
             size = math.prod(shape)
             piece = output[offset:offset + size].reshape(shape)
             start, end = np.searchsorted(sent.indices, [offset, offset + size])
             piece_sent = SparseTensor._trusted(sent.values[start:end],
                                                sent.indices[start:end] - offset, shape)
-            if framework == "tensorflow":
-                import tensorflow as tf
-
-                piece = tf.convert_to_tensor(piece)
             reductions.append(Reduction(piece, piece_sent, traffic, algorithm))
             offset += size
         return reductions[0] if inp.single else reductions

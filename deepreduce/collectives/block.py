@@ -1,4 +1,4 @@
-"""OmniReduce's block-sparse reduction, over Horovod's alltoall and allgather.
+"""OmniReduce's block-sparse reduction, over a transport's alltoall and allgather.
 
 The flat tensor is cut into blocks of ``block_size`` elements; a block is zero
 when every ``|x| <= threshold``. Only the non-zero blocks travel: their block

@@ -29,9 +29,9 @@ first rounding, the owner's rounding of the sum is shared by all ranks.
 
 ``algorithm="recursive_doubling"`` is SparCML's SSAR_Recursive_double
 instead (P a power of two): in round i every rank swaps its partial sum with
-rank ``rank XOR 2**i``, ``log2 P`` rounds. Horovod has no point-to-point
-send, so each round is an alltoall in which only the partner's split is
-non-empty.
+rank ``rank XOR 2**i``, ``log2 P`` rounds. A transport has no point-to-point
+send (Horovod has none), so each round is an alltoall in which only the
+partner's split is non-empty.
 
 ``algorithm="auto"`` (the default) first exchanges every rank's non-zero count
 and encoded sizes (one small alltoall that also checks the signatures), then
@@ -79,8 +79,9 @@ class SparseAllreduce(Communicator):
 
     Examples
     --------
-    Four ranks simulated by threads (with Horovod, leave ``transport`` out and
-    start the script with ``horovodrun``):
+    Four ranks simulated by threads (over Horovod, under ``horovodrun``:
+    :class:`deepreduce.horovod.collectives.SparseAllreduce`, which needs no
+    ``transport``):
 
     >>> import numpy as np, deepreduce as dr
     >>> from concurrent.futures import ThreadPoolExecutor

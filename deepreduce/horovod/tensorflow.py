@@ -48,7 +48,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 from deepreduce.errors import DecodeError
-from deepreduce.collectives.transport import horovod_transport
+from deepreduce.horovod.collectives import horovod_transport
 from deepreduce.pipeline import decode
 from deepreduce.sparse import SparseTensor
 from deepreduce.exchange import GradientExchange

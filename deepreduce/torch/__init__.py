@@ -12,7 +12,7 @@
 Everything framework-neutral (error feedback, encoding, the collectives'
 logic, the sums) lives in :mod:`deepreduce.exchange` and
 :mod:`deepreduce.collectives`; this package converts tensors and moves bytes
-with :class:`~deepreduce.collectives.TorchTransport` (gloo or NCCL).
+with :class:`~deepreduce.torch.transport.TorchTransport` (gloo or NCCL).
 """
 
 from __future__ import annotations

@@ -31,10 +31,11 @@ import torch.distributed as dist
 
 from deepreduce.collectives import frames
 from deepreduce.collectives.base import check_peers
-from deepreduce.collectives.transport import TorchTransport, Traffic, Transport
+from deepreduce.collectives.transport import Traffic, Transport
 from deepreduce.exchange import GradientExchange
 from deepreduce.sparse import BFLOAT16
 from deepreduce.stats import StepStats
+from deepreduce.torch.transport import TorchTransport
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "transport_of", "host_array", "from_host"]
 
@@ -44,7 +45,7 @@ _TRANSPORTS_LOCK = threading.Lock()
 
 
 def transport_of(process_group=None) -> TorchTransport:
-    """The shared :class:`~deepreduce.collectives.TorchTransport` of ``process_group``.
+    """The shared :class:`~deepreduce.torch.transport.TorchTransport` of ``process_group``.
 
     One per group and process, so every deepreduce collective of that group
     (the hook's, :func:`deepreduce.torch.allreduce`'s) runs on one thread, in

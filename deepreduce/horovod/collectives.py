@@ -1,0 +1,292 @@
+"""deepreduce's reducing collectives over Horovod, on TensorFlow tensors and numpy arrays.
+
+:mod:`deepreduce.collectives` knows no framework: its communicators move bytes
+over the :class:`~deepreduce.collectives.Transport` they are given. This module
+gives them Horovod's:
+
+* :class:`HorovodTransport`, ``hvd.alltoall`` and ``hvd.allgather`` on uint8
+  tensors of one process set, and :func:`horovod_transport`, the shared one of
+  a process set;
+* :class:`AllgatherReduce`, :class:`SparseAllreduce`, :class:`BlockReduce` and
+  :func:`get_communicator`: the communicators of :mod:`deepreduce.collectives`
+  (same parameters), over Horovod's transport of their ``process_set`` (the
+  global one by default) unless given another, taking ``op=hvd.Sum`` or
+  ``hvd.Average`` and eager TensorFlow tensors;
+* :func:`allreduce`, :func:`allreduce_async`, :func:`sparse_allreduce` and
+  :func:`block_allreduce`, the same over Horovod.
+
+Inputs may be numpy arrays, :class:`~deepreduce.SparseTensor`, and eager
+``tf.Tensor`` or ``tf.IndexedSlices`` (repeated rows are summed; nothing is
+densified before the sparsifier). For TensorFlow input the output is a
+``tf.Tensor`` of the input's dense shape; otherwise a numpy array.
+
+Examples
+--------
+In a script started with ``horovodrun -np 4 -H localhost:4 --gloo``::
+
+    import horovod.tensorflow as hvd, deepreduce as dr
+    from deepreduce.horovod import collectives as dc
+    hvd.init()
+    pipe = dr.Pipeline(dr.TopK(0.01), index="eliasfano", value="fp16")
+    total = dc.allreduce(grad, "sparse_allreduce", pipeline=pipe)   # a tf.Tensor for one
+    comm = dc.BlockReduce(pipe, block_size=256, op=hvd.Average)
+    reduction = comm.reduce(emb_grad)      # Reduction(output, sent, traffic, algorithm)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+from deepreduce import collectives
+from deepreduce.collectives import Communicator, Handle, Reduction
+from deepreduce.collectives.base import op_name as _op_name
+from deepreduce.collectives.transport import Transport, split_frames
+from deepreduce.sparse import SparseTensor
+
+__all__ = ["HorovodTransport", "horovod_transport", "op_name", "from_tensorflow",
+           "AllgatherReduce", "SparseAllreduce", "BlockReduce", "get_communicator",
+           "allreduce", "allreduce_async", "sparse_allreduce", "block_allreduce"]
+
+
+class HorovodTransport(Transport):
+    """Horovod's ``alltoall`` and ``allgather`` on uint8 tensors of one process set.
+
+    The operations are traced once into ``tf.function``s with fixed names:
+    in eager mode Horovod ignores ``name=`` and keys every operation by its type
+    (two eager allgathers in flight at once fail with "a tensor with the same
+    name ... is currently being processed"), whereas a traced operation keeps
+    its name. Ours are therefore never confused with the user's own eager
+    collectives, and the communication thread keeps ours to one at a time.
+    """
+
+    def __init__(self, process_set=None):
+        super().__init__()
+        if not hvd.is_initialized():
+            raise RuntimeError("Horovod is not initialised: call hvd.init() before "
+                               "reducing over Horovod")
+        self.process_set = hvd.global_process_set if process_set is None else process_set
+        if not self.process_set.included():
+            raise ValueError(f"this process (rank {hvd.rank()}) is not in {self.process_set}")
+        self.rank, self.size = self.process_set.rank(), self.process_set.size()
+        tag = f"deepreduce_collectives_ps{self.process_set.process_set_id}"
+        process_set = self.process_set
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.uint8),
+                                      tf.TensorSpec([None], tf.int32)])
+        def alltoall(data, splits):
+            return hvd.alltoall(data, splits=splits, name=f"{tag}_alltoall",
+                                process_set=process_set)
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.uint8)])
+        def allgather(data):
+            return hvd.allgather(data, name=f"{tag}_allgather", process_set=process_set)
+
+        self._alltoall, self._allgather = alltoall, allgather
+
+    def alltoall(self, frames, traffic, stage):
+        lengths = [0 if r == self.rank else len(f) for r, f in enumerate(frames)]
+        data = np.frombuffer(b"".join(f for r, f in enumerate(frames) if r != self.rank),
+                             dtype=np.uint8)
+        received, splits = self._alltoall(tf.constant(data),
+                                          tf.constant(lengths, dtype=tf.int32))
+        received = received.numpy()
+        traffic.add(stage, data.size, received.size)
+        return split_frames(received, splits.numpy())
+
+    def allgather(self, frame, traffic, stage):
+        data = np.frombuffer(bytes(frame), dtype=np.uint8)
+        # Horovod's allgather does not return the lengths: gather them alongside
+        # as 8 bytes per member, the only bookkeeping our frames do not carry.
+        head = np.array([data.size], dtype="<u8").view(np.uint8)
+        gathered = self._allgather(tf.constant(np.concatenate([head, data]))).numpy()
+        own = head.size + data.size
+        traffic.add(stage, own, gathered.size - own)
+        return _split_prefixed(gathered, self.size)
+
+
+def _split_prefixed(buffer: np.ndarray, count: int) -> list:
+    view, frames, pos = memoryview(buffer).cast("B"), [], 0
+    for _ in range(count):
+        (length,) = np.frombuffer(view[pos:pos + 8], dtype="<u8")
+        frames.append(view[pos + 8:pos + 8 + int(length)])
+        pos += 8 + int(length)
+    return frames
+
+
+_TRANSPORTS: dict = {}
+_LOCK = threading.Lock()
+
+
+def horovod_transport(process_set=None) -> HorovodTransport:
+    """The shared transport of a Horovod process set (the global one by default)."""
+    key = (hvd.global_process_set if process_set is None else process_set).process_set_id
+    with _LOCK:
+        transport = _TRANSPORTS.get(key)
+        if transport is None:
+            transport = _TRANSPORTS[key] = HorovodTransport(process_set)
+        return transport
+
+
+def op_name(op) -> str:
+    """``"sum"`` or ``"average"`` from a name or Horovod's ``hvd.Sum`` / ``hvd.Average``:
+    what the collectives take."""
+    if not isinstance(op, str):
+        if op == hvd.Sum:
+            return "sum"
+        if op == hvd.Average:
+            return "average"
+        raise ValueError(f"op must be 'sum' or 'average' (or hvd.Sum / hvd.Average), got {op!r}")
+    return _op_name(op)
+
+
+def _is_tensorflow(x) -> bool:
+    return isinstance(x, (tf.Tensor, tf.Variable, tf.IndexedSlices))
+
+
+def from_tensorflow(x):
+    """``x`` as the collectives take it: an eager ``tf.IndexedSlices`` as a
+    :class:`~deepreduce.SparseTensor` of its dense shape (repeated rows summed), an
+    eager ``tf.Tensor`` or variable as a numpy array, anything else as it is."""
+    if isinstance(x, tf.IndexedSlices):
+        if x.dense_shape is None:
+            raise ValueError("tf.IndexedSlices without dense_shape: the dense shape is needed")
+        return SparseTensor.from_rows(np.asarray(x.values), np.asarray(x.indices).reshape(-1),
+                                      np.asarray(x.dense_shape))
+    if isinstance(x, (tf.Tensor, tf.Variable)):
+        return x.numpy()
+    return x
+
+
+def _as_tensorflow(reduction: Reduction) -> Reduction:
+    return dataclasses.replace(reduction, output=tf.convert_to_tensor(reduction.output))
+
+
+class _TensorFlowHandle:
+    """A :class:`~deepreduce.collectives.Handle` whose outputs are ``tf.Tensor`` where
+    the inputs were TensorFlow's (``tensorflow[i]``)."""
+
+    def __init__(self, handle: Handle, tensorflow: list):
+        self._handle, self._tensorflow = handle, tensorflow
+
+    def done(self) -> bool:
+        return self._handle.done()
+
+    def wait(self, timeout: float | None = None):
+        """Block until the reduction is complete; re-raise its error, on every rank."""
+        result = self._handle.wait(timeout)
+        if isinstance(result, Reduction):
+            return _as_tensorflow(result)
+        return [_as_tensorflow(r) if tensorflow else r
+                for r, tensorflow in zip(result, self._tensorflow)]
+
+
+class _OverHorovod:
+    """What a communicator of :mod:`deepreduce.collectives` gains over Horovod:
+    Horovod's transport of its ``process_set`` unless it was given a transport,
+    ``op=hvd.Sum`` / ``hvd.Average``, and eager TensorFlow inputs."""
+
+    def __init__(self, *args, **kwargs):
+        arguments = inspect.signature(super().__init__).bind(*args, **kwargs).arguments
+        if "op" in arguments:
+            arguments["op"] = op_name(arguments["op"])
+        super().__init__(**arguments)
+
+    @property
+    def transport(self):
+        if self._transport is None:  # looked up at the first reduction: after hvd.init()
+            self._transport = horovod_transport(self._process_set)
+        return self._transport
+
+    def reduce_async(self, x) -> Handle:
+        handle = super().reduce_async(from_tensorflow(x))
+        return _TensorFlowHandle(handle, [True]) if _is_tensorflow(x) else handle
+
+    def reduce_many_async(self, xs) -> Handle:
+        xs = list(xs)
+        tensorflow = [_is_tensorflow(x) for x in xs]
+        handle = super().reduce_many_async([from_tensorflow(x) for x in xs])
+        return _TensorFlowHandle(handle, tensorflow) if any(tensorflow) else handle
+
+
+def _over_horovod(cls: type) -> type:
+    name = cls.__name__
+    return type(name, (_OverHorovod, cls), {
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"""{name} of :mod:`deepreduce.collectives` (the same parameters), over
+    Horovod's transport of ``process_set`` (the global process set by default) unless
+    ``transport`` is given; ``op`` may be ``hvd.Sum`` or ``hvd.Average``, and inputs
+    eager ``tf.Tensor`` or ``tf.IndexedSlices`` (the output is then a ``tf.Tensor``)."""})
+
+
+#: deepreduce.collectives.COMMUNICATORS' classes over Horovod, by the same names.
+_OVER_HOROVOD = {name: _over_horovod(cls) for name, cls in collectives.COMMUNICATORS.items()}
+AllgatherReduce = _OVER_HOROVOD["allgather"]
+SparseAllreduce = _OVER_HOROVOD["sparse_allreduce"]
+BlockReduce = _OVER_HOROVOD["block"]
+
+
+def get_communicator(communicator="sparse_allreduce", **kwargs) -> Communicator:
+    """A communicator over Horovod from its name (``**kwargs`` go to its constructor),
+    or itself; see :func:`deepreduce.collectives.get_communicator`."""
+    if isinstance(communicator, str) and communicator in _OVER_HOROVOD:
+        return _OVER_HOROVOD[communicator](**kwargs)
+    return collectives.get_communicator(communicator, **kwargs)
+
+
+def allreduce_async(x, communicator="sparse_allreduce", pipeline=None, op="sum",
+                    process_set=None, transport=None, **settings) -> Handle:
+    """Start reducing ``x`` over the ranks of ``process_set``; ``handle.wait().output``
+    is the result. See :func:`allreduce`."""
+    if not isinstance(communicator, Communicator):
+        op = op_name(op)
+        if transport is None:
+            transport, process_set = horovod_transport(process_set), None
+    handle = collectives.allreduce_async(from_tensorflow(x), communicator, pipeline, op,
+                                         process_set, transport, **settings)
+    return _TensorFlowHandle(handle, [True]) if _is_tensorflow(x) else handle
+
+
+def allreduce(x, communicator="sparse_allreduce", pipeline=None, op="sum", process_set=None,
+              transport=None, **settings):
+    """Reduce ``x`` over the ranks of a Horovod process set with the named communicator.
+
+    Parameters
+    ----------
+    x : ndarray, SparseTensor, tf.Tensor or tf.IndexedSlices
+        TensorFlow tensors eager.
+    communicator : {"sparse_allreduce", "block", "allgather"} or Communicator
+    pipeline : Pipeline, optional
+    op : {"sum", "average"} or hvd.Sum / hvd.Average
+    process_set : hvd.ProcessSet, optional
+        The ranks to reduce over; the global process set by default.
+    transport : Transport, optional
+        Instead of Horovod's (e.g. ``ThreadTransport.group(P)[rank]``).
+    **settings
+        Further constructor arguments (``block_size``, ``threshold`` for "block").
+
+    Returns
+    -------
+    ndarray or tf.Tensor
+        The reduced dense tensor, shaped like ``x`` (a ``tf.Tensor`` for
+        TensorFlow input); the same on every rank.
+    """
+    return allreduce_async(x, communicator, pipeline, op, process_set, transport,
+                           **settings).wait().output
+
+
+def sparse_allreduce(x, pipeline=None, op="sum", process_set=None, transport=None):
+    """SparCML's split-allgather sparse allreduce of ``x`` over Horovod; see :func:`allreduce`."""
+    return allreduce(x, "sparse_allreduce", pipeline, op, process_set, transport)
+
+
+def block_allreduce(x, pipeline=None, block_size=256, threshold=0.0, op="sum",
+                    process_set=None, transport=None):
+    """OmniReduce's block-sparse allreduce of ``x`` over Horovod; see :func:`allreduce`."""
+    return allreduce(x, "block", pipeline, op, process_set, transport,
+                     block_size=block_size, threshold=threshold)

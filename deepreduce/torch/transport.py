@@ -1,0 +1,153 @@
+"""``torch.distributed``'s collectives as a deepreduce transport (gloo or NCCL).
+
+:class:`TorchTransport` moves the byte frames of :mod:`deepreduce.collectives`'
+communicators and of :class:`~deepreduce.exchange.GradientExchange` between the
+ranks of a process group; :func:`deepreduce.torch.transport_of` gives the shared
+one of a group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from deepreduce.collectives.transport import Transport, split_frames
+
+__all__ = ["TorchTransport"]
+
+
+class TorchTransport(Transport):
+    """``torch.distributed`` collectives on uint8 tensors of one process group.
+
+    Frames travel as byte tensors on ``device``: the CPU for gloo, the current
+    CUDA device for NCCL (NCCL moves only GPU memory), so the same code serves
+    both. Variable-length frames are padded to the longest one after their
+    lengths are gathered (gloo and NCCL move equal-sized tensors only);
+    ``Traffic`` counts the bytes that really cross, padding included.
+
+    Parameters
+    ----------
+    process_group : torch.distributed.ProcessGroup, optional
+        The group to communicate in; the default (world) group when None.
+        Its backend must be gloo or NCCL. The transport holds it weakly, so
+        ``destroy_process_group`` really destroys it; the transport's
+        collectives then raise RuntimeError.
+    device : torch.device or str, optional
+        Where the byte tensors live; by default the CPU for gloo and
+        ``cuda:<current device>`` for NCCL.
+    """
+
+    BACKENDS = ("gloo", "nccl")
+
+    def __init__(self, process_group=None, device=None):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("torch.distributed is not initialised: call "
+                               "torch.distributed.init_process_group first")
+        group = dist.group.WORLD if process_group is None else process_group
+        # held weakly: a group kept alive after destroy_process_group is destroyed at
+        # interpreter exit instead, when gloo's threads can no longer take the GIL
+        # to free the tensors they hold, and the process aborts
+        self._group = weakref.ref(group)
+        backend = str(dist.get_backend(group)).lower()
+        if backend not in self.BACKENDS:
+            raise ValueError(f"process group backend {backend!r} is not supported; deepreduce "
+                             f"runs over {' or '.join(self.BACKENDS)}")
+        self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the given process group")
+        self.size = dist.get_world_size(group)
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                      else torch.device("cpu"))
+        self.device, self.backend = torch.device(device), backend
+        # The tensors of the last collective, kept until the next one starts (and, at
+        # exit, until gloo lets go of them: _release_at_exit). A gloo thread drops its
+        # references just after a collective completes; if it dropped the last one it
+        # would take the GIL to free their Python objects, and a thread that waits for
+        # the GIL while the interpreter finalises aborts the process ("terminate
+        # called without an active exception", pytorch/pytorch#179291).
+        self._held = []
+        _WITH_HELD_TENSORS.add(self)
+
+    @property
+    def group(self):
+        """The process group; RuntimeError once it has been destroyed."""
+        group = self._group()
+        if group is None:
+            raise RuntimeError("the process group of this transport has been destroyed "
+                               "(torch.distributed.destroy_process_group)")
+        return group
+
+    def _to_device(self, array: np.ndarray):
+        return torch.from_numpy(array).to(self.device)
+
+    def _to_host(self, tensor) -> np.ndarray:
+        return tensor.cpu().numpy()
+
+    def _wait_until_released(self, deadline: float) -> None:
+        """Wait (until ``deadline``, a ``time.monotonic()``) until no collective holds
+        the tensors of the last one: then this thread is the one that frees them."""
+        while any(_held_elsewhere(t) for t in self._held) and time.monotonic() < deadline:
+            time.sleep(0.001)  # lets a gloo thread take the GIL and drop its references
+
+    def _all_gather(self, local) -> list:
+        everyone = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(everyone, local, group=self.group)
+        self._held += [local, *everyone]
+        return everyone
+
+    def _lengths(self, mine: np.ndarray) -> np.ndarray:
+        """Every member's ``mine`` (int64 vector), stacked in rank order."""
+        self._held = []  # a new collective: the last one's tensors are free to go
+        everyone = self._all_gather(self._to_device(np.ascontiguousarray(mine, dtype=np.int64)))
+        return np.stack([self._to_host(t) for t in everyone])
+
+    def allgather(self, frame, traffic, stage):
+        data = np.frombuffer(frame, dtype=np.uint8)
+        lengths = self._lengths(np.array([data.size]))[:, 0]
+        longest = int(lengths.max())
+        padded = np.zeros(longest, dtype=np.uint8)
+        padded[:data.size] = data
+        everyone = self._all_gather(self._to_device(padded))
+        gathered = self._to_host(torch.cat(everyone)) if longest else padded
+        traffic.add(stage, 8 + longest, (self.size - 1) * (8 + longest))
+        view = memoryview(gathered).cast("B")
+        return [view[r * longest:r * longest + int(n)] for r, n in enumerate(lengths)]
+
+    def alltoall(self, frames, traffic, stage):
+        sizes = np.array([0 if r == self.rank else len(f) for r, f in enumerate(frames)])
+        incoming = self._lengths(sizes)[:, self.rank]
+        data = np.frombuffer(b"".join(f for r, f in enumerate(frames) if r != self.rank),
+                             dtype=np.uint8)
+        received = torch.empty(int(incoming.sum()), dtype=torch.uint8, device=self.device)
+        outgoing = self._to_device(data.copy())
+        dist.all_to_all_single(received, outgoing, incoming.tolist(), sizes.tolist(),
+                               group=self.group)
+        self._held += [received, outgoing]
+        traffic.add(stage, 8 * self.size + data.size, 8 * self.size + received.numel())
+        return split_frames(self._to_host(received), incoming)
+
+
+_WITH_HELD_TENSORS = weakref.WeakSet()
+
+
+def _held_elsewhere(tensor) -> bool:
+    """Whether something besides this Python object holds ``tensor`` (a collective's
+    work, say); False where torch cannot tell (``Tensor._use_count`` is private API)."""
+    use_count = getattr(tensor, "_use_count", None)
+    return use_count is not None and use_count() > 1
+
+
+@atexit.register
+def _release_at_exit(timeout: float = 2.0) -> None:
+    """Before the interpreter finalises, let gloo's threads drop the last collectives'
+    tensors, so that it is the exiting thread that frees them (see TorchTransport)."""
+    deadline = time.monotonic() + timeout
+    for transport in list(_WITH_HELD_TENSORS):
+        transport._wait_until_released(deadline)
