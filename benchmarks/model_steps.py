@@ -20,7 +20,7 @@ tensor.
 
 Writes ``benchmarks/results/model_steps.md`` and ``.json``::
 
-    python benchmarks/model_steps.py
+    python -m benchmarks.model_steps
 """
 
 from __future__ import annotations
@@ -36,21 +36,12 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-import deepreduce as dr  # noqa: E402
-from deepreduce.exchange import SHARED_BELOW, GradientExchange  # noqa: E402
-from e2e import copy_bandwidth  # noqa: E402
+import deepreduce as dr
+from deepreduce.exchange import SHARED_BELOW, GradientExchange
 
-RESULTS = HERE / "results"
+from benchmarks.common import RESULTS, copy_bandwidth, mlp_shapes, table
+
 FLOOR_BYTES_PER_PARAMETER = 16
-
-
-def mlp_shapes():
-    """The e2e benchmark's MLP: 64-2048-2048-2048-10."""
-    widths = [64, 2048, 2048, 2048, 10]
-    return [s for a, b in zip(widths, widths[1:]) for s in ((a, b), (b,))]
 
 
 def resnet50_shapes():
@@ -124,18 +115,19 @@ def report(results: list, args, bandwidth: float, load: float) -> str:
              f"the codecs (error feedback, Top-k, container, sums), against its floor of "
              f"{FLOOR_BYTES_PER_PARAMETER} bytes per parameter at the copy bandwidth measured "
              f"here, {bandwidth:.1f} GB/s (bytes read + written). Produced by "
-             "`python benchmarks/model_steps.py`.", "",
-             "| shapes | P | tensors (Top-k) | parameters | KB sent per rank | encode ms | "
-             "decode ms | of which codecs ms | rest ms | rest's floor ms | per tensor us |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "`python -m benchmarks.model_steps`.", ""]
+    rows = []
     for r in results:
         encode, decode = r["encode"]["median_ms"], r["decode"]["median_ms"]
         codecs = r["encode codecs"]["median_ms"] + r["decode codecs"]["median_ms"]
         floor = FLOOR_BYTES_PER_PARAMETER * r["parameters"] / (bandwidth * 1e6)
-        lines.append(f"| {r['shapes']} | {r['ranks']} | {r['tensors']} ({r['compressed_tensors']}) | "
-                     f"{r['parameters']:,} | {r['bytes_per_rank'] / 1e3:.1f} | {encode:.2f} | "
-                     f"{decode:.2f} | {codecs:.2f} | {encode + decode - codecs:.2f} | "
-                     f"{floor:.2f} | {1e3 * (encode + decode) / r['tensors']:.0f} |")
+        rows.append([r["shapes"], r["ranks"], f"{r['tensors']} ({r['compressed_tensors']})",
+                     f"{r['parameters']:,}", f"{r['bytes_per_rank'] / 1e3:.1f}", f"{encode:.2f}",
+                     f"{decode:.2f}", f"{codecs:.2f}", f"{encode + decode - codecs:.2f}",
+                     f"{floor:.2f}", f"{1e3 * (encode + decode) / r['tensors']:.0f}"])
+    lines += table(["shapes", "P", "tensors (Top-k)", "parameters", "KB sent per rank",
+                    "encode ms", "decode ms", "of which codecs ms", "rest ms", "rest's floor ms",
+                    "per tensor us"], rows, right_aligned=True)
     lines += ["", "*Per tensor*: encode + decode over the tensors; for the rows of 200 "
               "tensors, whose tensors are small, that is the fixed cost of a tensor in the "
               "exchange: its calls through error feedback, the sparsifier and the sum, and "
