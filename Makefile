@@ -4,6 +4,7 @@
 #                (BACKEND=torch: on two PyTorch DDP ranks)
 #   make bench   set up (if needed), capture real gradients, compare every codec on them
 #   make test    set up (if needed), run the test suite
+#   make docs    set up (if needed), serve the documentation site at http://127.0.0.1:8000
 #   make test-core  the core's tests on a newer Python with numpy 2, no frameworks
 #   make venv    only set up: .venv in this checkout with TensorFlow, Horovod, torch and deepreduce
 #
@@ -43,13 +44,14 @@ CORE_PYTHON ?= PYENV_VERSION=3.12.1 python3.12
 CORE_VENV := .venv-core
 CORE_STAMP := $(CORE_VENV)/.deepreduce-installed
 
-.PHONY: venv test test-core demo bench clean help
+.PHONY: venv test test-core demo bench docs clean help
 
 help:
 	@echo "make demo    set up (if needed), train on two Horovod ranks: dense versus deepreduce"
 	@echo "             (make demo BACKEND=torch: PyTorch DDP with deepreduce's hook)"
 	@echo "make bench   set up (if needed), capture real gradients, compare every codec on them"
 	@echo "make test    set up (if needed), run the test suite"
+	@echo "make docs    set up (if needed), serve the documentation at http://127.0.0.1:8000"
 	@echo "make test-core  the core's tests on Python 3.12+ with numpy 2, without the frameworks"
 	@echo "make venv    only set up .venv (TensorFlow, Horovod, torch, deepreduce with its extras)"
 	@echo "make clean   remove .venv, the gradient cache and build leftovers"
@@ -80,17 +82,25 @@ $(STAMP): setup.cfg setup.py pyproject.toml Makefile $(C_SOURCES)
 		     "without TensorFlow may sit in pip's cache: run '$(PIP) uninstall -y horovod;" \
 		     "$(PIP) cache remove horovod' and make again" >&2; exit 1; }
 	$(PIP) install $(TORCH)
-	$(PIP) install -e ".[horovod,torch,dev,notebooks]"
+	$(PIP) install -e ".[horovod,torch,dev,notebooks,docs]"
 	touch $@
 
 # .venv/bin goes first on PATH so that tools the tests start by name (horovodrun,
 # deepreduce, notebook kernels) are the environment's own.
 RUN := PATH="$(CURDIR)/$(BIN):$$PATH"
 
-# ruff first (the rule set is in pyproject.toml): a lint error fails the run early.
+# ruff first (the rule set is in pyproject.toml): a lint error fails the run early; then
+# the documentation site, strictly: a broken link or API reference fails too.
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(DOCS_ENV) $(BIN)/mkdocs build --strict --site-dir build/site
 	$(RUN) $(BIN)/python -m pytest -q
+
+# The documentation site (mkdocs.yml, docs/), rebuilt on every edit while it is served.
+# NO_MKDOCS_2_WARNING quiets the banner mkdocs-material prints on every build.
+DOCS_ENV := NO_MKDOCS_2_WARNING=1
+docs: $(STAMP)
+	$(DOCS_ENV) $(BIN)/mkdocs serve
 
 $(CORE_STAMP): setup.cfg setup.py pyproject.toml Makefile $(C_SOURCES)
 	test -x $(CORE_VENV)/bin/python || $(CORE_PYTHON) -m venv $(CORE_VENV) 2>/dev/null || { \
