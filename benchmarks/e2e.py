@@ -45,10 +45,10 @@ every step pays besides the wire time of its bytes.
 
 Writes ``benchmarks/results/e2e.md``, ``e2e.json`` and ``e2e.png``.
 
-    python benchmarks/e2e.py                       # 1, 10 and 0.1 Gbit/s (needs root)
-    python benchmarks/e2e.py --rates 1gbit --steps 5 --hidden 1024   # quicker
-    python benchmarks/e2e.py --no-netns            # unshaped loopback, no root needed
-    python benchmarks/e2e.py --from-json benchmarks/results/e2e.json   # re-render only
+    python -m benchmarks.e2e                       # 1, 10 and 0.1 Gbit/s (needs root)
+    python -m benchmarks.e2e --rates 1gbit --steps 5 --hidden 1024   # quicker
+    python -m benchmarks.e2e --no-netns            # unshaped loopback, no root needed
+    python -m benchmarks.e2e --from-json benchmarks/results/e2e.json   # re-render only
 """
 
 from __future__ import annotations
@@ -66,8 +66,10 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+import numpy as np
+
+from benchmarks.common import RESULTS, ROOT, copy_bandwidth, mlp_shapes, table
+
 NAMESPACE = "drbench"
 RATIO = 0.01
 #: Allgathers of 1 KB timed for Horovod's fixed cost of one (the first two not counted).
@@ -184,7 +186,6 @@ def loopback_tx_bytes():
 
 def worker(args):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import numpy as np
     import tensorflow as tf
     import horovod.tensorflow as hvd
     from sklearn.datasets import load_digits
@@ -192,7 +193,6 @@ def worker(args):
     import deepreduce as dr
     import deepreduce.horovod.tensorflow as drh
     from deepreduce.exchange import split_bundles
-    from deepreduce.registry import registered_codecs
 
     # One thread per op: the two ranks share two cores. Two inter-op threads, because a
     # reducing communicator runs Horovod ops from inside its host call in the graph.
@@ -294,13 +294,11 @@ def worker(args):
         drh_builder("raw", "raw"))
     add(f"deepreduce Top-k {RATIO:.0%} + {index} + fp16 (allgather)", "drh",
         drh_builder(index, "fp16"))
-    if "qsgd" in registered_codecs("value"):
-        add(f"deepreduce Top-k {RATIO:.0%} + {index} + qsgd (allgather)", "drh",
-            drh_builder(index, "qsgd"))
-    if "golomb" in registered_codecs("index"):
-        # the fastest exact index code
-        add(f"deepreduce Top-k {RATIO:.0%} + golomb + fp16 (allgather)", "drh",
-            drh_builder("golomb", "fp16"))
+    add(f"deepreduce Top-k {RATIO:.0%} + {index} + qsgd (allgather)", "drh",
+        drh_builder(index, "qsgd"))
+    # the fastest exact index code
+    add(f"deepreduce Top-k {RATIO:.0%} + golomb + fp16 (allgather)", "drh",
+        drh_builder("golomb", "fp16"))
 
     add(f"deepreduce sparse_allreduce (SparCML), Top-k {RATIO:.0%} + {index} + fp16", "drh",
         drh_builder(index, "fp16", communicator="sparse_allreduce"))
@@ -441,14 +439,12 @@ def worker(args):
 
 def run_rate(rate, args, net):
     """Run the worker on two ranks (shaped to ``rate`` unless ``net`` is None)."""
-    import numpy as np
-
     prefix = []
     if net is not None:
         net.shape(rate)
         prefix = net.prefix()
-    probe = subprocess.run(prefix + [sys.executable, __file__, "--probe"], capture_output=True,
-                           text=True, check=True)
+    probe = subprocess.run(prefix + [sys.executable, "-m", "benchmarks.e2e", "--probe"],
+                           cwd=ROOT, capture_output=True, text=True, check=True)
     measured = float(probe.stdout.strip().splitlines()[-1])
     print(f"{rate or 'unshaped loopback'}: single TCP stream measured {measured:.2f} Gbit/s",
           flush=True)
@@ -461,7 +457,7 @@ def run_rate(rate, args, net):
                    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         horovodrun = str(Path(sys.executable).parent / "horovodrun")
         cmd = (prefix + [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo",
-                        sys.executable, __file__, "--worker", "--worker-out", str(out),
+                        sys.executable, "-m", "benchmarks.e2e", "--worker", "--worker-out", str(out),
                         "--steps", str(args.steps), "--warmup", str(args.warmup),
                         "--rounds", str(args.rounds),
                         "--hidden", str(args.hidden), "--layers", str(args.layers),
@@ -470,13 +466,13 @@ def run_rate(rate, args, net):
                + (["--eager"] if args.eager else []))
         if args.schemes:
             cmd += ["--schemes", *args.schemes]
-        subprocess.run(cmd, env=env, check=True)
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True)
         data = json.loads(out.read_text())
         steps_pairs = saved_pairs(pairs_path(out)) if pairs_path(out).exists() else None
     data.update(rate=rate if net is not None else "unshaped loopback", measured_gbit=measured,
                 copy_gbytes_s=max(copy_before, copy_bandwidth()),
-                codec_prediction_random_ms=codec_cost_ms(random_pairs(model_shapes(args)),
-                                                         data["index"], "fp16"))
+                codec_prediction_random_ms=codec_cost_ms(
+                    random_pairs(mlp_shapes(args.hidden, args.layers)), data["index"], "fp16"))
     if steps_pairs:
         # auto's choice varies from step to step (at 100 Mbit/s Huffman codes for some,
         # Golomb for others), so one step's pairs would not predict the median step
@@ -488,20 +484,6 @@ def run_rate(rate, args, net):
           f"this run's pairs, {data['codec_prediction_random_ms']:.1f} ms on random supports",
           flush=True)
     return data
-
-
-def copy_bandwidth(nbytes=256 << 20, repeats=5) -> float:
-    """This machine's memory copy bandwidth in GB/s (bytes read + written), best of a few."""
-    import numpy as np
-
-    source = np.ones(nbytes // 4, np.float32)
-    target = np.empty_like(source)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(target, source)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best / 1e9
 
 
 def is_ours(label) -> bool:
@@ -528,7 +510,6 @@ def pairs_path(worker_out) -> Path:
 def random_pairs(shapes):
     """Top-k pairs of every compressed payload of ``shapes`` on random supports (the
     tensors below ``SHARED_BELOW`` elements share one, as the exchange codes them)."""
-    import numpy as np
     import deepreduce as dr
     from deepreduce.exchange import SHARED_BELOW
 
@@ -546,7 +527,6 @@ def random_pairs(shapes):
 
 def saved_pairs(path):
     """Per timed step, the pairs a worker saved (see :func:`pairs_path`)."""
-    import numpy as np
     import deepreduce as dr
 
     with np.load(path) as saved:
@@ -563,7 +543,6 @@ def codec_cost_ms(pairs, index, value, ranks=2, repeats=5) -> float:
     """What the codecs' own speed predicts per step: encoding this rank's Top-k ``pairs``
     (a SparseTensor per tensor) and decoding the other ``ranks - 1`` payloads of each (a
     rank never decodes its own), from median timings outside any framework."""
-    import numpy as np
     import deepreduce as dr
 
     total = 0.0
@@ -579,11 +558,6 @@ def codec_cost_ms(pairs, index, value, ranks=2, repeats=5) -> float:
             decodes.append(time.perf_counter() - start)
         total += np.median(encodes) + (ranks - 1) * np.median(decodes)
     return 1e3 * total
-
-
-def model_shapes(args):
-    widths = [64] + [args.hidden] * args.layers + [10]
-    return [s for a, b in zip(widths, widths[1:]) for s in ((a, b), (b,))]
 
 
 def targets(run):
@@ -623,12 +597,26 @@ def targets(run):
     return out
 
 
+#: The columns of :func:`cost_cells` in the reports of this script and of torch_e2e.py.
+COST_COLUMNS = ("MB sent per rank", "wire MB per step", "encode + decode ms",
+                "of which codecs ms", "exchange ms")
+
+
+def cost_cells(r) -> list[str]:
+    """What a scheme's step sends and what its exchange costs, as report cells (empty where
+    the scheme has no such figure)."""
+    wire = r.get("wire_bytes_per_step")
+    return [f"{r['bytes_sent'] / 1e6:.3f}",
+            f"{wire / 1e6:.2f}" if wire is not None else "n/a",
+            f"{r['encode_ms'] + r['decode_ms']:.1f}" if "encode_ms" in r else "",
+            f"{r['codec_ms']:.1f}" if r.get("codec_ms") else "",
+            f"{r['exchange_ms']:.1f}" if r.get("exchange_ms") is not None else ""]
+
+
 def paired_interval(times, other_times, per_turn: int) -> tuple[float, float]:
     """The 95% interval of median(times) / median(other_times), two schemes' steps taken
     ``per_turn`` at a time in alternating turns: a bootstrap that resamples whole turns,
     the same ones for both (a turn's steps share the machine's load of the moment)."""
-    import numpy as np
-
     turns = np.asarray(times).reshape(-1, per_turn)
     other = np.asarray(other_times).reshape(-1, per_turn)
     picks = np.random.default_rng(0).integers(0, len(turns), (RESAMPLES, len(turns)))
@@ -762,24 +750,16 @@ def report(runs, args):
              f"Top-k scheme. deepreduce's index codec: `{runs[0]['index']}`.", ""]
     for run in runs:
         lines += [f"## {run['rate']} (single TCP stream measured {run['measured_gbit']:.2f} "
-                  "Gbit/s)", "",
-                  "| scheme | step ms (median, quartiles) | x faster than dense | MB sent per rank "
-                  "| wire MB per step | encode + decode ms | of which codecs ms | exchange ms "
-                  "| loss after the timed steps |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "Gbit/s)", ""]
         dense = next((r for r in run["results"] if r["kind"] == "dense"), None)
+        rows = []
         for r in run["results"]:
-            path = (f"{r['encode_ms'] + r['decode_ms']:.1f}" if "encode_ms" in r else "")
-            codec = f"{r['codec_ms']:.1f}" if r.get("codec_ms") else ""
-            exchange = (f"{r['exchange_ms']:.1f}" if r.get("exchange_ms") is not None else "")
             speedup = f"{dense['step_ms_median'] / r['step_ms_median']:.2f}" if dense else ""
-            wire = (f"{r['wire_bytes_per_step'] / 1e6:.2f}"
-                    if r.get("wire_bytes_per_step") is not None else "n/a")
             step = f"{r['step_ms_median']:.1f}" + (
                 f" ({r['step_ms_q1']:.1f}-{r['step_ms_q3']:.1f})" if "step_ms_q1" in r else "")
-            lines.append(f"| {r['scheme']} | {step} | {speedup} "
-                         f"| {r['bytes_sent'] / 1e6:.3f} | {wire} | {path} | {codec} | {exchange} "
-                         f"| {r['final_loss']:.3f} |")
+            rows.append([r["scheme"], step, speedup, *cost_cells(r), f"{r['final_loss']:.3f}"])
+        lines += table(["scheme", "step ms (median, quartiles)", "x faster than dense",
+                        *COST_COLUMNS, "loss after the timed steps"], rows)
         t = targets(run)
         if t:
             lines += ["", f"Targets for `{t['scheme']}`, as step-time ratios: dense allreduce / "
@@ -831,7 +811,6 @@ def plot(runs, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     schemes = list(dict.fromkeys(r["scheme"] for run in runs for r in run["results"]))
     fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 0.45 * len(schemes) + 1.8),
