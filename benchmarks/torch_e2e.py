@@ -35,8 +35,8 @@ them. deepreduce's rows break the step down (encode, decode, codecs, exchange,
 from the hook state's stats) and set it against its physical limit. Writes
 ``benchmarks/results/torch_e2e.md``, ``.json`` and ``.png``.
 
-    python benchmarks/torch_e2e.py                      # 1 Gbit/s, 10 Gbit/s, 100 Mbit/s
-    python benchmarks/torch_e2e.py --rates 1gbit --steps 6 --rounds 2     # quicker
+    python -m benchmarks.torch_e2e                      # 1 Gbit/s, 10 Gbit/s, 100 Mbit/s
+    python -m benchmarks.torch_e2e --rates 1gbit --steps 6 --rounds 2     # quicker
 """
 
 from __future__ import annotations
@@ -45,19 +45,16 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from e2e import (BURST, NetnsError, ShapedLoopback, loopback_tx_bytes,  # noqa: E402
-                 write_results)
+from benchmarks.common import RESULTS, ROOT, free_port, table
+from benchmarks.e2e import (BURST, COST_COLUMNS, NetnsError, ShapedLoopback, cost_cells,
+                            loopback_tx_bytes, write_results)
 
-RESULTS = HERE / "results"
 NAMESPACE = "drtorch"
 RATIO = 0.01
 DEEPREDUCE = "deepreduce Top-k 1% + auto + fp16 (allgather)"
@@ -265,10 +262,7 @@ def worker(rank, args, port, out_path):
 def spawn_workers(args):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args, port, args.worker_out), nprocs=args.ranks)
+    mp.spawn(worker, args=(args, free_port(), args.worker_out), nprocs=args.ranks)
 
 
 # -- the driver ------------------------------------------------------------------------
@@ -278,14 +272,15 @@ def run_rate(rate, args, net):
     if net is not None:
         net.shape(rate)
         prefix = net.prefix()
-    probe = subprocess.run(prefix + [sys.executable, str(HERE / "e2e.py"), "--probe"],
-                           capture_output=True, text=True, check=True)
+    probe = subprocess.run(prefix + [sys.executable, "-m", "benchmarks.e2e", "--probe"],
+                           cwd=ROOT, capture_output=True, text=True, check=True)
     measured = float(probe.stdout.strip().splitlines()[-1])
     print(f"{rate or 'unshaped loopback'}: single TCP stream measured {measured:.2f} Gbit/s",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "worker.json"
-        cmd = prefix + [sys.executable, __file__, "--worker", "--worker-out", str(out),
+        cmd = prefix + [sys.executable, "-m", "benchmarks.torch_e2e", "--worker",
+                        "--worker-out", str(out),
                         "--steps", str(args.steps), "--rounds", str(args.rounds),
                         "--warmup", str(args.warmup), "--start-iter", str(args.start_iter),
                         "--hidden", str(args.hidden), "--layers", str(args.layers),
@@ -294,7 +289,7 @@ def run_rate(rate, args, net):
                         "--link-gbits", f"{measured:.2g}"]
         if args.schemes:
             cmd += ["--schemes", *args.schemes]
-        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         data = json.loads(out.read_text())
     data.update(rate=rate if net is not None else "unshaped loopback", measured_gbit=measured,
                 load=os.getloadavg()[0], cores=os.cpu_count())
@@ -344,22 +339,13 @@ def report(runs, args):
              "over the last turn.", ""]
     for run in runs:
         lines += [f"## {run['rate']} (single TCP stream measured {run['measured_gbit']:.2f} "
-                  f"Gbit/s; load average {run['load']:.1f})", "",
-                  "| scheme | step ms (median) | x faster than DDP allreduce | MB sent per rank "
-                  "| wire MB per step | encode + decode ms | of which codecs ms | exchange ms "
-                  "| loss after the timed steps |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  f"Gbit/s; load average {run['load']:.1f})", ""]
         dense = next((r for r in run["results"] if r["kind"] == "dense"), None)
-        for r in run["results"]:
-            speedup = f"{dense['step_ms_median'] / r['step_ms_median']:.2f}" if dense else ""
-            wire = (f"{r['wire_bytes_per_step'] / 1e6:.2f}"
-                    if r.get("wire_bytes_per_step") is not None else "n/a")
-            path = f"{r['encode_ms'] + r['decode_ms']:.1f}" if "encode_ms" in r else ""
-            codec = f"{r['codec_ms']:.1f}" if r.get("codec_ms") else ""
-            exchange = f"{r['exchange_ms']:.1f}" if "exchange_ms" in r else ""
-            lines.append(f"| {r['scheme']} | {r['step_ms_median']:.1f} | {speedup} | "
-                         f"{r['bytes_sent'] / 1e6:.3f} | {wire} | {path} | {codec} | {exchange} "
-                         f"| {r['final_loss']:.3f} |")
+        lines += table(["scheme", "step ms (median)", "x faster than DDP allreduce", *COST_COLUMNS,
+                        "loss after the timed steps"],
+                       [[r["scheme"], f"{r['step_ms_median']:.1f}",
+                         f"{dense['step_ms_median'] / r['step_ms_median']:.2f}" if dense else "",
+                         *cost_cells(r), f"{r['final_loss']:.3f}"] for r in run["results"]])
         t = run["targets"] = targets(run)
         if t:
             lines += ["", f"`{DEEPREDUCE}` against the others, as step-time ratios: DDP "
