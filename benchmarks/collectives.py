@@ -26,8 +26,8 @@ below allgather and below dense allreduce, within 10% of the model; block
 below allgather on block-clustered inputs. Writes
 ``benchmarks/results/collectives.md``.
 
-    python benchmarks/collectives.py            # P = 4, n = 25M (a few minutes)
-    python benchmarks/collectives.py --n 1000000 --np 2
+    python -m benchmarks.collectives            # P = 4, n = 25M (a few minutes)
+    python -m benchmarks.collectives --n 1000000 --np 2
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).parent / "results"
+from benchmarks.common import RESULTS, ROOT
+
 BLOCK = 256
 
 #: Tokens per rank's batch in the **embedding** scenario (16 sequences of 128 tokens)
@@ -71,12 +72,6 @@ LABELS = {"split": "sparse_allreduce split", "recursive_doubling":
           "sparse_allreduce recursive_doubling", "auto": "sparse_allreduce auto",
           "auto-bytes": "sparse_allreduce auto-bytes",
           "split-contiguous": "sparse_allreduce split, contiguous"}
-
-
-def default_index():
-    import deepreduce as dr
-
-    return "auto" if "auto" in dr.registered_codecs("index") else "eliasfano"
 
 
 def support(kind, shared, n, k, rank, seed=0):
@@ -375,11 +370,10 @@ def main():
                         help="numbers of ranks, comma-separated (one run each)")
     parser.add_argument("--n", type=int, default=25_000_000)
     parser.add_argument("--density", type=float, default=0.01)
-    parser.add_argument("--index", default=None, help="index codec spec (default: auto)")
+    parser.add_argument("--index", default="auto", help="index codec spec (default: auto)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--output", default=str(RESULTS / "collectives.md"))
     args = parser.parse_args()
-    args.index = args.index or default_index()
     if args.worker:
         vars(args).update(json.loads(os.environ["DEEPREDUCE_BENCH"]))
         worker(args)
@@ -396,11 +390,12 @@ def run_and_report(args, size):
     # Settings reach the ranks through the environment: horovodrun would take
     # options such as --n after the script for abbreviations of its own.
     command = [str(horovodrun), "-np", str(size), "-H", f"localhost:{size}",
-               "--gloo", sys.executable, __file__, "--worker"]
+               "--gloo", sys.executable, "-m", "benchmarks.collectives", "--worker"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                DEEPREDUCE_BENCH=json.dumps({"n": args.n, "density": args.density,
                                             "index": args.index}))
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=3600)
     runs = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines()
             if "RESULT " in line]
     if done.returncode or len(runs) != size:
