@@ -38,9 +38,9 @@ its gradients do not depend on which other models are chosen).
 
 Examples
 --------
-As a script::
+As a script, from the repository root::
 
-    python benchmarks/gradients.py --out benchmarks/cache/gradients.npz \\
+    python -m benchmarks.gradients --out benchmarks/cache/gradients.npz \\
         --steps 20 --models cnn,resnet20,embedding
 
 As a module, from the repository root::
@@ -58,6 +58,8 @@ import sys
 import time
 
 import numpy as np
+
+# Nothing from benchmarks.common: the notebooks import this file by its folder, as `gradients`.
 
 MODELS = ("cnn", "resnet20", "embedding")
 NUM_CLASSES = 10

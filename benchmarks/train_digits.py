@@ -1,9 +1,9 @@
 """Dense Horovod versus deepreduce: data-parallel training of an MLP on sklearn's digits.
 
-Run on two ranks of this machine (the same command works across hosts with
-``-H host1:N,host2:N``)::
+Run on two ranks of this machine, from the repository root (the same command works
+across hosts with ``-H host1:N,host2:N`` where each has the repository at the same path)::
 
-    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/train_digits.py
+    horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.train_digits
 
 Both runs train the same model (64-512-512-10 MLP, same initial weights, same
 data order, SGD with momentum) for the same number of epochs with Keras
@@ -40,7 +40,7 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 import deepreduce as dr  # noqa: E402
 import deepreduce.horovod.tensorflow as drh  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "train_digits.md")
+from benchmarks.common import RESULTS, add_compression_arguments  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -50,9 +50,7 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--ratio", type=float, default=0.01, help="TopK ratio")
-    parser.add_argument("--index", default="auto", help="index codec")
-    parser.add_argument("--value", default="fp16", help="value codec")
+    add_compression_arguments(parser)
     parser.add_argument("--no-memory", action="store_true", help="turn error feedback off")
     parser.add_argument("--communicator", default="allgather",
                         choices=["allgather", "sparse_allreduce", "block"],
@@ -62,8 +60,9 @@ def parse_args(argv=None):
                         "benchmarks/results/train_digits[_<communicator>].md)")
     args = parser.parse_args(argv)
     if args.out is None:
-        args.out = RESULTS if args.communicator == "allgather" else \
-            RESULTS.replace(".md", f"_{args.communicator}.md")
+        name = "train_digits" if args.communicator == "allgather" else \
+            f"train_digits_{args.communicator}"
+        args.out = str(RESULTS / f"{name}.md")
     return args
 
 
@@ -222,7 +221,7 @@ decoding and the owners' sums happen inside the collectives row."""
     table += [f"| {name} | {a} | {b} |" for name, a, b in rows]
     text = f"""# Dense Horovod versus deepreduce on sklearn digits
 
-Produced by `horovodrun -np {size} -H localhost:{size} --gloo python benchmarks/train_digits.py{flag}`
+Produced by `horovodrun -np {size} -H localhost:{size} --gloo python -m benchmarks.train_digits{flag}`
 (TensorFlow {tf.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores,
 ranks on one machine over Gloo).
 

@@ -1,6 +1,6 @@
 """Dense PyTorch DDP versus deepreduce: a character language model on Python's own sources.
 
-    python benchmarks/train_text.py          # two gloo ranks on this machine (make demo BACKEND=torch)
+    python -m benchmarks.train_text          # two gloo ranks on this machine (make demo BACKEND=torch)
 
 Both runs train the same model (same initial weights, same batches, SGD with
 momentum) with ``torch.nn.parallel.DistributedDataParallel`` on two spawned gloo
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import sys
 import time
 
@@ -31,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import deepreduce as dr
 import deepreduce.torch as drt
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "train_text.md")
+from benchmarks.common import RESULTS, add_compression_arguments, free_port
 
 
 def parse_args(argv=None):
@@ -43,16 +42,14 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--ratio", type=float, default=0.01, help="TopK ratio")
-    parser.add_argument("--index", default="auto", help="index codec")
-    parser.add_argument("--value", default="fp16", help="value codec")
+    add_compression_arguments(parser)
     parser.add_argument("--start-iter", type=int, default=50,
                         help="plain allreduce steps before deepreduce starts")
     parser.add_argument("--text-bytes", type=int, default=2_000_000,
                         help="bytes of standard-library source to read")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=str(RESULTS / "train_text.md"))
     return parser.parse_args(argv)
 
 
@@ -160,7 +157,7 @@ def report(args, results, load):
            ("at least 30x fewer bytes per step", ratio >= 30)]
     lines = [
         "# Dense PyTorch DDP versus deepreduce: a character model on Python's sources", "",
-        "Produced by `python benchmarks/train_text.py` (`make demo BACKEND=torch`): "
+        "Produced by `python -m benchmarks.train_text` (`make demo BACKEND=torch`): "
         f"torch {torch.__version__}, Python {platform.python_version()}, {args.ranks} gloo "
         f"ranks on one machine ({os.cpu_count()} cores), one intra-op thread per rank.", "",
         f"Task: predict the next byte of the standard library's `.py` files "
@@ -186,12 +183,6 @@ def report(args, results, load):
         "Targets: " + "; ".join(f"{what}: {'met' if ok else 'NOT met'}" for what, ok in met)
         + ".", ""]
     return "\n".join(lines), all(ok for _, ok in met)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None):
