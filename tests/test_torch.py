@@ -285,10 +285,9 @@ def test_seeds_may_differ_between_ranks_and_pickles_load_anywhere(world_of_one):
 
 
 def test_text_demo_runs_end_to_end(tmp_path):
-    script = os.path.join(HERE, os.pardir, "benchmarks", "train_text.py")
     out = tmp_path / "train_text.md"
-    subprocess.run([sys.executable, script, "--steps", "80", "--start-iter", "10",
-                    "--text-bytes", "200000", "--out", str(out)], check=True, timeout=600,
-                   capture_output=True)
+    subprocess.run([sys.executable, "-m", "benchmarks.train_text", "--steps", "80", "--start-iter", "10",
+                    "--text-bytes", "200000", "--out", str(out)], cwd=os.path.dirname(HERE), check=True,
+                   timeout=600, capture_output=True)
     table = out.read_text()
     assert "| bytes fewer than dense | 1x |" in table and "Targets:" in table
