@@ -125,10 +125,10 @@ BACKEND ?= horovod
 demo: $(STAMP)
 	mkdir -p benchmarks/cache
 ifeq ($(BACKEND),torch)
-	$(RUN) $(BIN)/python benchmarks/train_text.py --out benchmarks/cache/train_text.md
+	$(RUN) $(BIN)/python -m benchmarks.train_text --out benchmarks/cache/train_text.md
 else ifeq ($(BACKEND),horovod)
 	$(RUN) $(BIN)/horovodrun -np 2 -H localhost:2 --gloo \
-		$(BIN)/python benchmarks/train_digits.py --out benchmarks/cache/train_digits.md
+		$(BIN)/python -m benchmarks.train_digits --out benchmarks/cache/train_digits.md
 else
 	@echo "make: BACKEND must be horovod (the default) or torch, got '$(BACKEND)'" >&2; exit 1
 endif
@@ -139,7 +139,7 @@ bench: $(GRADIENTS)
 	$(RUN) $(BIN)/deepreduce bench $(GRADIENTS)
 
 $(GRADIENTS): benchmarks/gradients.py | $(STAMP)
-	$(RUN) $(BIN)/python benchmarks/gradients.py --out $(GRADIENTS:.npz=.partial.npz)
+	$(RUN) $(BIN)/python -m benchmarks.gradients --out $(GRADIENTS:.npz=.partial.npz)
 	mv $(GRADIENTS:.npz=.partial.npz) $@
 
 clean:

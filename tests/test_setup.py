@@ -96,9 +96,9 @@ def test_horovod_two_ranks_allgather_ragged_uint8(tmp_path):
                     reason="tensorflow not installed")
 def test_gradient_capture_layout_and_determinism(tmp_path):
     several, single = tmp_path / "several.npz", tmp_path / "single.npz"
-    run_python("benchmarks/gradients.py", "--out", str(several), "--steps", "2",
+    run_python("-m", "benchmarks.gradients", "--out", str(several), "--steps", "2",
                "--save-steps", "1,2", "--models", "resnet20,embedding", "--batch-size", "4")
-    run_python("benchmarks/gradients.py", "--out", str(single), "--steps", "2",
+    run_python("-m", "benchmarks.gradients", "--out", str(single), "--steps", "2",
                "--models", "embedding", "--batch-size", "4")
     with np.load(several) as a, np.load(single) as b:
         assert all(a[key].dtype == np.float32 for key in a.files
@@ -124,17 +124,16 @@ def test_gradient_capture_layout_and_determinism(tmp_path):
 
 def test_model_steps_benchmark_reports_every_shape_list(tmp_path):
     out = tmp_path / "steps.md"
-    run_python("benchmarks/model_steps.py", "--steps", "1", "--warmup", "0", "--out", str(out))
+    run_python("-m", "benchmarks.model_steps", "--steps", "1", "--warmup", "0", "--out", str(out))
     text = out.read_text()
     assert "| ResNet-50 | 2 | 161 (76) | 25,557,032 |" in text
     assert "| e2e MLP | 4 | 8 (7) | 8,546,314 |" in text
     assert json.loads(out.with_suffix(".json").read_text())["copy_gbytes_s"] > 0
 
 
-def test_e2e_ratio_intervals_resample_whole_turns_of_both_schemes():
-    spec = importlib.util.spec_from_file_location("e2e_benchmark", REPO / "benchmarks/e2e.py")
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
+def test_e2e_ratio_intervals_resample_whole_turns_of_both_schemes(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))  # as `python -m benchmarks.e2e` from the root
+    e2e = importlib.import_module("benchmarks.e2e")
     rng = np.random.default_rng(0)
     # 16 turns of 3 steps; the machine's load moves every turn's steps a lot, for both
     # schemes alike, and the second is 10% slower plus a little noise of its own
