@@ -46,6 +46,8 @@ class AllgatherExchange:
     selector : Selector
         The exchange's per-tensor step (pipelines, error feedback).
 
+    Notes
+    -----
     The caller (:class:`~deepreduce.exchange.GradientExchange`) serialises
     encodings; a decoding may run beside the next step's encoding, since the
     two share nothing but the sums kept for reuse, which only decoding touches.
