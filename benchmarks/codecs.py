@@ -34,7 +34,6 @@ codec or within 2% of it on real gradients (issue 3).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -46,7 +45,8 @@ import zstandard  # noqa: E402
 import deepreduce as dr  # noqa: E402
 from deepreduce.registry import registered_codecs  # noqa: E402
 
-from benchmarks.common import GRADIENTS, RESULTS, best_of, load_gradients, table  # noqa: E402
+from benchmarks.common import (GRADIENTS, RESULTS, best_of, load_gradients, table,  # noqa: E402
+                               write_report)
 
 MODELS = ("cnn", "resnet20", "embedding")
 GRADIENT_DENSITIES = (0.001, 0.01, 0.1)
@@ -477,8 +477,7 @@ def main():
     plots = plot_results(records["synthetic"], records["gradients"], out.parent)
     report += "\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n"
     print(report)
-    out.write_text(report)
-    out.with_suffix(".json").write_text(json.dumps(records, indent=1, default=float) + "\n")
+    write_report(out, report, records)
 
 
 if __name__ == "__main__":

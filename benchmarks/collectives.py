@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, ROOT
+from benchmarks.common import RESULTS, ROOT, write_report
 
 BLOCK = 256
 
@@ -380,8 +380,7 @@ def main():
         return
     reports = [run_and_report(args, int(size)) for size in args.sizes.split(",")]
     text = "\n".join(reports)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(text)
+    write_report(args.output, text)
 
 
 def run_and_report(args, size):

@@ -7,6 +7,7 @@ so that the scripts that start TensorFlow, Horovod or torch ranks can use it.
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -95,6 +96,17 @@ def table(header, rows, right_aligned: bool = False) -> list[str]:
     rule = ["---"] + ["--:" if right_aligned else "---"] * (len(header) - 1)
     return (["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
             + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
+
+
+def write_report(out, text: str, record=None) -> Path:
+    """Write the markdown ``text`` to ``out``, making its folder, and ``record`` (when
+    given) as JSON beside it, ``out`` with the suffix ``.json``. Returns ``out`` as a Path."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    if record is not None:
+        out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=float) + "\n")
+    return out
 
 
 # -- training scripts ---------------------------------------------------------------------

@@ -68,7 +68,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, ROOT, copy_bandwidth, mlp_shapes, table
+from benchmarks.common import RESULTS, ROOT, copy_bandwidth, mlp_shapes, table, write_report
 
 NAMESPACE = "drbench"
 RATIO = 0.01
@@ -437,8 +437,9 @@ def worker(args):
 
 # -- the driver --------------------------------------------------------------------------
 
-def run_rate(rate, args, net):
-    """Run the worker on two ranks (shaped to ``rate`` unless ``net`` is None)."""
+def prepare_link(rate, net) -> tuple[list[str], float]:
+    """Shape ``net`` to ``rate`` (``net`` None: the plain loopback) and measure one TCP
+    stream across it: the command prefix that runs a process there, and its Gbit/s."""
     prefix = []
     if net is not None:
         net.shape(rate)
@@ -448,6 +449,12 @@ def run_rate(rate, args, net):
     measured = float(probe.stdout.strip().splitlines()[-1])
     print(f"{rate or 'unshaped loopback'}: single TCP stream measured {measured:.2f} Gbit/s",
           flush=True)
+    return prefix, measured
+
+
+def run_rate(rate, args, net):
+    """Run the worker on two ranks (shaped to ``rate`` unless ``net`` is None)."""
+    prefix, measured = prepare_link(rate, net)
     # the best of before and after the run: a copy timed while another job loads the
     # memory bus would take the floor for more than this machine's
     copy_before = copy_bandwidth()
@@ -903,12 +910,8 @@ def main(argv=None):
 def write_results(runs, args, report=report, plot=plot):
     """Write the markdown table, the plot and the JSON of ``runs`` next to ``args.out``."""
     text = report(runs, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = write_report(args.out, text, dict(runs=runs, args=vars(args)))
     plot(runs, out.with_suffix(".png"))
-    out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(dict(runs=runs, args=vars(args)), indent=1)
-                                        + "\n")
     print(text)
     return 0
 

@@ -26,20 +26,18 @@ Writes ``benchmarks/results/model_steps.md`` and ``.json``::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 import deepreduce as dr
 from deepreduce.exchange import SHARED_BELOW, GradientExchange
 
-from benchmarks.common import RESULTS, copy_bandwidth, mlp_shapes, table
+from benchmarks.common import RESULTS, copy_bandwidth, mlp_shapes, table, write_report
 
 FLOOR_BYTES_PER_PARAMETER = 16
 
@@ -155,10 +153,8 @@ def main(argv=None):
             print(f"{label}, {ranks} ranks: encode {r['encode']['median_ms']:.2f} ms, decode "
                   f"{r['decode']['median_ms']:.2f} ms", flush=True)
     text = report(results, args, bandwidth, load)
-    out = Path(args.out)
-    out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(
-        dict(results=results, copy_gbytes_s=bandwidth, load=load, args=vars(args)), indent=1))
+    write_report(args.out, text,
+                 dict(results=results, copy_gbytes_s=bandwidth, load=load, args=vars(args)))
     print(text)
     return 0
 

@@ -37,7 +37,6 @@ Writes ``benchmarks/results/paper_comparison.md`` and ``.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -45,7 +44,7 @@ import numpy as np
 
 import deepreduce as dr
 
-from benchmarks.common import GRADIENTS, RESULTS, load_gradients, table
+from benchmarks.common import GRADIENTS, RESULTS, load_gradients, table, write_report
 
 MIN_SIZE = 1024
 RAW_PAIR_BYTES = 8  # int32 index + float32 value
@@ -195,10 +194,7 @@ def main(argv=None):
     parser.add_argument("--out", default=str(RESULTS / "paper_comparison.md"))
     args = parser.parse_args(argv)
     report, records = run(Path(args.gradients))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report)
-    out.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
+    write_report(args.out, report, records)
     print(report)
     return 0
 

@@ -51,7 +51,7 @@ from pathlib import Path
 
 from deepreduce.collectives import cost
 
-from benchmarks.common import RESULTS, table
+from benchmarks.common import RESULTS, table, write_report
 
 RUNS = RESULTS / "scale"
 RATIO = 0.01
@@ -301,7 +301,7 @@ def main(argv=None):
               "crossovers to faster links.", ""]
     text = "\n".join(lines) + "\n"
     print(text)
-    args.out.write_text(text)
+    write_report(args.out, text)
     plot(predicted, args.out.with_suffix(".png"))
     return 0 if worst <= TARGET else 1
 

@@ -53,7 +53,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, ROOT, free_port, table
 from benchmarks.e2e import (BURST, COST_COLUMNS, NetnsError, ShapedLoopback, cost_cells,
-                            loopback_tx_bytes, write_results)
+                            loopback_tx_bytes, prepare_link, write_results)
 
 NAMESPACE = "drtorch"
 RATIO = 0.01
@@ -268,15 +268,7 @@ def spawn_workers(args):
 # -- the driver ------------------------------------------------------------------------
 
 def run_rate(rate, args, net):
-    prefix = []
-    if net is not None:
-        net.shape(rate)
-        prefix = net.prefix()
-    probe = subprocess.run(prefix + [sys.executable, "-m", "benchmarks.e2e", "--probe"],
-                           cwd=ROOT, capture_output=True, text=True, check=True)
-    measured = float(probe.stdout.strip().splitlines()[-1])
-    print(f"{rate or 'unshaped loopback'}: single TCP stream measured {measured:.2f} Gbit/s",
-          flush=True)
+    prefix, measured = prepare_link(rate, net)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "worker.json"
         cmd = prefix + [sys.executable, "-m", "benchmarks.torch_e2e", "--worker",

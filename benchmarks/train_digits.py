@@ -40,7 +40,7 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 import deepreduce as dr  # noqa: E402
 import deepreduce.horovod.tensorflow as drh  # noqa: E402
 
-from benchmarks.common import RESULTS, add_compression_arguments  # noqa: E402
+from benchmarks.common import RESULTS, add_compression_arguments, write_report  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -245,9 +245,7 @@ saved bytes do not; the byte reduction pays where the link between hosts is the
 bottleneck. The {exchange} row is the wall time between the end of this rank's encoding
 and the start of its decoding, waiting for the slower rank included.
 """
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
+    write_report(args.out, text)
     print(f"wrote {args.out}", flush=True)
 
 

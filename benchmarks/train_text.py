@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import deepreduce as dr
 import deepreduce.torch as drt
 
-from benchmarks.common import RESULTS, add_compression_arguments, free_port
+from benchmarks.common import RESULTS, add_compression_arguments, free_port, write_report
 
 
 def parse_args(argv=None):
@@ -193,9 +193,7 @@ def main(argv=None):
         mp.spawn(worker, args=(args, free_port(), results), nprocs=args.ranks)
         results = dict(results)
     text, _ = report(args, results, (load_start, os.getloadavg()[0]))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
+    write_report(args.out, text)
     print(text)
     print(f"wrote {args.out}")
     return 0
