@@ -58,11 +58,12 @@ help:
 
 venv: $(STAMP)
 
-C_SOURCES := $(wildcard deepreduce/*.c deepreduce/*.h)
+# the C extensions lie beside their users (setup.py's EXTENSIONS)
+C_SOURCES := $(wildcard deepreduce/*.c deepreduce/*.h deepreduce/collectives/*.c codecs/*.c)
 
 # The stamp lives inside .venv, so deleting .venv starts over. Every step below is
 # idempotent; re-running after an edit of setup.cfg only installs what changed, and
-# an edit of a C extension (deepreduce/*.c) recompiles it.
+# an edit of a C extension (a C_SOURCES file) recompiles it.
 # Horovod is compiled only when `import horovod.tensorflow` fails; pip's wheel cache
 # (kept on purpose) makes a rebuild in a new venv take seconds instead of minutes.
 $(STAMP): setup.cfg setup.py pyproject.toml Makefile $(C_SOURCES)
@@ -143,4 +144,5 @@ $(GRADIENTS): benchmarks/gradients.py | $(STAMP)
 	mv $(GRADIENTS:.npz=.partial.npz) $@
 
 clean:
-	rm -rf $(VENV) $(CORE_VENV) benchmarks/cache build *.egg-info .pytest_cache .hypothesis deepreduce/*.so
+	rm -rf $(VENV) $(CORE_VENV) benchmarks/cache build *.egg-info .pytest_cache .hypothesis \
+		deepreduce/*.so deepreduce/collectives/*.so codecs/*.so

@@ -29,7 +29,7 @@ bound ``log2 C(n, k) / k`` of the set, and checks the targets of issue 3:
   ``auto:link_gbits``, ``golomb`` and ``blockpack``: sizes, speeds and the time to encode, send
   and decode at 1, 10 and 100 Gbit/s;
 - ``huffman`` encode and decode times with its compiled loops
-  (``deepreduce._entropyc``) and with the numpy fallback, at n = 25M, 1%
+  (``deepreduce.codecs._entropyc``) and with the numpy fallback, at n = 25M, 1%
   and on the 41,944 indices of a 4,194,304-element tensor (the size of the
   e2e benchmark's largest layer), next to ``golomb``.
 
@@ -247,7 +247,7 @@ def huffman_speed_section(repeat, seed) -> list[str]:
     lines = ["## Huffman with its compiled loops and with the numpy fallback",
              "",
              f"`huffman` (default precision 2, block 128) with the C extension "
-             f"`deepreduce._entropyc` and without it (the same bytes either way), and "
+             f"`deepreduce.codecs._entropyc` and without it (the same bytes either way), and "
              f"`golomb` (numpy only) for reference. Best of {repeat} runs on one core, "
              f"wall clock and CPU time of the process.",
              ""]

@@ -291,7 +291,7 @@ def report(source, sizes, rates, scans, breakdown, policies, values, scaling, lo
               "core: CPU time of the decoding thread and wall-clock time, each the best of "
               "several runs (on a machine shared with other jobs the wall clock mostly "
               "measures them). Target: >= 200 M positions/s (25M in <= 125 ms). *compiled*: "
-              "the C scan `deepreduce._bloomscan` that `pip install` builds; *numpy*: the "
+              "the C scan `deepreduce.codecs._bloomscan` that `pip install` builds; *numpy*: the "
               "fallback where it is not built (same positions). Encoding also scans (to know "
               "the positives) and builds the filter (in C, or numpy for the fallback); its "
               "CPU time is the best of three.", ""]

@@ -63,7 +63,7 @@ from deepreduce.bits import pack_fixed, packed_bytes, unpack_fixed
 from deepreduce.errors import DecodeError
 
 try:
-    from deepreduce import _entropyc
+    from deepreduce.codecs import _entropyc
 except ImportError:  # not compiled (the extension is optional): numpy serves
     _entropyc = None
 
@@ -72,7 +72,7 @@ _BE64 = np.dtype(">u8")
 
 #: Which implementation buckets values (:func:`bucket_symbols`) and runs the
 #: Huffman codec's loops (:mod:`.huffman`): ``"compiled"`` (the C extension
-#: ``deepreduce._entropyc``, built by ``pip install``) or ``"numpy"``. Both give
+#: ``deepreduce.codecs._entropyc``, built by ``pip install``) or ``"numpy"``. Both give
 #: the same bits.
 IMPLEMENTATION = "numpy" if _entropyc is None else "compiled"
 

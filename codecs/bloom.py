@@ -36,7 +36,7 @@ the smallest whose modelled rate (:func:`predicted_fpr`) is ``fpr``,
 whole bytes.
 
 Two implementations of the scan (and of the filter's build) give the same
-bits and positions: the C extension ``deepreduce._bloomscan`` (compiled by
+bits and positions: the C extension ``deepreduce.codecs._bloomscan`` (compiled by
 ``pip install``; 2.6-2.8 ns per position at Top-1%, fpr 1e-3, in
 ``benchmarks/results/lossy_codecs.md``) and, where it is not built,
 whole-array numpy (about 20 operations per position for the hash alone;
@@ -96,7 +96,7 @@ from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
 try:
-    from deepreduce import _bloomscan
+    from deepreduce.codecs import _bloomscan
 except ImportError:  # not compiled (the extension is optional): the numpy scan serves
     _bloomscan = None
 
@@ -104,7 +104,7 @@ VERSION = 1
 POLICIES = ("p0", "leftmost", "random", "conflict_sets", "naive")
 
 #: Which universe scan :meth:`BloomFilter.positives` runs: ``"compiled"`` (the C
-#: extension ``deepreduce._bloomscan``, built by ``pip install``) or ``"numpy"``.
+#: extension ``deepreduce.codecs._bloomscan``, built by ``pip install``) or ``"numpy"``.
 SCAN_IMPLEMENTATION = "numpy" if _bloomscan is None else "compiled"
 #: Most hash bits confined to one 64-bit word (see :func:`blocked_hashes`).
 BLOCK_HASHES = 4

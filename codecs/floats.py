@@ -26,11 +26,11 @@ except ImportError:  # the core works without it; only bfloat16 values need it
     ml_dtypes = None
 
 try:
-    from deepreduce import _halfcast
+    from deepreduce.codecs import _halfcast
 except ImportError:  # not built, or no F16C here: numpy's casts give the same bits
     _halfcast = None
 
-#: How ``fp16`` casts float32: ``"compiled"`` (``deepreduce._halfcast``, F16C) or
+#: How ``fp16`` casts float32: ``"compiled"`` (``deepreduce.codecs._halfcast``, F16C) or
 #: ``"numpy"``. Both give the same bits.
 HALF_IMPLEMENTATION = "numpy" if _halfcast is None else "compiled"
 

@@ -253,7 +253,7 @@ class IndexStream:
 
     :attr:`size` is its exact length in bytes and :meth:`data` the stream
     (:func:`encode_index_gaps`). With the compiled loops
-    (``deepreduce._entropyc``) the stream is written at once, in one pass
+    (``deepreduce.codecs._entropyc``) the stream is written at once, in one pass
     over the indices that also counts the zero gaps; the numpy path splits
     the gaps and writes the stream only when :meth:`data` asks, so a caller
     that only weighs sizes pays for the split alone. :attr:`adjacent` (the

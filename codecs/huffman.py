@@ -15,7 +15,7 @@ block, three symbols per 64-bit window read.
 
 Two implementations write and read the same bytes and raise the same
 errors: whole-array numpy, and the optional C extension
-``deepreduce._entropyc`` (compiled by ``pip install``), which encodes in two
+``deepreduce.codecs._entropyc`` (compiled by ``pip install``), which encodes in two
 passes over the gaps (symbols and their histogram, then both streams) and
 decodes lane after lane, then the offsets straight into indices: several
 times faster (figures in ``benchmarks/results/index_codecs.md``).
@@ -185,7 +185,7 @@ def decode_lanes_compiled(stream, starts: np.ndarray, steps: int, lengths: np.nd
     Each lane is decoded to its end before the next (a few lanes at a time,
     one table lookup per symbol); the symbols, ends and flags are those
     :func:`decode_lanes` gives for the same stream and
-    :func:`_entropy.decode_table` of ``lengths``. Needs ``deepreduce._entropyc``.
+    :func:`_entropy.decode_table` of ``lengths``. Needs ``deepreduce.codecs._entropyc``.
     """
     lanes = starts.size
     symbols = np.empty((lanes, steps), dtype=np.uint8)

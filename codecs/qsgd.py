@@ -54,11 +54,11 @@ from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
 try:
-    from deepreduce import _qsgd
+    from deepreduce.codecs import _qsgd
 except ImportError:  # not built: the numpy loops below give the same bits
     _qsgd = None
 
-#: Which loops quantise: ``"compiled"`` (``deepreduce._qsgd``, built by ``pip install``)
+#: Which loops quantise: ``"compiled"`` (``deepreduce.codecs._qsgd``, built by ``pip install``)
 #: or ``"numpy"``. Both give the same bits.
 IMPLEMENTATION = "numpy" if _qsgd is None else "compiled"
 

@@ -51,7 +51,7 @@ def run_fields(starts: np.ndarray, lengths: np.ndarray, unit: int):
 def fields(indices: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     """``(unit, zeros, extra)`` of a non-empty set that passed
     :func:`deepreduce.bits.check_indices`: :func:`common_unit` and :func:`run_fields`
-    of its :func:`find_runs`, in one compiled pass when ``deepreduce._entropyc`` is built."""
+    of its :func:`find_runs`, in one compiled pass when ``deepreduce.codecs._entropyc`` is built."""
     compiled = _entropy._entropyc
     if compiled is None:
         starts, lengths = find_runs(indices)

@@ -55,9 +55,9 @@ import numpy as np
 from deepreduce.errors import DecodeError
 
 try:
-    from deepreduce import _entropyc
+    from deepreduce import _varint
 except ImportError:  # not compiled (the extension is optional): numpy serves
-    _entropyc = None
+    _varint = None
 
 #: Universe sizes must stay below this so every index and every partial sum
 #: of gaps fits in int64 without wrapping.
@@ -188,8 +188,8 @@ def varint_encode(values: np.ndarray) -> bytes:
     values = np.ascontiguousarray(values, dtype=np.uint64)
     if values.size == 0:
         return b""
-    if _entropyc is not None:
-        return _entropyc.varint_encode(values)
+    if _varint is not None:  # same bytes, without numpy's fixed costs on short inputs
+        return _varint.varint_encode(values)
     groups = max(1, -(-int(values.max()).bit_length() // 7))
     # One row of candidate bytes per value, all flagged "more follows"; the
     # last real byte of each row is then unflagged, and a row-major boolean

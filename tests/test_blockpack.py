@@ -1,4 +1,4 @@
-"""The block-packed index code: its layout, its compiled loops (deepreduce._entropyc) against
+"""The block-packed index code: its layout, its compiled loops (deepreduce.codecs._entropyc) against
 numpy's, and the streams it refuses.
 
 Both implementations must write the same stream for every set, decode every stream to

@@ -203,7 +203,7 @@ def test_implementation_is_reported():
 
 # ----------------------------------------------------------------- the C entry point
 
-compiled = pytest.mark.skipif(bloom._bloomscan is None, reason="deepreduce._bloomscan not built")
+compiled = pytest.mark.skipif(bloom._bloomscan is None, reason="deepreduce.codecs._bloomscan not built")
 
 
 def scan_arguments(**changes):

@@ -1,4 +1,5 @@
-"""The Golomb codec's and the varints' C loops (deepreduce._entropyc) give numpy's bits exactly.
+"""The Golomb codec's C loops (deepreduce.codecs._entropyc) and the varints' (deepreduce._varint)
+give numpy's bits exactly.
 
 Both implementations must give the same stream for every set and parameter,
 decode every stream to the same indices, and refuse the same corrupt
@@ -139,18 +140,30 @@ def test_bad_arguments_raise_instead_of_writing_out_of_bounds():
         compiled.golomb_decode(b"", 4, 100, out)
 
 
-@pytest.mark.skipif(_bits._entropyc is None, reason="deepreduce._entropyc is not built")
+@pytest.mark.skipif(_bits._varint is None, reason="deepreduce._varint is not built")
 @COMPILED_SETTINGS
 @given(values=st.lists(st.integers(0, 2**64 - 1), max_size=200),
        small=st.lists(st.integers(0, 300), max_size=50))
 def test_varints_are_identical(values, small):
     for chosen in (values, small, values + small):
         array = np.array(chosen, dtype=np.uint64)
-        compiled, numpy = extensions.both(_bits, "_entropyc", _bits.varint_encode, array)
+        compiled, numpy = extensions.both(_bits, "_varint", _bits.varint_encode, array)
         assert compiled == numpy
         decoded, end = _bits.varint_decode_prefix(compiled, array.size, "test")
         np.testing.assert_array_equal(decoded, array)
         assert end == len(compiled)
+
+
+@pytest.mark.skipif(_bits._varint is None, reason="deepreduce._varint is not built")
+def test_compiled_varints_take_only_uint64_vectors():
+    encode = _bits._varint.varint_encode
+    assert encode(np.zeros(0, np.uint64)) == b""
+    assert encode(np.array([1, 300, 2**64 - 1], np.uint64)) == \
+        b"\x01\xac\x02" + b"\xff" * 9 + b"\x01"
+    for wrong in (np.zeros(3, np.int64), np.zeros(3, np.uint32), np.zeros((2, 2), np.uint64),
+                  np.zeros(6, np.uint64)[::2], "text"):
+        with pytest.raises(TypeError, match="uint64"):
+            encode(wrong)
 
 
 @compiled_only

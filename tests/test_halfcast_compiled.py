@@ -1,4 +1,4 @@
-"""The fp16 codec's casts: the compiled ones (deepreduce._halfcast, F16C) and numpy's
+"""The fp16 codec's casts: the compiled ones (deepreduce.codecs._halfcast, F16C) and numpy's
 give the same bytes.
 
 The stream, the values the sender expects to arrive and the decoded values must be
@@ -15,7 +15,7 @@ from deepreduce.codecs import floats
 import extensions
 
 compiled_only = pytest.mark.skipif(floats._halfcast is None,
-                                   reason="deepreduce._halfcast is not built (or no F16C)")
+                                   reason="deepreduce.codecs._halfcast is not built (or no F16C)")
 CODEC = floats.Float16Values()
 
 #: float32 bit patterns where casting to float16 changes behaviour: zeros, float16's

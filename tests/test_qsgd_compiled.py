@@ -1,4 +1,4 @@
-"""QSGD's loops: the compiled ones (deepreduce._qsgd) and numpy's give the same bits.
+"""QSGD's loops: the compiled ones (deepreduce.codecs._qsgd) and numpy's give the same bits.
 
 Both draw the dither of :func:`deepreduce.codecs.qsgd.dither`, so a payload, the values the
 sender expects to arrive and the decoded values must be identical byte for byte,
@@ -19,7 +19,7 @@ import extensions
 #: A negative NaN with a payload that survives narrowing to float32 and float16.
 PAYLOAD_NAN = np.uint64(0xFFF9_2345_0000_0000).view(np.float64)
 
-compiled_only = pytest.mark.skipif(qsgd._qsgd is None, reason="deepreduce._qsgd is not built")
+compiled_only = pytest.mark.skipif(qsgd._qsgd is None, reason="deepreduce.codecs._qsgd is not built")
 implementation = extensions.fixture(qsgd, "_qsgd", "implementation")
 
 

@@ -8,9 +8,11 @@ import importlib.util
 import json
 import os
 import pathlib
+import runpy
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -38,22 +40,55 @@ def test_codecs_subpackage_maps_to_codecs_folder_and_stdlib_codecs_stays():
     assert stdlib_codecs == "True"
 
 
-@pytest.mark.parametrize("module, implementation, extension", [
-    ("deepreduce.codecs.bloom", "SCAN_IMPLEMENTATION", "_bloomscan"),  # Bloom scan and build
-    ("deepreduce.codecs._entropy", "IMPLEMENTATION", "_entropyc"),     # the Huffman coder's loops
-    ("deepreduce.sparsifiers", "SCAN_IMPLEMENTATION", "_topkscan"),    # TopK's candidate scan
-    ("deepreduce.collectives.base", "SUM_IMPLEMENTATION", "_sparsesum"),  # the ranks' sum
-    ("deepreduce.codecs.qsgd", "IMPLEMENTATION", "_qsgd"),             # QSGD's quantisation
-    ("deepreduce.codecs.floats", "HALF_IMPLEMENTATION", "_halfcast"),  # fp16's casts (F16C)
-])
+#: (a module using the extension, its switch between compiled and numpy or None, the
+#: extension). Each extension is built beside its user: deepreduce.codecs.x from codecs/x.c.
+COMPILED = [
+    ("deepreduce.codecs.bloom", "SCAN_IMPLEMENTATION", "deepreduce.codecs._bloomscan"),
+    ("deepreduce.codecs._entropy", "IMPLEMENTATION", "deepreduce.codecs._entropyc"),  # Huffman...
+    ("deepreduce.codecs.qsgd", "IMPLEMENTATION", "deepreduce.codecs._qsgd"),
+    ("deepreduce.codecs.floats", "HALF_IMPLEMENTATION", "deepreduce.codecs._halfcast"),  # F16C
+    ("deepreduce.bits", None, "deepreduce._varint"),  # the core's varints
+    ("deepreduce.sparsifiers", "SCAN_IMPLEMENTATION", "deepreduce._topkscan"),
+    ("deepreduce.collectives.base", "SUM_IMPLEMENTATION", "deepreduce.collectives._sparsesum"),
+]
+
+
+def folder_of(extension: str) -> pathlib.Path:
+    """Where the source of ``extension`` lies and its build lands (setup.cfg's package_dir)."""
+    package = extension.rsplit(".", 1)[0]
+    return REPO / ("codecs" if package == "deepreduce.codecs" else package.replace(".", "/"))
+
+
+@pytest.mark.parametrize("module, implementation, extension", COMPILED)
 def test_install_compiled_the_c_extensions(module, implementation, extension):
     # The extensions are optional so that installs without a compiler work; this
     # machine has one, so a numpy fallback here means a broken build.
-    code = (f"import {module} as module; print(module.{implementation}); "
-            f"print(module.{extension}.__file__)")
+    attribute = extension.rsplit(".", 1)[1]
+    active = f"module.{implementation}" if implementation else \
+        f"'numpy' if module.{attribute} is None else 'compiled'"
+    code = f"import {module} as module; print({active}); print(module.{attribute}.__file__)"
     active, module_file = run_python("-c", code).stdout.split()
     assert active == "compiled"
-    assert pathlib.Path(module_file).resolve().parent == REPO / "deepreduce"
+    assert pathlib.Path(module_file).resolve().parent == folder_of(extension)
+
+
+def test_setup_builds_each_extension_from_the_source_beside_its_user():
+    with mock.patch("setuptools.setup") as setup:  # the table, without a build
+        runpy.run_path(str(REPO / "setup.py"))
+    extensions = {e.name: e for e in setup.call_args.kwargs["ext_modules"]}
+    assert set(extensions) == {extension for _, _, extension in COMPILED}
+    for name, extension in extensions.items():
+        source = folder_of(name) / (name.rsplit(".", 1)[1] + ".c")
+        assert [REPO / s for s in extension.sources] == [source] and source.exists()
+        assert extension.optional and "deepreduce/_buffer.h" in extension.depends
+    if sys.platform != "win32":
+        assert "-ffp-contract=off" in extensions["deepreduce.codecs._qsgd"].extra_compile_args
+    # no build left at an old path, where it would shadow nothing and mislead
+    built = {(folder_of(name), name.rsplit(".", 1)[1]) for name in extensions}
+    stale = [str(path.relative_to(REPO)) for folder in ("deepreduce", "codecs")
+             for path in (REPO / folder).rglob("*.so")
+             if (path.parent, path.name.split(".")[0]) not in built]
+    assert stale == []
 
 
 def test_console_script_is_installed():

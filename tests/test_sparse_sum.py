@@ -1,4 +1,4 @@
-"""The dense sum of sparse parts: the compiled one (deepreduce._sparsesum) and numpy's
+"""The dense sum of sparse parts: the compiled one (deepreduce.collectives._sparsesum) and numpy's
 write the same bits.
 
 ``collectives.base.sum_sorted_into`` is what every rank of the allgather exchange
@@ -17,7 +17,7 @@ from deepreduce.collectives.base import sum_sorted_into
 import extensions
 
 compiled_only = pytest.mark.skipif(base._sparsesum is None,
-                                   reason="deepreduce._sparsesum is not built")
+                                   reason="deepreduce.collectives._sparsesum is not built")
 SPECIALS = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e38, 3e38]
 
 

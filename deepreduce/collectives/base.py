@@ -26,12 +26,12 @@ from deepreduce.pipeline import Pipeline
 from deepreduce.sparse import SparseTensor
 
 try:
-    from deepreduce import _sparsesum
+    from deepreduce.collectives import _sparsesum
 except ImportError:  # not compiled (the extension is optional): numpy sums the same
     _sparsesum = None
 
 #: Which :func:`sum_sorted_into` runs: ``"compiled"`` (the C extension
-#: ``deepreduce._sparsesum``, built by ``pip install``) or ``"numpy"``. Both write
+#: ``deepreduce.collectives._sparsesum``, built by ``pip install``) or ``"numpy"``. Both write
 #: the same bits.
 SUM_IMPLEMENTATION = "numpy" if _sparsesum is None else "compiled"
 

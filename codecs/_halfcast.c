@@ -202,7 +202,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce._halfcast",
+    PyModuleDef_HEAD_INIT, "deepreduce.codecs._halfcast",
     "float32 <-> float16 casts with F16C (deepreduce.codecs.floats.Float16Values).",
     -1, methods,
 };
@@ -214,7 +214,7 @@ PyMODINIT_FUNC PyInit__halfcast(void)
     if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c"))
         return PyModule_Create(&module);
 #endif
-    PyErr_SetString(PyExc_ImportError, "deepreduce._halfcast needs an x86-64 processor "
+    PyErr_SetString(PyExc_ImportError, "deepreduce.codecs._halfcast needs an x86-64 processor "
                     "with F16C; the fp16 codec casts with numpy instead");
     return NULL;
 }

@@ -379,7 +379,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce._sparsesum",
+    PyModuleDef_HEAD_INIT, "deepreduce.collectives._sparsesum",
     "Compiled sum of sorted sparse parts into a dense tensor (see "
     "deepreduce.collectives.base.sum_sorted_into).",
     -1, methods,

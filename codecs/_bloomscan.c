@@ -388,7 +388,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce._bloomscan",
+    PyModuleDef_HEAD_INIT, "deepreduce.codecs._bloomscan",
     "Compiled universe scan of the Bloom-filter index codec (see deepreduce.codecs.bloom).",
     -1, methods,
 };

@@ -33,13 +33,14 @@
  *   blockpack_decode(data, n, out) -> None or str
  *       deepreduce.codecs.blockpack's stream, the gaps and their running sum in the
  *       same pass.
- *   varint_encode(values) -> bytes
- *       deepreduce.bits.varint_encode, without numpy's fixed costs on short inputs.
  *   run_fields(indices, zeros, lengths) -> (unit, runs)
  *   golomb_bits(values, m) -> int or None
  *       deepreduce.codecs.runs.fields and golomb.field_bits: the runs code's two
  *       sequences and the exact size of a Golomb code, which auto weighs on every
  *       clustered set, in one pass each instead of a dozen numpy ones.
+ *
+ * The varints of deepreduce.bits, which the core uses too, are compiled apart
+ * (deepreduce/_varint.c): the core never imports deepreduce.codecs.
  *
  * Decoders are handed untrusted streams: every read is bounded by the buffer's size
  * (bits past the end read as zeros, as numpy's zero padding does), and every write by
@@ -1729,37 +1730,6 @@ static PyObject *blockpack_decode(PyObject *module, PyObject *args)
     return result;
 }
 
-/* ------------------------------------------------------------ varints */
-
-static PyObject *varint_encode(PyObject *module, PyObject *args)
-{
-    PyObject *object;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "O:varint_encode", &object))
-        return NULL;
-    Py_buffer view;
-    if (get_array(object, &view, "values", UINT64, 0) < 0)
-        return NULL;
-    Py_ssize_t count = view.len / 8;
-    const uint64_t *values = view.buf;
-    PyObject *data = PyBytes_FromStringAndSize(NULL, 10 * count);
-    if (data != NULL) {
-        uint8_t *start = (uint8_t *)PyBytes_AS_STRING(data), *out = start;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++) {
-            uint64_t value = values[i];
-            for (; value >= 0x80; value >>= 7)
-                *out++ = (uint8_t)(value | 0x80);
-            *out++ = (uint8_t)value;
-        }
-        Py_END_ALLOW_THREADS
-        if (_PyBytes_Resize(&data, out - start) < 0)
-            data = NULL;
-    }
-    PyBuffer_Release(&view);
-    return data;
-}
-
 /* ------------------------------------------------------------ runs */
 
 static uint64_t gcd64(uint64_t a, uint64_t b)
@@ -1923,9 +1893,6 @@ static PyMethodDef methods[] = {
      "The inverse of golomb_encode (without the prefix) into out (int64, one entry\n"
      "per index), for 1 <= m <= n < 2**58: None, or what is wrong with the stream\n"
      "(too few or too many codes, an index at or past n); out is then unspecified."},
-    {"varint_encode", varint_encode, METH_VARARGS,
-     "varint_encode(values) -> bytes\n\n"
-     "deepreduce.bits.varint_encode: LEB128 of every uint64, low 7-bit group first."},
     {"blockpack_encode", blockpack_encode, METH_VARARGS,
      "blockpack_encode(indices) -> bytes\n\n"
      "The block-packed stream of strictly increasing int64 indices from 0 (see\n"
@@ -1949,7 +1916,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce._entropyc",
+    PyModuleDef_HEAD_INIT, "deepreduce.codecs._entropyc",
     "Compiled loops of the Huffman and Golomb index codecs (deepreduce.codecs.huffman, golomb).",
     -1, methods,
 };

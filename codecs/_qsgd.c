@@ -438,7 +438,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce._qsgd",
+    PyModuleDef_HEAD_INIT, "deepreduce.codecs._qsgd",
     "Compiled loops of the QSGD value codec (see deepreduce.codecs.qsgd).",
     -1, methods,
 };
