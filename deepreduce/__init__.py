@@ -16,6 +16,7 @@ from deepreduce.sparsifiers import BlockTopK, NonZero, RandomK, Threshold, TopK,
 from deepreduce.pipeline import Pipeline, compress, decompress, index_entropy_bits
 from deepreduce.container import read_header
 from deepreduce.memory import ResidualMemory
+from deepreduce.config import ExchangeConfig
 
 __version__ = "0.1.0"
 
@@ -23,5 +24,5 @@ __all__ = [
     "DecodeError", "get_codec", "register_codec", "registered_codecs", "Codec", "IndexCodec",
     "ValueCodec", "SparseTensor", "TopK", "RandomK", "Threshold", "BlockTopK", "NonZero",
     "get_sparsifier", "Pipeline", "compress", "decompress", "index_entropy_bits", "read_header",
-    "ResidualMemory",
+    "ResidualMemory", "ExchangeConfig",
 ]
