@@ -56,7 +56,7 @@ from deepreduce.codecs import _entropy, auto, golomb, huffman  # noqa: E402
 from deepreduce.registry import registered_codecs  # noqa: E402
 
 from benchmarks.common import (GRADIENTS, RESULTS, best_of, best_wall_and_cpu,  # noqa: E402
-                               load_gradients, table)
+                               load_gradients, table, write_report)
 
 BOUND_TARGET = 1.03
 ENCODE_TARGET = 250e6  # indices per second (issue 14)
@@ -670,8 +670,7 @@ def main(argv=None):
                                    for name, ok in verdicts.items()]
     text = "\n".join(lines) + "\n"
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_report(args.out, text)
     return 0 if all(verdicts.values()) else 1
 
 

@@ -48,7 +48,8 @@ from deepreduce.codecs.polyfit import PolyFitValues
 from deepreduce.codecs.qsgd import QSGDValues
 from deepreduce.codecs.sign import SignValues
 
-from benchmarks.common import GRADIENTS, RESULTS, ROOT, best_of, load_gradients, table
+from benchmarks.common import (GRADIENTS, RESULTS, ROOT, best_of, load_gradients, table,
+                               write_report)
 
 RATIOS = (0.01, 0.1)
 FPRS = (1e-2, 1e-3, 1e-4)
@@ -370,9 +371,7 @@ def main(argv=None):
     text = report(source, sizes, rates, scans, breakdown, policies, values, scaling, load)
     print(text)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as handle:
-            handle.write(text)
+        write_report(args.out, text)
 
 
 if __name__ == "__main__":
