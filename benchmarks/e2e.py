@@ -893,18 +893,22 @@ def main(argv=None):
             "hidden", "layers", "batch_size", "steps", "rounds", "warmup")},
             "eager": saved["args"].get("eager", True)})  # runs saved before the flag were eager
         return write_results(runs, args)
-    runs = []
+    runs = run_rates(args, run_rate)
+    return 2 if runs is None else write_results(runs, args)
+
+
+def run_rates(args, run_rate, namespace=NAMESPACE, name="e2e"):
+    """``run_rate(rate, args, net)`` at each of ``args.rates`` on a loopback shaped to it
+    (with ``--no-netns``, once on the plain loopback): the runs, or None, said on stderr,
+    where this machine does not let the script shape its network."""
     if args.no_netns:
-        runs.append(run_rate(None, args, None))
-    else:
-        try:
-            with ShapedLoopback() as net:
-                for rate in args.rates:
-                    runs.append(run_rate(rate, args, net))
-        except NetnsError as exc:
-            print(f"e2e: cannot shape the network: {exc}", file=sys.stderr)
-            return 2
-    return write_results(runs, args)
+        return [run_rate(None, args, None)]
+    try:
+        with ShapedLoopback(namespace) as net:
+            return [run_rate(rate, args, net) for rate in args.rates]
+    except NetnsError as exc:
+        print(f"{name}: cannot shape the network: {exc}", file=sys.stderr)
+        return None
 
 
 def write_results(runs, args, report=report, plot=plot):

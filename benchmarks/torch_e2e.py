@@ -52,8 +52,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, ROOT, free_port, table
-from benchmarks.e2e import (BURST, COST_COLUMNS, NetnsError, ShapedLoopback, cost_cells,
-                            loopback_tx_bytes, prepare_link, write_results)
+from benchmarks.e2e import (BURST, COST_COLUMNS, cost_cells, loopback_tx_bytes, prepare_link,
+                            run_rates, write_results)
 
 NAMESPACE = "drtorch"
 RATIO = 0.01
@@ -428,18 +428,8 @@ def main(argv=None):
     if args.worker:
         spawn_workers(args)
         return 0
-    runs = []
-    if args.no_netns:
-        runs.append(run_rate(None, args, None))
-    else:
-        try:
-            with ShapedLoopback(NAMESPACE) as net:
-                for rate in args.rates:
-                    runs.append(run_rate(rate, args, net))
-        except NetnsError as exc:
-            print(f"torch_e2e: cannot shape the network: {exc}", file=sys.stderr)
-            return 2
-    return write_results(runs, args, report, plot)
+    runs = run_rates(args, run_rate, NAMESPACE, "torch_e2e")
+    return 2 if runs is None else write_results(runs, args, report, plot)
 
 
 if __name__ == "__main__":
