@@ -192,7 +192,7 @@ def worker(args):
 
     import deepreduce as dr
     import deepreduce.horovod.tensorflow as drh
-    from deepreduce.exchange import split_bundles
+    from deepreduce.bundle import split_bundles
 
     # One thread per op: the two ranks share two cores. Two inter-op threads, because a
     # reducing communicator runs Horovod ops from inside its host call in the graph.
@@ -337,7 +337,7 @@ def worker(args):
                     run["path"].append(compression.stats.last.per_step())
                     if is_ours(run["label"]):  # its bundles, for the codec-time prediction
                         run["sent"].append({group: sent[0] for group, sent
-                                            in compression._last_sent.items()})
+                                            in compression.exchange._last_sent.items()})
 
     for run in runs:
         run_steps(run, args.warmup, timed=False)
@@ -518,7 +518,7 @@ def random_pairs(shapes):
     """Top-k pairs of every compressed payload of ``shapes`` on random supports (the
     tensors below ``SHARED_BELOW`` elements share one, as the exchange codes them)."""
     import deepreduce as dr
-    from deepreduce.exchange import SHARED_BELOW
+    from deepreduce.allgather_exchange import SHARED_BELOW
 
     sizes = [int(np.prod(shape)) for shape in shapes]
     shared = [n for n in sizes if 1024 <= n < SHARED_BELOW]

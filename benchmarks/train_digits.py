@@ -147,7 +147,7 @@ def main(argv=None):
 
     compression = drh.Compression(sparsifier=dr.TopK(args.ratio), index=args.index,
                                   value=args.value,
-                                  memory=None if args.no_memory else "residual", seed=args.seed,
+                                  error_feedback=not args.no_memory, seed=args.seed,
                                   communicator=args.communicator)
     compressed = train(args, data,
                        lambda opt: drh.DistributedOptimizer(opt, compression=compression),
