@@ -12,8 +12,8 @@ gives them Horovod's:
   (same parameters), over Horovod's transport of their ``process_set`` (the
   global one by default) unless given another, taking ``op=hvd.Sum`` or
   ``hvd.Average`` and eager TensorFlow tensors;
-* :func:`allreduce`, :func:`allreduce_async`, :func:`sparse_allreduce` and
-  :func:`block_allreduce`, the same over Horovod.
+* :func:`allreduce` and :func:`allreduce_async`, the same over Horovod, by
+  communicator name.
 
 Inputs may be numpy arrays, :class:`~deepreduce.SparseTensor`, and eager
 ``tf.Tensor`` or ``tf.IndexedSlices`` (repeated rows are summed; nothing is
@@ -51,7 +51,7 @@ from deepreduce.sparse import SparseTensor
 
 __all__ = ["HorovodTransport", "horovod_transport", "op_name", "from_tensorflow",
            "AllgatherReduce", "SparseAllreduce", "BlockReduce", "get_communicator",
-           "allreduce", "allreduce_async", "sparse_allreduce", "block_allreduce"]
+           "allreduce", "allreduce_async"]
 
 
 class HorovodTransport(Transport):
@@ -279,14 +279,3 @@ def allreduce(x, communicator="sparse_allreduce", pipeline=None, op="sum", proce
     return allreduce_async(x, communicator, pipeline, op, process_set, transport,
                            **settings).wait().output
 
-
-def sparse_allreduce(x, pipeline=None, op="sum", process_set=None, transport=None):
-    """SparCML's split-allgather sparse allreduce of ``x`` over Horovod; see :func:`allreduce`."""
-    return allreduce(x, "sparse_allreduce", pipeline, op, process_set, transport)
-
-
-def block_allreduce(x, pipeline=None, block_size=256, threshold=0.0, op="sum",
-                    process_set=None, transport=None):
-    """OmniReduce's block-sparse allreduce of ``x`` over Horovod; see :func:`allreduce`."""
-    return allreduce(x, "block", pipeline, op, process_set, transport,
-                     block_size=block_size, threshold=threshold)
