@@ -27,9 +27,7 @@ from deepreduce.collectives.base import (returns_only_what_ranks_lack, scale_at,
                                          sum_sorted_into, sum_sparse)
 from deepreduce.errors import DecodeError
 from deepreduce.pipeline import decode
-from deepreduce.selection import _size
 from deepreduce.sparse import SparseTensor, zeros
-from deepreduce.sparsifiers import _as_float_array
 from deepreduce.stats import StepStats
 
 #: Compressed tensors below this many elements share a payload (see
@@ -155,11 +153,11 @@ class AllgatherExchange:
         """
         groups, min_size = {}, self.selector.min_size
         for t, x in enumerate(tensors):
-            size = _size(x)
+            size = self.selector.size(x)
             if isinstance(x, SparseTensor) or size >= SHARED_BELOW or (
                     size >= min_size and not self._selections_share):
                 continue
-            array = x if isinstance(x, np.ndarray) and x.dtype.kind == "f" else _as_float_array(x)
+            array = self.selector.floating(x)
             groups.setdefault((size >= min_size, array.dtype), []).append((t, array))
         return [(selects, members) for (selects, _), members in groups.items()
                 if len(members) > 1]
@@ -169,7 +167,7 @@ class AllgatherExchange:
         """``(payload, whole, tensors)``: the payload of ``members`` (see
         :meth:`_shared_payloads`), what the receivers decode of it and of each member.
         Appends to ``settles`` what finishes their error feedback."""
-        shapes = [array.shape for _, array in members]
+        shapes = [tuple(array.shape) for _, array in members]
         if not selects:
             flat = np.concatenate([array.reshape(-1) for _, array in members])
             selection = self.selector.select(None, flat, lossless=True)
@@ -183,7 +181,7 @@ class AllgatherExchange:
             selections.append(selection)
             values.append(selection.selected.values)
             indices.append(selection.selected.indices + offset)
-            offset += array.size
+            offset += self.selector.size(array)
         whole = SparseTensor._trusted(np.concatenate(values), np.concatenate(indices), (offset,))
         payload, received = self._encode_timed(self.selector.pipeline, whole, None)
         parts = split_shared(received, shapes)
@@ -251,6 +249,12 @@ class AllgatherExchange:
             if as_rows[i]:
                 results[i] = _sum_rows(parts, scale)
                 continue
+            if out is not None and out[i] is not None and not isinstance(out[i], np.ndarray):
+                # a tensor on a device: the selector sums where it lives
+                _check_holds_elements(out[i], reference.size, self.selector)
+                self.selector.sum_into(out[i], parts, scale)
+                results[i] = out[i]
+                continue
             # the sequential sum in the dtype, as Horovod's dense allreduce computes it,
             # straight into the dense result: no per-rank arrays, no union of supports
             accumulator = _accumulator(reference.dtype)
@@ -281,6 +285,18 @@ class AllgatherExchange:
                        results) -> None:
         """Sum the ranks' ``parts`` of one shared payload at once, into ``results`` at
         ``positions``: views of one dense sum, or copies into ``out``."""
+        first = None if out is None else out[positions[0]]
+        if first is not None and not isinstance(first, np.ndarray):
+            # tensors on a device: one sum there, then each tensor's slice of it
+            whole = first.new_empty(reference.size)
+            self.selector.sum_into(whole, parts, scale)
+            start = 0
+            for t, shape in zip(positions, shapes):
+                size = math.prod(shape)
+                _check_holds_elements(out[t], size, self.selector)
+                out[t].reshape(-1).copy_(whole[start:start + size])
+                results[t], start = out[t], start + size
+            return
         accumulator, key = _accumulator(reference.dtype), ("shared", positions[0])
         total, stale = self._sums.zeros(key, reference.size, accumulator)
         self._sums.keep(key, total, sum_sorted_into(total, parts, scale, stale))
@@ -296,6 +312,11 @@ class AllgatherExchange:
                     self._sums.written(out_keys[t], target)
                 result = out[t]
             results[t] = result
+
+
+def _check_holds_elements(target, size: int, selector) -> None:
+    if selector.size(target) != size:
+        raise ValueError(f"out has {selector.size(target)} elements for a tensor of {size}")
 
 
 def _writable_flat(array: np.ndarray, size: int, dtype: np.dtype) -> np.ndarray:

@@ -53,6 +53,9 @@ class GradientExchange:
         ``communicator`` ("allgather") and ``communicator_options``.
     config : ExchangeConfig, optional
         All of them at once, instead.
+    selector : callable, default :class:`~deepreduce.selection.Selector`
+        Makes the per-tensor step from the config: the numpy one, or one that
+        works where the tensors live (:class:`deepreduce.torch.device.DeviceSelector`).
 
     Attributes
     ----------
@@ -78,9 +81,10 @@ class GradientExchange:
     True
     """
 
-    def __init__(self, *args, config: ExchangeConfig | None = None, **settings):
+    def __init__(self, *args, config: ExchangeConfig | None = None, selector=Selector,
+                 **settings):
         self.config = config = ExchangeConfig.from_settings(config, *args, **settings)
-        self.selector = Selector(config)
+        self.selector = selector(config)
         self._allgather = AllgatherExchange(self.selector)
         self._reducing = None if config.communicator == "allgather" else \
             ReducingExchange(config, self.selector)

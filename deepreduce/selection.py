@@ -99,9 +99,17 @@ class Selector:
         self.memory = config.memory()
         self._pipelines = {}  # per tensor name, see pipeline_of
 
+    def size(self, x) -> int:
+        """Elements of ``x`` (a dense array or SparseTensor)."""
+        return _size(x)
+
+    def floating(self, x):
+        """``x`` as the floating-point array the sparsifier reads."""
+        return x if isinstance(x, np.ndarray) and x.dtype.kind == "f" else _as_float_array(x)
+
     def is_small(self, x) -> bool:
         """Whether ``x`` travels losslessly (below ``min_size`` elements)."""
-        return _size(x) < self.min_size
+        return self.size(x) < self.min_size
 
     def select(self, name, x, lossless: bool = False) -> Selection:
         """What to send of ``x`` (a dense array or SparseTensor) named ``name``.

@@ -32,9 +32,12 @@ import torch.distributed as dist
 from deepreduce.collectives import frames
 from deepreduce.collectives.base import check_peers
 from deepreduce.collectives.transport import Traffic, Transport
+from deepreduce.config import ExchangeConfig
 from deepreduce.exchange import GradientExchange
-from deepreduce.sparse import BFLOAT16
+from deepreduce.registry import get_codec
+from deepreduce.selection import Selector
 from deepreduce.stats import StepStats
+from deepreduce.torch.device import DeviceSelector, from_host, host_array
 from deepreduce.torch.transport import TorchTransport
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "transport_of", "host_array", "from_host"]
@@ -75,21 +78,17 @@ def _shared_setting(codec) -> str:
     return _unseeded(f"{type(codec).__name__}({params})")  # repr(codec), less those options
 
 
-def host_array(tensor) -> np.ndarray:
-    """A numpy view of the CPU tensor ``tensor`` (bfloat16 through ml_dtypes' type)."""
-    if tensor.dtype == torch.bfloat16:
-        if BFLOAT16 is None:
-            raise TypeError("bfloat16 tensors need the ml_dtypes package (pip install "
-                            "ml_dtypes) to be encoded")
-        return tensor.view(torch.int16).numpy().view(BFLOAT16)
-    return tensor.numpy()
-
-
-def from_host(array: np.ndarray):
-    """The CPU tensor sharing the memory of ``array`` (inverse of :func:`host_array`)."""
-    if BFLOAT16 is not None and array.dtype == BFLOAT16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+def _device_path(asked, config) -> bool:
+    """Whether the dense work runs on the gradients' device (see DeepReduceState)."""
+    served = config.communicator == "allgather" and \
+        get_codec(config.index, family="index").lossless
+    if asked is None:
+        return served and torch.cuda.is_available()
+    if asked and not served:
+        raise ValueError("device_path=True serves the allgather communicator with an exact "
+                         f"index codec; got communicator={config.communicator!r}, "
+                         f"index={config.index!r}")
+    return bool(asked)
 
 
 class DeepReduceState:
@@ -121,6 +120,14 @@ class DeepReduceState:
         would cost CPU for little traffic saved. The estimate encodes a
         synthetic Gaussian tensor of each parameter's shape once, so it
         depends only on shapes and settings and all ranks agree on it.
+    device_path : bool, optional
+        Run error feedback, the sparsifier, the residual update and the sums
+        on the bucket's device as torch operations, sending only the selected
+        pairs (and the tensors below ``min_size``) through the host codecs
+        (:class:`deepreduce.torch.device.DeviceSelector`). None (default):
+        when CUDA is available, for the allgather communicator with an exact
+        index codec. On CPU buckets the numpy/C path is faster
+        (``benchmarks/results/device_step.md``), and both give the same bits.
 
     Attributes
     ----------
@@ -148,7 +155,7 @@ class DeepReduceState:
     """
 
     def __init__(self, process_group=None, *args, config=None, start_iter=10,
-                 min_compression_rate=2.0, **settings):
+                 min_compression_rate=2.0, device_path=None, **settings):
         if isinstance(start_iter, bool) or not isinstance(start_iter, numbers.Integral) \
                 or start_iter < 0:
             raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
@@ -156,7 +163,10 @@ class DeepReduceState:
                 not math.isfinite(min_compression_rate) or min_compression_rate < 0:
             raise ValueError("min_compression_rate must be a finite number >= 0, got "
                              f"{min_compression_rate!r}")
-        self.exchange = GradientExchange(*args, config=config, **settings)
+        config = ExchangeConfig.from_settings(config, *args, **settings)
+        self.device_path = _device_path(device_path, config)
+        self.exchange = GradientExchange(
+            config=config, selector=DeviceSelector if self.device_path else Selector)
         self.process_group = process_group
         self._transport = None  # bound at the first hook call: see the transport property
         self.start_iter, self.min_compression_rate = int(start_iter), float(min_compression_rate)
@@ -341,15 +351,17 @@ def deepreduce_hook(state: DeepReduceState,
                         f"{bucket.index()} holds {buffer.dtype}")
     state._agree()
     keys, shapes = state._parameters(bucket)
+    sizes = [math.prod(s) for s in shapes]
+    if sum(sizes) != buffer.numel():  # not a layout of whole parameters: one tensor
+        keys, shapes, sizes = [f"bucket{bucket.index()}"], [(buffer.numel(),)], [buffer.numel()]
+    ends = np.cumsum(sizes).tolist()
+    if state.device_path:
+        return _device_step(state, bucket, buffer, keys, shapes, sizes, ends)
     # the codecs work on host memory: a CPU bucket is used in place, another is copied
     on_host = buffer.device.type == "cpu"
     host = buffer.detach() if on_host else buffer.detach().cpu()
     array = host_array(host)
     size = state.transport.size
-    sizes = [math.prod(s) for s in shapes]
-    if sum(sizes) != array.size:  # not a layout of whole parameters: one tensor
-        keys, shapes, sizes = [f"bucket{bucket.index()}"], [(array.size,)], [array.size]
-    ends = np.cumsum(sizes).tolist()
 
     def per_parameter(flat):
         return [flat[end - n:end].reshape(shape) for end, n, shape in zip(ends, sizes, shapes)]
@@ -384,6 +396,46 @@ def deepreduce_hook(state: DeepReduceState,
     if bucket.is_last():
         state.iter += 1
     return result
+
+
+def _device_step(state, bucket, buffer, keys, shapes, sizes, ends):
+    """The hook's step with the dense work on the bucket's device (``state.device_path``):
+    only the selected pairs and the small tensors cross to the host codecs, and the
+    decoded pairs are summed into the bucket where it lives."""
+    views = [buffer[end - n:end].view(shape) for end, n, shape in zip(ends, sizes, shapes)]
+    # DDP's streams wait for what was recorded on the device when the result is set
+    result = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else \
+        torch.futures.Future()
+
+    def deliver(future):
+        try:
+            future.result()
+            result.set_result(buffer)
+        except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
+            result.set_exception(exc)
+
+    exchange = state.exchange
+    if state._compresses(shapes, _numpy_dtype(buffer.dtype)):
+        link = exchange.selector.link
+        # small tensors travel losslessly from the host: they are small
+        inputs = [view if view.numel() >= exchange.min_size else link.to_host(view)
+                  for view in views]
+        # (encoding copies what it needs before this returns: the sums may overwrite)
+        started = exchange.reduce_async(keys, inputs, state._guarded, "average", out=views)
+    else:
+        if exchange.memory is not None:
+            for key, view in zip(keys, views):   # what error feedback still owes goes now
+                exchange.memory.pay(key, view)
+        size = state.transport.size
+        started = state._submit(lambda: _allreduce_average(state, buffer, buffer, True, size))
+    started.add_done_callback(deliver)
+    if bucket.is_last():
+        state.iter += 1
+    return result
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return host_array(torch.empty(0, dtype=dtype)).dtype
 
 
 def _allreduce_average(state, buffer, host, on_host, size):

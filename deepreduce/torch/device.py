@@ -1,0 +1,302 @@
+"""The per-tensor step on the gradient's device: error feedback, selection, sums.
+
+On a GPU, copying a whole gradient bucket to the host costs more than the network
+saves. :class:`DeviceSelector` keeps the residuals on the tensors' device and runs
+error feedback, the sparsifier, the residual update and the sums of the ranks'
+decoded pairs there as torch operations; only the selected indices and values go
+to the host codecs, and only decoded pairs come back, all through one
+:class:`HostLink`, which counts the bytes.
+
+It serves the allgather communicator with exact index codecs (the Bloom filters'
+false positives would need values from the whole tensor) and every sparsifier.
+On CPU tensors it selects the same sets, codes the same payload bytes and leaves
+bit-identical residuals and sums as the numpy path (:class:`deepreduce.selection.Selector`):
+TopK keeps exactly k with ties to the lowest positions, RandomK draws its
+positions from the same numpy stream, fp16 and bf16 round as the codecs do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from deepreduce.memory import ResidualMemory
+from deepreduce.selection import Selection, Selector
+from deepreduce.sparse import BFLOAT16, SparseTensor
+from deepreduce.sparsifiers import BlockTopK, NonZero, RandomK, Threshold, TopK, _count
+
+#: Value codecs whose loss is a cast, which the device repeats to know what the
+#: receivers decode without a copy back from the host.
+_CASTS = {"raw": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def host_array(tensor) -> np.ndarray:
+    """A numpy view of the CPU tensor ``tensor`` (bfloat16 through ml_dtypes' type)."""
+    if tensor.dtype == torch.bfloat16:
+        if BFLOAT16 is None:
+            raise TypeError("bfloat16 tensors need the ml_dtypes package (pip install "
+                            "ml_dtypes) to be encoded")
+        return tensor.view(torch.int16).numpy().view(BFLOAT16)
+    return tensor.numpy()
+
+
+def from_host(array: np.ndarray):
+    """The CPU tensor sharing the memory of ``array`` (inverse of :func:`host_array`)."""
+    if BFLOAT16 is not None and array.dtype == BFLOAT16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+class HostLink:
+    """The one place where bytes cross between the host and a device; counts them.
+
+    Attributes
+    ----------
+    to_host_bytes, to_device_bytes : int
+        Bytes copied each way since the link was made (or :meth:`reset`).
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.to_host_bytes = self.to_device_bytes = 0
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        """A numpy array of ``tensor``'s values (a view when it already lives on the CPU)."""
+        self.to_host_bytes += tensor.numel() * tensor.element_size()
+        return host_array(tensor.detach().cpu())
+
+    def to_device(self, array: np.ndarray, device, dtype=None) -> torch.Tensor:
+        """``array`` as a tensor on ``device`` (of ``dtype`` when given, cast there)."""
+        tensor = from_host(np.ascontiguousarray(array))
+        self.to_device_bytes += tensor.numel() * tensor.element_size()
+        tensor = tensor.to(device, non_blocking=False)
+        return tensor if dtype is None else tensor.to(dtype)
+
+
+class DeviceResidualMemory(ResidualMemory):
+    """:class:`~deepreduce.ResidualMemory` whose residuals are torch tensors on the
+    gradients' device (restored ones wait on the CPU until their first use)."""
+
+    def accumulate(self, name: str, gradient) -> torch.Tensor:
+        """``gradient + beta * residual``, made in the residual's memory (the gradient
+        itself the first time). Host gradients (numpy, SparseTensor) take the numpy
+        path, with their residuals on the host."""
+        residual = self._residuals.get(name)
+        if not isinstance(gradient, torch.Tensor):
+            if isinstance(residual, torch.Tensor):  # restored from a checkpoint
+                self._residuals[name] = host_array(residual.detach().cpu()).copy()
+            return super().accumulate(name, gradient)
+        if residual is None or self.beta == 0.0:
+            return gradient
+        if residual.shape != gradient.shape:
+            raise ValueError(f"tensor {name!r} changed shape from {tuple(residual.shape)} "
+                             f"to {tuple(gradient.shape)}; call reset({name!r}) first")
+        if residual.device != gradient.device or residual.dtype != gradient.dtype:
+            residual = self._residuals[name] = residual.to(gradient.device, gradient.dtype)
+        if self.beta != 1.0:
+            residual.mul_(self.beta)
+        return residual.add_(gradient)
+
+    def settle_at(self, name: str, corrected: torch.Tensor, positions: torch.Tensor,
+                  selected: torch.Tensor, delivered: torch.Tensor) -> None:
+        """The residual becomes ``corrected`` with ``selected - delivered`` at ``positions``
+        (flat), in ``corrected``'s memory when it is the residual's, else in a copy."""
+        residual = corrected if corrected is self._residuals.get(name) else corrected.clone()
+        residual.view(-1)[positions] = selected - delivered.to(residual.dtype)
+        self._residuals[name] = residual
+
+    def pay(self, name: str, gradient):
+        residual = self._residuals.get(name)
+        if not isinstance(gradient, torch.Tensor) or not isinstance(residual, torch.Tensor):
+            return super().pay(name, gradient)
+        del self._residuals[name]
+        if self.beta != 0.0:
+            owed = residual if self.beta == 1.0 else self.beta * residual
+            gradient += owed.to(gradient.device, gradient.dtype).reshape(gradient.shape)
+        return gradient
+
+    def restore(self, name: str, residual) -> None:
+        self._residuals[name] = torch.as_tensor(np.array(residual, copy=True, order="C")) \
+            if isinstance(residual, np.ndarray) else residual.detach().clone()
+
+
+class DeviceSelection(Selection):
+    """A :class:`~deepreduce.selection.Selection` made on the device: ``selected`` is on
+    the host, ``positions`` and ``values`` are its device copies."""
+
+    def __init__(self, name, pipeline, selected, corrected, positions, values):
+        super().__init__(name, pipeline, selected, None, corrected)
+        self.positions, self.values = positions, values
+
+
+class DeviceSelector(Selector):
+    """:class:`~deepreduce.selection.Selector` for torch tensors on any device.
+
+    Host inputs (numpy arrays, SparseTensors: the small tensors, which travel
+    losslessly) take the numpy path; torch tensors stay where they are.
+
+    Parameters
+    ----------
+    config : ExchangeConfig
+    link : HostLink, optional
+        Where the bytes cross (a new one by default).
+    """
+
+    def __init__(self, config, link: HostLink | None = None):
+        super().__init__(config)
+        if self.memory is not None:
+            self.memory = DeviceResidualMemory(self.memory.beta)
+        self.link = HostLink() if link is None else link
+        index, value = self.pipeline.index_codec, self.pipeline.value_codec
+        if index is not None and not index.lossless:
+            raise ValueError(f"the device path needs an exact index codec, got {index!r}: "
+                             "its false positives would need the whole tensor's values")
+        self._cast = _CASTS.get(value.get_config()["id"], False) \
+            if index is not None else False
+
+    def size(self, x) -> int:
+        return x.numel() if isinstance(x, torch.Tensor) else super().size(x)
+
+    def floating(self, x):
+        return x if isinstance(x, torch.Tensor) else super().floating(x)
+
+    def select(self, name, x, lossless: bool = False) -> Selection:
+        if not isinstance(x, torch.Tensor):
+            return super().select(name, x, lossless)
+        if lossless or self.is_small(x):
+            raise ValueError("small tensors travel from the host: hand them over as numpy "
+                             "arrays")
+        pipeline = self.pipeline_of(name)
+        corrected = None
+        if self.memory is not None and name is not None:
+            corrected = x = self.memory.accumulate(name, x)
+        flat = x.reshape(-1)
+        positions = select_on_device(pipeline.sparsifier, flat)
+        values = flat[positions]
+        selected = SparseTensor._trusted(self.link.to_host(values), self.link.to_host(positions),
+                                         tuple(x.shape))
+        return DeviceSelection(name, pipeline, selected, corrected, positions, values)
+
+    def settle(self, selection: Selection, received: SparseTensor,
+               selected: SparseTensor | None = None) -> None:
+        if not isinstance(selection, DeviceSelection):
+            return super().settle(selection, received, selected)
+        if selection.corrected is None:
+            return
+        device = selection.values.device
+        if self._cast is False or received.nnz != selection.positions.numel() \
+                or selection.values.dtype == torch.float64:
+            positions = self.link.to_device(received.indices, device)
+            delivered = self.link.to_device(received.values, device)
+            current = selection.corrected.reshape(-1)[positions]
+        else:  # what the receivers decode is the selection, cast: no copy back
+            positions, current = selection.positions, selection.values
+            delivered = _cast(current, self._cast)
+        self.memory.settle_at(selection.name, selection.corrected, positions, current, delivered)
+
+    def sum_into(self, target: torch.Tensor, parts: list, scale) -> None:
+        """Make ``target`` (a tensor on its device) the sum of the ranks' decoded ``parts``
+        times ``scale``: the same bits as :func:`deepreduce.collectives.base.sum_sorted_into`
+        (each rank added in turn in the accumulator's precision, scaled in double)."""
+        flat = target.view(-1)
+        accumulator = torch.float64 if target.dtype == torch.float64 else torch.float32
+        total = flat if flat.dtype == accumulator else \
+            torch.zeros(flat.numel(), dtype=accumulator, device=flat.device)
+        total.zero_()
+        touched = []
+        for part in parts:
+            positions = self.link.to_device(part.indices, flat.device)
+            values = self.link.to_device(part.values, flat.device, accumulator)
+            total.index_add_(0, positions, values)
+            touched.append(positions)
+        if scale is not None and touched:
+            where = torch.cat(touched).unique()
+            total[where] = (total[where].double() * scale).to(accumulator)
+        if total is not flat:
+            flat.copy_(total)
+
+    def state_dict(self) -> dict:
+        memory = self.memory
+        residuals = {} if memory is None else {name: _copy(memory.residual(name))
+                                               for name in memory.names()}
+        return {"residuals": residuals, "random_state": self.random_state()}
+
+
+def _copy(residual):
+    return residual.detach().clone() if isinstance(residual, torch.Tensor) else residual.copy()
+
+
+def _cast(values: torch.Tensor, dtype) -> torch.Tensor:
+    """What the value codec casting to ``dtype`` delivers of ``values`` (float32, float16
+    or bfloat16): fp16 saturates finite values at +-65504 as its codec does."""
+    if dtype is None or values.dtype == dtype:
+        return values
+    if dtype == torch.float16:
+        values = torch.where(torch.isfinite(values), values.clamp(-65504.0, 65504.0), values)
+    return values.to(dtype)
+
+
+def select_on_device(sparsifier, flat: torch.Tensor) -> torch.Tensor:
+    """Sorted flat positions that ``sparsifier`` (a deepreduce sparsifier) takes from
+    ``flat``, computed on ``flat``'s device: the positions the numpy sparsifier takes."""
+    n = flat.numel()
+    if isinstance(sparsifier, TopK):
+        return _largest(_magnitudes(flat), _count(sparsifier.ratio, sparsifier.k, n, "TopK"))
+    if isinstance(sparsifier, NonZero):
+        return torch.nonzero(flat).view(-1)
+    if isinstance(sparsifier, Threshold):
+        values = flat.float() if flat.element_size() < 4 else flat
+        return torch.nonzero((values > sparsifier.tau) | (values < -sparsifier.tau)).view(-1)
+    if isinstance(sparsifier, RandomK):
+        # the numpy stream draws the positions, as on the host: k integers to copy
+        k = _count(sparsifier.ratio, sparsifier.k, n, "RandomK")
+        drawn = np.sort(sparsifier._rng.choice(n, size=k, replace=False))
+        return torch.from_numpy(drawn).to(flat.device)
+    if isinstance(sparsifier, BlockTopK):
+        block = sparsifier.block
+        blocks = -(-n // block)
+        padded = torch.zeros(blocks * block, dtype=torch.float64, device=flat.device)
+        padded[:n] = flat.double()
+        norms = padded.view(blocks, block).square().sum(dim=1)
+        chosen = _largest(norms, math.ceil(sparsifier.ratio * blocks))
+        positions = (chosen[:, None] * block
+                     + torch.arange(block, device=flat.device)).view(-1)
+        return positions[positions < n]
+    raise TypeError(f"the device path has no implementation of {sparsifier!r}: use one of "
+                    "deepreduce's sparsifiers (TopK, RandomK, Threshold, BlockTopK, None)")
+
+
+def _magnitudes(values: torch.Tensor) -> torch.Tensor:
+    """``|values|`` (float16/bfloat16 in float32), NaN ranked lowest as in numpy's TopK."""
+    magnitudes = (values.float() if values.element_size() < 4 else values).abs()
+    return torch.nan_to_num(magnitudes, nan=-math.inf, posinf=math.inf)
+
+
+def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted positions of the ``k`` largest ``magnitudes``, ties to the lowest positions
+    (the rule of :func:`deepreduce.sparsifiers._largest`)."""
+    n = magnitudes.numel()
+    device = magnitudes.device
+    if k >= n:
+        return torch.arange(n, device=device)
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    if magnitudes.dtype == torch.float32 and n < 1 << 32:
+        # one key per position, its magnitude's order then the position's reverse: the
+        # k largest keys are the k largest magnitudes with ties to the lowest positions,
+        # and topk finds them without a data-dependent size (no synchronisation)
+        bits = magnitudes.view(torch.int32).to(torch.int64)
+        bits = torch.where(bits < 0, torch.zeros_like(bits), bits + 1)  # -inf (NaN) lowest
+        key = (bits << 32) | (n - 1 - torch.arange(n, device=device))
+        return torch.topk(key, k, sorted=False).indices.sort().values
+    kth = torch.topk(magnitudes, k, sorted=False).values.min()
+    keep = magnitudes > kth
+    missing = k - int(keep.sum())
+    if missing:
+        ties = torch.nonzero(magnitudes == kth).view(-1)[:missing]
+        keep[ties] = True
+    return torch.nonzero(keep).view(-1)

@@ -1,0 +1,129 @@
+"""The device path (deepreduce.torch.device) against the numpy path, on CPU tensors.
+
+The same torch operations run on a GPU; here they must select the same sets, code
+the same payload bytes and leave bit-identical residuals and sums.
+"""
+
+import pickle
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import deepreduce as dr  # noqa: E402
+from deepreduce.exchange import GradientExchange  # noqa: E402
+from deepreduce.torch.device import DeviceSelector, HostLink, select_on_device  # noqa: E402
+
+#: (name, shape): one with its own payload, two that share one, one below min_size
+SHAPES = [("w", (300, 400)), ("v", (64, 40)), ("u", (2000,)), ("b", (100,))]
+MIN_SIZE = 1024
+
+SETTINGS = [
+    dict(sparsifier=dr.TopK(0.01), value="fp16"),
+    dict(sparsifier=dr.TopK(0.05), value="raw", index="golomb"),
+    dict(sparsifier=dr.TopK(0.02), value="bf16"),
+    dict(sparsifier=dr.TopK(0.02), value="qsgd:bits=4"),
+    dict(sparsifier="randomk:0.02", value="fp16"),
+    dict(sparsifier=dr.Threshold(2.5), value="raw"),
+    dict(sparsifier=dr.BlockTopK(0.1, block=64), value="fp16"),
+    dict(sparsifier=None, value="raw", error_feedback=False),
+    dict(sparsifier=dr.TopK(0.01), value="fp16", error_feedback=dr.ResidualMemory(beta=0.5)),
+]
+
+
+def gradients(step, dtype=np.float32):
+    rng = np.random.default_rng(step)
+    grads = [rng.standard_normal(shape).astype(dtype) for _, shape in SHAPES]
+    grads[0][0, :7] = 3.0          # ties at the top: the lowest positions win
+    return grads
+
+
+def pair(settings):
+    def make(selector):
+        memory = settings.get("error_feedback")
+        fresh = dict(settings, error_feedback=dr.ResidualMemory(memory.beta)) \
+            if isinstance(memory, dr.ResidualMemory) else settings
+        return GradientExchange(min_size=MIN_SIZE, selector=selector, **fresh)
+    return make(dr.selection.Selector), make(DeviceSelector)
+
+
+def device_inputs(grads):
+    return [torch.from_numpy(g.copy()) if g.size >= MIN_SIZE else g.copy() for g in grads]
+
+
+def step_both(host, device, step, ranks=2):
+    names = [name for name, _ in SHAPES]
+    grads = gradients(step)
+    sent = host.encode_bundle(names, [g.copy() for g in grads])
+    assert device.encode_bundle(names, device_inputs(grads)) == sent
+    gathered = sent * ranks
+    summed = host.decode_bundles(gathered, ranks, 0, average=True)
+    out = [torch.full(shape, np.nan) for _, shape in SHAPES]
+    assert device.decode_bundles(gathered, ranks, 0, average=True, out=out) == out
+    for want, got in zip(summed, out):
+        assert np.asarray(want).tobytes() == got.numpy().tobytes()
+    link = device.selector.link   # the pairs went to the host, the sums came back
+    assert link.to_host_bytes > 0 and link.to_device_bytes > 0
+
+
+def residuals(exchange):
+    memory = exchange.memory
+    return {} if memory is None else {
+        name: np.asarray(memory.residual(name)).tobytes() for name in memory.names()}
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: f"{s['sparsifier']}-{s['value']}")
+def test_device_path_codes_and_sums_the_same_bits(settings):
+    host, device = pair(settings)
+    for step in range(3):
+        step_both(host, device, step)
+        assert residuals(device) == residuals(host)
+
+
+def test_device_path_resumes_bit_exactly():
+    settings = dict(sparsifier="randomk:0.02", value="qsgd:bits=4")
+    host, device = pair(settings)
+    for step in range(2):
+        step_both(host, device, step)
+    saved = pickle.loads(pickle.dumps(device.state_dict()))
+    resumed = GradientExchange(min_size=MIN_SIZE, selector=DeviceSelector, **settings)
+    resumed.load_state_dict(saved)
+    for step in range(2, 4):
+        step_both(host, resumed, step)
+    assert residuals(resumed) == residuals(host)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16,
+                                   torch.float64])
+@pytest.mark.parametrize("k", [0, 1, 37, 1000, 4096])
+def test_topk_on_device_takes_numpy_topk_set(dtype, k):
+    rng = np.random.default_rng(k)
+    values = torch.from_numpy(rng.standard_normal(4096)).to(dtype)
+    values[:50] = 1.5               # ties
+    values[60] = float("nan")       # ranks lowest
+    values[61] = float("-inf")
+    values[62] = -0.0
+    host = values.float().numpy() if dtype == torch.bfloat16 else values.numpy()
+    want = dr.TopK(k=k, exact=True)(host).indices
+    got = select_on_device(dr.TopK(k=k), values).numpy()
+    assert np.array_equal(got, want)
+
+
+def test_small_tensors_come_from_the_host():
+    device = GradientExchange(min_size=MIN_SIZE, selector=DeviceSelector)
+    with pytest.raises(ValueError, match="from the host"):
+        device.encode_bundle(["b"], [torch.ones(10)])
+
+
+def test_lossy_index_codecs_take_the_host_path():
+    with pytest.raises(ValueError, match="exact index codec"):
+        GradientExchange(index="bloom", selector=DeviceSelector)
+
+
+def test_host_link_counts_what_crosses():
+    link = HostLink()
+    array = link.to_host(torch.arange(10, dtype=torch.int64))
+    back = link.to_device(array, "cpu", torch.float32)
+    assert (link.to_host_bytes, link.to_device_bytes) == (80, 80)
+    assert back.dtype == torch.float32 and back.tolist() == list(range(10))
