@@ -402,6 +402,14 @@ class AutoIndices(IndexCodec):
         tag, data = self.choose(indices, n)
         return bytes([tag]) + data
 
+    def max_count(self, data, n):
+        if not data:
+            return 0
+        tag = data[0] & ~COMPLEMENT
+        if data[0] & COMPLEMENT or tag >= len(TAGS):
+            return None  # a complement's size says nothing of the set's; decode refuses bad tags
+        return _sub_codec(tag).max_count(memoryview(data)[1:], n)
+
     def decode(self, data, n, nnz):
         what = "auto indices"
         n, nnz = _bits.check_counts(n, nnz, what)

@@ -109,9 +109,19 @@ class IndexCodec(Codec):
 
     #: True for codecs whose decoding tests every position of the universe (Bloom
     #: filters): their cost grows with ``n`` whatever the stream, so callers bound
-    #: ``n`` (``dr.decompress(max_elements=)``). Every other codec's decoding costs
-    #: at most a constant times its stream plus its output.
+    #: ``n`` (``dr.decompress(max_scanned=)``). Every other codec's decoding costs
+    #: at most a constant times its stream plus its output (``nnz`` indices).
     scans_universe: bool = False
+
+    def max_count(self, data, n: int) -> int | None:
+        """The most indices of ``[0, n)`` a stream like ``data`` can hold, by its length.
+
+        An upper bound that costs nothing to compute (:meth:`decode` checks the
+        exact count): the pipeline refuses a payload declaring more non-zeros
+        before decoding either stream. None where the length bounds nothing:
+        run-length and LZ codes describe any number of indices in a few bytes.
+        """
+        return None
 
     def decode(self, data: bytes, n: int, nnz: int) -> np.ndarray:
         """Return the ``nnz`` indices as int64, strictly increasing, in ``[0, n)``."""

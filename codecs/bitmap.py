@@ -35,6 +35,9 @@ class BitmapIndices(IndexCodec):
         indices = _bits.check_indices(indices, n)
         return _bits.positions_to_bitmap(indices, n)
 
+    def max_count(self, data, n):
+        return min(n, 8 * len(data))
+
     def decode(self, data, n, nnz):
         what = "bitmap indices"
         n, nnz = _bits.check_counts(n, nnz, what)

@@ -37,6 +37,10 @@ class BitpackIndices(IndexCodec):
         indices = _bits.check_indices(indices, n)
         return _bits.pack_fixed(indices.astype("uint64"), self.width(n))
 
+    def max_count(self, data, n):
+        width = self.width(n)
+        return 8 * len(data) // width if width else n
+
     def decode(self, data, n, nnz):
         what = "bitpack indices"
         n, nnz = _bits.check_counts(n, nnz, what)

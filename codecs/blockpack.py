@@ -146,6 +146,9 @@ class BlockpackIndices(IndexCodec):
         indices = _bits.check_indices(indices, n)
         return encode_indices(indices) if indices.size else b""
 
+    def max_count(self, data, n):
+        return BLOCK * len(data)  # a width byte per block of BLOCK gaps at least
+
     def decode(self, data, n, nnz):
         what = "blockpack indices"
         n, nnz = _bits.check_counts(n, nnz, what)

@@ -57,6 +57,9 @@ class EliasFanoIndices(IndexCodec):
         ones = (indices >> low_bits) + np.arange(nnz, dtype=np.int64)
         return _bits.pack_fixed(lows, low_bits) + _bits.positions_to_bitmap(ones, unary_bits)
 
+    def max_count(self, data, n):
+        return 8 * len(data)  # a one in the unary part per index
+
     def decode(self, data, n, nnz):
         what = "eliasfano indices"
         n, nnz = _bits.check_counts(n, nnz, what)

@@ -381,6 +381,9 @@ class GolombIndices(IndexCodec):
             return b""
         return IndexStream(indices, self.parameter(indices)).data()
 
+    def max_count(self, data, n):
+        return 8 * len(data)  # a bit per gap at least (its quotient's terminator)
+
     def decode(self, data, n, nnz):
         what = "golomb indices"
         n, nnz = _bits.check_counts(n, nnz, what)

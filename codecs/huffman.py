@@ -277,6 +277,9 @@ class HuffmanIndices(IndexCodec):
         return (_entropy.pack_code_lengths(lengths) + _pack_block_lengths(block_bits)
                 + codes + offsets)
 
+    def max_count(self, data, n):
+        return 8 * len(data)  # every code takes a bit at least
+
     def decode(self, data, n, nnz):
         what = "huffman indices"
         n, nnz = _bits.check_counts(n, nnz, what)

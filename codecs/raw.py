@@ -38,6 +38,9 @@ class RawIndices(IndexCodec):
         indices = _bits.check_indices(indices, n)
         return indices.astype(self._dtype(n)).tobytes()
 
+    def max_count(self, data, n):
+        return len(data) // self._dtype(n).itemsize
+
     def decode(self, data, n, nnz):
         what = "raw indices"
         n, nnz = _bits.check_counts(n, nnz, what)

@@ -33,6 +33,9 @@ class VarintIndices(IndexCodec):
         indices = _bits.check_indices(indices, n)
         return _bits.varint_encode(_bits.gaps(indices))
 
+    def max_count(self, data, n):
+        return len(data)  # a byte per varint at least
+
     def decode(self, data, n, nnz):
         what = "varint indices"
         n, nnz = _bits.check_counts(n, nnz, what)

@@ -9,6 +9,7 @@ import math
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,8 @@ import numpy as np
 import deepreduce as dr
 from deepreduce import container
 from deepreduce.bundle import BUNDLE_MAGIC, split_bundles
-from deepreduce.pipeline import (DEFAULT_INDEX, DEFAULT_MAX_ELEMENTS, DEFAULT_VALUE, Pipeline,
-                                 index_entropy_bits)
+from deepreduce.pipeline import (DEFAULT_INDEX, DEFAULT_MAX_NNZ, DEFAULT_MAX_SCANNED,
+                                 DEFAULT_VALUE, Pipeline, index_entropy_bits)
 from deepreduce.registry import registered_codecs
 
 
@@ -85,8 +86,20 @@ def _cmd_compress(args) -> int:
     return 0
 
 
+def _decompress(payload, args) -> dr.SparseTensor:
+    """``dr.decompress`` with the bounds of the command line (0: no bound)."""
+    if args.max_elements is None:
+        return dr.decompress(payload, args.max_nnz or None, args.max_scanned or None)
+    print("deepreduce: --max-elements is deprecated (the declared shape no longer bounds the "
+          "cost of decoding); use --max-nnz and --max-scanned", file=sys.stderr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return dr.decompress(payload, args.max_nnz or None, args.max_scanned or None,
+                             max_elements=args.max_elements or None)
+
+
 def _cmd_decompress(args) -> int:
-    st = dr.decompress(Path(args.input).read_bytes(), max_elements=args.max_elements or None)
+    st = _decompress(Path(args.input).read_bytes(), args)
     output = Path(args.output or Path(args.input).with_suffix(".npy"))
     if args.sparse:
         np.savez(output, values=st.values, indices=st.indices, shape=np.array(st.shape))
@@ -121,7 +134,7 @@ def _payload_info(payload, args) -> tuple[dict, dr.SparseTensor | None]:
     }
     decoded = None
     if args.check:
-        decoded = dr.decompress(payload, max_elements=args.max_elements or None)
+        decoded = _decompress(payload, args)
         info["decodes"] = True
     return info, decoded
 
@@ -279,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="output file (default: INPUT with suffix .npy)")
     p.add_argument("--sparse", action="store_true",
                    help="write an .npz with values, indices and shape instead of the dense array")
-    _max_elements_option(p)
+    _bound_options(p)
 
     p = add("inspect", "print a payload's header: shape, dtype, nnz, codecs, stream sizes, "
             "bits per nnz; for a bundle (the exchange's framing), which payload holds each "
@@ -289,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="also decode the streams")
     p.add_argument("--ranks", type=int, default=1,
                    help="a bundle file holds this many ranks' bundles, concatenated (default 1)")
-    _max_elements_option(p)
+    _bound_options(p)
 
     p = add("bench", "compare every registered codec on the arrays of a .npy/.npz file",
             _cmd_bench)
@@ -301,10 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _max_elements_option(parser) -> None:
-    parser.add_argument("--max-elements", type=int, default=DEFAULT_MAX_ELEMENTS,
-                        help="refuse payloads declaring a larger tensor, before decoding "
-                             f"(default {DEFAULT_MAX_ELEMENTS:,}; 0 for no bound)")
+def _bound_options(parser) -> None:
+    parser.add_argument("--max-nnz", type=int, default=DEFAULT_MAX_NNZ,
+                        help="refuse payloads declaring more non-zeros, before decoding "
+                             f"(default {DEFAULT_MAX_NNZ:,}; 0 for no bound)")
+    parser.add_argument("--max-scanned", type=int, default=DEFAULT_MAX_SCANNED,
+                        help="refuse payloads whose decoding tests more positions of the "
+                             "universe (Bloom-filter index streams: every element of the "
+                             f"shape), before decoding (default {DEFAULT_MAX_SCANNED:,}; "
+                             "0 for no bound)")
+    # deprecated: the declared shape no longer bounds the cost of decoding
+    parser.add_argument("--max-elements", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def main(argv=None) -> int:

@@ -150,9 +150,14 @@ def read_header(payload) -> Header:
                   index_length, value_length, reader.pos)
 
 
-def unpack(payload) -> tuple[Header, memoryview, memoryview]:
-    """Check a payload whole and split it into its header and two streams."""
-    header = read_header(payload)
+def unpack(payload, header: Header | None = None) -> tuple[Header, memoryview, memoryview]:
+    """Check a payload whole and split it into its header and two streams.
+
+    ``header``: what :func:`read_header` returned for this payload, if the caller
+    has it already (it is not parsed twice).
+    """
+    if header is None:
+        header = read_header(payload)
     data = memoryview(payload).cast("B")
     if len(data) < header.payload_length:
         raise DecodeError(f"payload truncated: {len(data)} bytes, the header declares "

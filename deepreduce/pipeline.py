@@ -12,6 +12,7 @@ need a second decode to know their error and error feedback can be exact.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -110,38 +111,59 @@ class Pipeline:
         return payload, received
 
 
-#: The largest tensor :func:`decompress` decodes unless told otherwise: 2**28 elements
-#: (1 GiB of float32). Every cost of decoding (the output, a Bloom filter's scan of
-#: its universe) is bounded by the declared shape, so this bound protects a process
-#: that decodes bytes it does not trust.
-DEFAULT_MAX_ELEMENTS = 1 << 28
+#: Default bounds of :func:`decompress` on what decoding a payload may cost (see
+#: docs/format.md, "Cost of decoding"): 2**28 declared non-zeros (the decoded int64
+#: indices and their values: 3 GiB with float32) and 2**28 positions tested by a
+#: decode that scans the declared universe (a Bloom-filter index stream). Neither
+#: bounds the declared shape: a sparse tensor of any shape decodes in time and memory
+#: that follow its payload and its non-zeros.
+DEFAULT_MAX_NNZ = 1 << 28
+DEFAULT_MAX_SCANNED = 1 << 28
+
+_DEFAULT = object()  # "not given", where None means "no bound"
 
 
-def decode(payload, max_elements: int | None = None) -> SparseTensor:
+def _refuse(what: str, amount: int, knob: str, bound: int):
+    raise DecodeError(f"the payload {what} ({amount:,}), more than {knob}={bound:,}: "
+                      f"pass a larger {knob} (None: no bound, for trusted data) to decode it")
+
+
+def decode(payload, max_nnz: int | None = None, max_scanned: int | None = None,
+           max_shape: int | None = None) -> SparseTensor:
     """Decode any payload; the codecs are named inside it.
 
-    ``max_elements`` (None: no bound) refuses, before any work, a payload whose
-    declared shape holds more elements.
+    The bounds (None: none) refuse a payload before any work that grows with
+    them: ``max_nnz`` its declared non-zeros, ``max_scanned`` the positions
+    its index decode would test (the declared universe of a Bloom filter),
+    ``max_shape`` its declared elements (what ``max_elements`` bounded).
     """
-    if max_elements is not None:
-        declared = container.read_header(payload)
-        if declared.size > max_elements:
-            raise DecodeError(f"the payload declares shape {declared.shape} "
-                              f"({declared.size:,} elements), more than max_elements="
-                              f"{max_elements:,}: pass a larger max_elements to decode it")
-    header, index_stream, value_stream = container.unpack(payload)
+    header = container.read_header(payload)
     n, nnz = header.size, header.nnz
+    if max_shape is not None and n > max_shape:
+        _refuse(f"declares shape {header.shape}", n, "max_elements", max_shape)
+    if max_nnz is not None and nnz > max_nnz:
+        _refuse("declares nnz", nnz, "max_nnz", max_nnz)
     try:
         value_codec = decoding_codec(header.value_spec, "value")
         index_codec = None if header.value_order else decoding_codec(header.index_spec, "index")
     except ValueError as exc:
         raise DecodeError(f"payload names a codec this library cannot build: {exc}") from None
+    if max_scanned is not None and index_codec is not None and index_codec.scans_universe \
+            and n > max_scanned:
+        _refuse(f"index codec {header.index_spec!r} tests every position of shape "
+                f"{header.shape}", n, "max_scanned", max_scanned)
+    header, index_stream, value_stream = container.unpack(payload, header)
     if header.value_order != value_codec.sorts_values:
         raise DecodeError(f"value codec {header.value_spec!r} and the value-order flag disagree")
+    # Both checks come before the values are decoded: their work grows with nnz.
     if header.value_order and len(index_stream) * 8 < nnz * _order_width(n):
-        # checked before the values are decoded: their work grows with nnz
         raise DecodeError(f"value-ordered index stream of {len(index_stream)} bytes cannot "
                           f"hold {nnz} indices of {_order_width(n)} bits")
+    if index_codec is not None:
+        most = index_codec.max_count(index_stream, n)
+        if most is not None and nnz > most:
+            raise DecodeError(f"index stream of {len(index_stream)} bytes "
+                              f"({header.index_spec!r}) cannot hold nnz={nnz} indices")
     values = value_codec.decode(bytes(value_stream), nnz, header.dtype)
     if values.shape != (nnz,) or values.dtype != header.dtype:
         raise DecodeError(f"value codec {header.value_spec!r} returned {values.shape} "
@@ -197,25 +219,55 @@ def compress(x, sparsifier=None, index=DEFAULT_INDEX, value=DEFAULT_VALUE) -> by
     return Pipeline(sparsifier, index, value).encode(x)[0]
 
 
-def decompress(payload, max_elements: int | None = DEFAULT_MAX_ELEMENTS) -> SparseTensor:
+def decompress(payload, max_nnz: int | None = DEFAULT_MAX_NNZ,
+               max_scanned: int | None = DEFAULT_MAX_SCANNED, *,
+               max_elements=_DEFAULT) -> SparseTensor:
     """Decode a payload made by :func:`compress` (or any deepreduce encoder).
+
+    Decoding costs time and memory in proportion to the payload's length, its
+    declared non-zeros and, for a Bloom-filter index stream only, the declared
+    universe, which its decoder scans; never in proportion to the declared
+    shape otherwise. The two bounds cap what a payload from an untrusted
+    source can make this call spend, and are checked before anything else.
 
     Parameters
     ----------
     payload : bytes-like
-    max_elements : int or None, default 2**28
-        Refuse payloads whose declared shape holds more elements, before
-        anything is allocated. Decoding costs at most a constant times the
-        payload's length plus the declared tensor (a Bloom-filter index stream
-        tests every position of it), so this bounds the time and memory a
-        crafted payload can take. None removes the bound (trusted data only).
+    max_nnz : int or None, default 2**28
+        Refuse payloads declaring more non-zeros (the decoded indices and
+        values: 8 bytes plus a value each). None: no bound.
+    max_scanned : int or None, default 2**28
+        Refuse payloads whose index decode would test more positions of the
+        universe (Bloom-filter streams test every element of the declared
+        shape). None: no bound.
+    max_elements : int or None, optional
+        Deprecated: bounds the declared shape, which no longer bounds the
+        cost of decoding. Given (None too), it is checked as before, and
+        ``max_nnz`` and ``max_scanned`` apply only where passed explicitly.
 
     Raises
     ------
     DecodeError
-        For every malformed payload, with a message naming the problem.
+        For every malformed payload, and for one beyond a bound, with a
+        message naming the problem (and the bound to raise).
+
+    Examples
+    --------
+    A 5,000,000 x 64 embedding gradient of 16 rows decodes with the defaults:
+
+    >>> import numpy as np, deepreduce as dr
+    >>> rows = np.array([3, 70, 4_999_999])
+    >>> st = dr.SparseTensor.from_rows(np.ones((3, 64), np.float32), rows, (5_000_000, 64))
+    >>> dr.decompress(dr.compress(st, value="fp16")).nnz
+    192
     """
-    return decode(payload, max_elements)
+    if max_elements is _DEFAULT:
+        return decode(payload, max_nnz, max_scanned)
+    warnings.warn("max_elements bounds the declared shape, which no longer bounds the cost "
+                  "of decoding; use max_nnz= and max_scanned=", DeprecationWarning,
+                  stacklevel=2)
+    return decode(payload, None if max_nnz is DEFAULT_MAX_NNZ else max_nnz,
+                  None if max_scanned is DEFAULT_MAX_SCANNED else max_scanned, max_elements)
 
 
 def index_entropy_bits(n: int, k: int) -> float:

@@ -13,7 +13,8 @@ What is checked (each check is also a function of its own):
   full, random and clustered sets, value codecs on every supported dtype and
   sizes from 0 up; lossless codecs return their input bit for bit, lossy
   ones exactly what ``encode_selection`` / ``encode_and_receive`` said the
-  receiver gets, within ``error_bound`` of the input;
+  receiver gets, within ``error_bound`` of the input; an index codec's
+  ``max_count`` never says a stream holds fewer indices than it does;
 * **configuration** (:func:`check_config`): ``get_config`` is JSON-safe and
   ``from_config`` and the spec string rebuild an equal codec, and the header's
   spec names it but for its encoder-only options;
@@ -77,6 +78,9 @@ def check_round_trip(codec, error_bound: float | None = None) -> None:
             decoded = codec.decode(data, n, received.size)
             assert decoded.dtype == np.int64 and np.array_equal(decoded, received), \
                 f"{codec!r}: decode differs from what encode_selection promised (n={n})"
+            most = codec.max_count(data, n)
+            assert most is None or most >= received.size, \
+                f"{codec!r}: max_count {most} below the {received.size} indices of a stream"
             if codec.lossless:
                 assert np.array_equal(decoded, indices), f"{codec!r} lost indices (n={n})"
         return

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import deepreduce as dr
-from deepreduce import cli, container
+from deepreduce import cli, container, pipeline
 from deepreduce import bits as _bits
 from deepreduce.codecs.bloom import BloomFilter, BloomIndices
 from deepreduce.codecs.huffman import HuffmanIndices
@@ -48,9 +48,9 @@ def rejected_quickly(fn, match=None):
 
 
 @pytest.mark.parametrize("n", [10**9, 2**40, 2**62])
-def test_bloom_universe_beyond_max_elements(n):
+def test_bloom_universe_beyond_max_scanned(n):
     payload = repack(small_payload(index="bloom:fpr=0.01"), shape=(n,))
-    rejected_quickly(lambda: dr.decompress(payload), "max_elements")
+    rejected_quickly(lambda: dr.decompress(payload), "max_scanned")
 
 
 def all_ones_filter(nbytes=48, k=7):
@@ -82,7 +82,7 @@ def test_bloom_positives_beyond_the_declared_rate_are_never_held():
 def test_value_ordered_index_stream_checked_before_the_values(nnz):
     payload = repack(small_payload(value="polyfit"), shape=(2**63 - 1,), nnz=nnz)
     assert len(payload) < 100
-    rejected_quickly(lambda: dr.decompress(payload, max_elements=None), "index stream")
+    rejected_quickly(lambda: dr.decompress(payload, max_nnz=None), "index stream")
 
 
 def test_polyfit_piece_lengths_cannot_wrap():
@@ -96,11 +96,12 @@ def test_polyfit_piece_lengths_cannot_wrap():
 def test_deflate_values_of_an_impossible_size_are_a_decode_error(tmp_path):
     payload = repack(small_payload(value="deflate"), shape=(2**62,), nnz=2**62)
     assert len(payload) < 100
-    rejected_quickly(lambda: dr.decompress(payload, max_elements=None))
+    rejected_quickly(lambda: dr.decompress(payload, max_nnz=None))
     path = tmp_path / "hostile.drz"
     path.write_bytes(payload)
-    for command in (["decompress", str(path), "--max-elements", "0"],
-                    ["inspect", str(path), "--check", "--max-elements", "0"],
+    for command in (["decompress", str(path), "--max-nnz", "0"],
+                    ["inspect", str(path), "--check", "--max-nnz", "0", "--max-scanned", "0"],
+                    ["decompress", str(path), "--max-elements", "0"],
                     ["decompress", str(path)]):
         assert cli.main(command) == 1   # a message, not a traceback
 
@@ -125,19 +126,35 @@ def test_huffman_counts_checked_before_the_block_table():
     rejected_quickly(lambda: HuffmanIndices(block=8).decode(stream, n, nnz), "cannot hold")
 
 
-def test_max_elements_is_checked_before_anything_else():
+def test_max_nnz_is_checked_before_anything_else():
     payload = small_payload(index="varint")
-    assert dr.decompress(payload, max_elements=1000).nnz == 10
-    with pytest.raises(dr.DecodeError, match="max_elements=999"):
+    assert dr.decompress(payload, max_nnz=10).nnz == 10
+    with pytest.raises(dr.DecodeError, match="max_nnz=9"):
+        dr.decompress(payload, max_nnz=9)
+    # before the CRC, the streams or the codecs: a bad CRC is not what is reported
+    corrupt = bytearray(repack(payload, nnz=2**40, shape=(2**41,)))
+    corrupt[-1] ^= 1
+    rejected_quickly(lambda: dr.decompress(bytes(corrupt)), "max_nnz=268,435,456")
+
+
+def test_max_elements_still_bounds_the_shape_with_a_deprecation_warning(monkeypatch):
+    payload = small_payload(index="varint")
+    with pytest.warns(DeprecationWarning, match="max_nnz"):
+        assert dr.decompress(payload, max_elements=1000).nnz == 10
+    with pytest.warns(DeprecationWarning), pytest.raises(dr.DecodeError, match="max_elements=999"):
         dr.decompress(payload, max_elements=999)
-    assert dr.decompress(repack(payload, shape=(2**29,)), max_elements=None).size == 2**29
-    with pytest.raises(dr.DecodeError, match="max_elements"):
-        dr.decompress(repack(payload, shape=(2**29,)))
+    # given, it replaces the default bounds, as it did; None lifts every bound
+    bounds = []
+    monkeypatch.setattr(pipeline, "decode", lambda payload, *args: bounds.append(args))
+    with pytest.warns(DeprecationWarning):
+        dr.decompress(payload, max_elements=None)
+        dr.decompress(payload, max_scanned=5, max_elements=7)
+    dr.decompress(payload)
+    assert bounds == [(None, None, None), (None, 5, 7), (2**28, 2**28)]
 
 
 def test_to_dense_of_a_shape_beyond_memory_says_so():
-    st = dr.decompress(repack(small_payload(index="varint"), shape=(2**50,)),
-                       max_elements=None)
+    st = dr.decompress(repack(small_payload(index="varint"), shape=(2**50,)))
     with pytest.raises(MemoryError, match="sparse form"):
         st.to_dense()
     assert math.prod(st.shape) == 2**50 and st.nnz == 10
