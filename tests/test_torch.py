@@ -72,6 +72,12 @@ def test_hook_trains_alike_whether_gradients_are_bucket_views_or_not(two_ranks):
         assert found["kept"] > 1 and found["kept_with_views"] == 0
 
 
+def test_device_path_trains_as_the_numpy_path_and_moves_only_pairs(two_ranks):
+    for found in findings(two_ranks, "check_device_path"):
+        assert found["device_plain"] and found["device_views"] and found["device_static"]
+        assert 0 < found["crossed"] <= found["bound"] < found["dense"]
+
+
 def test_resume_from_checkpoint_equals_uninterrupted_run(two_ranks):
     for found in findings(two_ranks, "check_resume"):
         assert found == {"identical": True, "iter": 10, "pickled_group": True,

@@ -175,6 +175,46 @@ def check_gradient_layouts(rank):
             "kept": out[1, False][1], "kept_with_views": out[1, True][1]}
 
 
+def check_device_path(rank):
+    """The dense work on the bucket's device (forced on CPU) trains bit for bit as the
+    numpy path, with DDP's gradient layouts, no_sync() accumulation and static_graph;
+    a step moves about (1 + P) x k pairs across the host link, never a bucket."""
+    data = batches(rank, 6, seed=7)
+    settings = dict(sparsifier=dr.TopK(0.05), value="fp16", start_iter=1,
+                    min_compression_rate=0)
+
+    def run(device_path, **ddp_options):
+        ddp = DDP(model(), bucket_cap_mb=0.1, **ddp_options)
+        state = drt.DeepReduceState(device_path=device_path, **settings)
+        ddp.register_comm_hook(state, drt.deepreduce_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for step, (x, y) in enumerate(data):
+            opt.zero_grad()
+            if step == 3:  # gradient accumulation: this batch's gradient waits a step
+                with ddp.no_sync():
+                    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            if device_path and step == len(data) - 1:
+                state.exchange.selector.link.reset()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        return params(ddp), state
+
+    reference, _ = run(False)
+    out = {"device_" + name: same(run(True, **options)[0], reference)
+           for name, options in (("plain", {}), ("views", {"gradient_as_bucket_view": True}),
+                                 ("static", {"static_graph": True}))}
+    _, state = run(True)
+    link, ranks, pair = state.exchange.selector.link, 2, 8 + 4
+    bound = 0
+    for p in model().parameters():
+        n = p.numel()
+        bound += (1 + ranks) * -(-n // 20) * pair if n >= 1024 else n * 4 + ranks * n * pair
+    out["crossed"] = link.to_host_bytes + link.to_device_bytes
+    out["bound"] = bound
+    out["dense"] = sum(p.numel() * 4 for p in model().parameters())
+    return out
+
+
 def check_allreduce(rank):
     """drt.allreduce: dense and sparse COO inputs, every communicator, lossless."""
     out = {}
@@ -226,7 +266,7 @@ def check_misconfigured(rank):
 
 
 CHECKS = [check_transport, check_lossless, check_error_feedback, check_gradient_layouts,
-          check_resume, check_allreduce, check_misconfigured]
+          check_device_path, check_resume, check_allreduce, check_misconfigured]
 
 
 def main(rank, out_dir, port):
