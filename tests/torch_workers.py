@@ -215,6 +215,33 @@ def check_device_path(rank):
     return out
 
 
+def check_device_training(rank):
+    """On the device the tests ask for (DEEPREDUCE_TEST_DEVICE, a GPU for
+    tests/test_torch_cuda.py): the device path trains, the ranks agree, and only pairs
+    cross to the host."""
+    device = torch.device(os.environ.get("DEEPREDUCE_TEST_DEVICE", "cpu"),
+                          torch.cuda.current_device() if torch.cuda.is_available() else None)
+    net = model().to(device)
+    ddp = DDP(net, device_ids=[device] if device.type == "cuda" else None)
+    state = drt.DeepReduceState(sparsifier=dr.TopK(0.05), value="fp16", start_iter=1,
+                                min_compression_rate=0, device_path=True)
+    ddp.register_comm_hook(state, drt.deepreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in batches(rank, 1) * 8:   # one batch again and again: its loss must fall
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ddp(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    link = state.exchange.selector.link
+    return {"weights": [p.detach().cpu().double().sum().item() for p in net.parameters()],
+            "first_loss": losses[0], "last_loss": losses[-1],
+            # per compressed step (the first is a plain allreduce)
+            "crossed": (link.to_host_bytes + link.to_device_bytes) / 7,
+            "dense": sum(p.numel() * 4 for p in net.parameters())}
+
+
 def check_allreduce(rank):
     """drt.allreduce: dense and sparse COO inputs, every communicator, lossless."""
     out = {}
@@ -269,16 +296,20 @@ CHECKS = [check_transport, check_lossless, check_error_feedback, check_gradient_
           check_device_path, check_resume, check_allreduce, check_misconfigured]
 
 
-def main(rank, out_dir, port):
+def main(rank, out_dir, port, only=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     backend = os.environ.get("DEEPREDUCE_TEST_BACKEND", "gloo")
-    if backend == "nccl":  # frames travel between GPUs; the training checks are gloo's
-        torch.cuda.set_device(rank)
+    if backend == "nccl" or os.environ.get("DEEPREDUCE_TEST_DEVICE") == "cuda":
+        # frames travel between GPUs; ranks share one when there is only one
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     EARLY_STATES["error_feedback"] = error_feedback_state()
     dist.init_process_group(backend, rank=rank, world_size=2)
     findings = {}
-    for check in CHECKS if backend == "gloo" else [check_transport]:
+    checks = CHECKS if backend == "gloo" else [check_transport]
+    if only:
+        checks = [globals()[only]]
+    for check in checks:
         try:
             findings[check.__name__] = check(rank)
         except Exception:  # noqa: BLE001 - reported to the pytest side
@@ -296,5 +327,5 @@ def main(rank, out_dir, port):
 
 
 if __name__ == "__main__":
-    mp.start_processes(main, args=(sys.argv[1], int(sys.argv[2])), nprocs=2,
+    mp.start_processes(main, args=(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4]), nprocs=2,
                        start_method="spawn")
