@@ -348,10 +348,13 @@ static PyObject *build(PyObject *module, PyObject *args)
     }
     const int64_t *index = indices.buf;
     Py_ssize_t count = indices.len / 8, bad = -1;
-    /* Checked before any bit is set, so a refused call leaves words as it was. */
+    /* Checked before any bit is set, so a refused call leaves words as it was. (The
+     * views hold the arrays' memory while other threads run.) */
+    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count && bad < 0; i++)
         if (index[i] < 0 || (unsigned long long)index[i] >= key_limit(key_bytes))
             bad = i;
+    Py_END_ALLOW_THREADS
     if (bad >= 0)
         PyErr_Format(PyExc_ValueError, "indices[%zd] = %lld does not fit %lld-byte keys",
                      bad, (long long)index[bad], key_bytes);

@@ -1012,8 +1012,12 @@ static PyObject *huffman_estimate(PyObject *module, PyObject *args)
     if (get_array(object, &view, "indices", INT64, 0) < 0)
         return NULL;
     uint64_t bits = 0, gaps = 0;
-    int bad = view.len < 8 ? 1 : estimate_gap_bits(view.buf, view.len / 8, step, precision,
-                                                    block, &bits, &gaps);
+    int bad = 1;
+    /* the view holds the array's memory while other threads run */
+    Py_BEGIN_ALLOW_THREADS
+    if (view.len >= 8)
+        bad = estimate_gap_bits(view.buf, view.len / 8, step, precision, block, &bits, &gaps);
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     if (bad)
         return PyErr_Format(PyExc_ValueError, "huffman_estimate needs 1 or more strictly "

@@ -604,6 +604,9 @@ static PyObject *sampled_low(PyObject *module, PyObject *args)
     }
     Py_ssize_t stride = n / count;
     uint64_t state = seed;
+    double low;
+    /* the views hold the arrays' memory while other threads run */
+    Py_BEGIN_ALLOW_THREADS
     /* positions first, each line asked for at once: the reads below then wait for
      * many cache misses together, not one after the other */
     Py_ssize_t *position = (Py_ssize_t *)(sample + count);
@@ -632,7 +635,9 @@ static PyObject *sampled_low(PyObject *module, PyObject *args)
     double expected = (double)count * (double)k / (double)n;
     double margin = expected + 4.0 * sqrt(expected) + 2.0;
     Py_ssize_t j = margin >= (double)count ? count : (Py_ssize_t)margin;
-    result = PyFloat_FromDouble(select_rank(sample, count, count - j));
+    low = select_rank(sample, count, count - j);
+    Py_END_ALLOW_THREADS
+    result = PyFloat_FromDouble(low);
 done:
     PyMem_Free(sample);
     if (adding && addend.obj != NULL)

@@ -26,6 +26,7 @@ from deepreduce.bundle import check_holds, pack_bundle, split_bundles, split_sha
 from deepreduce.collectives.base import (returns_only_what_ranks_lack, scale_at,
                                          sum_sorted_into, sum_sparse)
 from deepreduce.errors import DecodeError
+from deepreduce.parallel import codec_threads, run_in_order
 from deepreduce.pipeline import decode
 from deepreduce.sparse import SparseTensor, zeros
 from deepreduce.stats import StepStats
@@ -43,6 +44,9 @@ class AllgatherExchange:
     ----------
     selector : Selector
         The exchange's per-tensor step (pipelines, error feedback).
+    codec_threads : int or None, default None
+        Threads that code the payloads of a bundle and decode the ranks'
+        (see :class:`~deepreduce.config.ExchangeConfig`).
 
     Notes
     -----
@@ -51,8 +55,12 @@ class AllgatherExchange:
     two share nothing but the sums kept for reuse, which only decoding touches.
     """
 
-    def __init__(self, selector):
+    #: (what an exchange pickled before the setting existed reads: automatic)
+    codec_threads = None
+
+    def __init__(self, selector, codec_threads: int | None = None):
         self.selector = selector
+        self.codec_threads = codec_threads
         pipeline = selector.pipeline
         # coding the selections of several tensors as one (indices offset, values
         # concatenated) delivers to each exactly what coding it alone would, so they
@@ -93,38 +101,60 @@ class AllgatherExchange:
         self._codec_seconds = 0.0
         shared = self._shared_payloads(tensors)
         sharing = {t: group for group in shared for t, _ in group[1]}
-        payloads, slots, receiveds, decoded = [], [], [None] * len(tensors), []
+        slots, receiveds, sparse = [], [None] * len(tensors), []
         # Every dense tensor's error feedback and selection first, then the codecs
         # back to back, then the residuals: a codec call right after a pass over a
         # whole gradient and its residual finds its code and tables evicted, and
-        # in a training step took 2-3x its warm time. (Sparse ones one at a time:
-        # their error feedback makes a dense sum each.)
-        selections = {t: self.selector.select(name, x) for t, (name, x)
-                      in enumerate(zip(names, tensors))
-                      if t not in sharing and not isinstance(x, SparseTensor)}
-        settles = []
+        # in a training step took 2-3x its warm time. Per payload: its coding
+        # (pipeline, selection, dense source), and whose it is (tensor positions,
+        # their shapes when they share it, the selections to settle).
+        codings, owners = [], []
         for t, (name, x) in enumerate(zip(names, tensors)):
             group = sharing.get(t)
-            if group is None:
-                slots.append(len(payloads))
-                if t in selections:
-                    selection = selections[t]
-                    payload, receiveds[t] = self._encode_timed(
-                        selection.pipeline, selection.selected, selection.dense)
-                    settles.append((selection, receiveds[t], None))
-                else:
-                    payload, receiveds[t] = self.encode_tensor(name, x)
-                payloads.append(payload)
-                decoded.append(receiveds[t])
-            elif t == group[1][0][0]:  # the group travels where its first tensor is
-                slots.append(len(payloads))
-                payload, whole, parts = self._encode_shared(*group, names, settles)
-                payloads.append(payload)
-                decoded.append(whole)
-                for (member, _), part in zip(group[1], parts):
-                    receiveds[member] = part
+            if group is not None and t != group[1][0][0]:
+                slots.append(slots[group[1][0][0]])  # it travels with the group's first
+                continue
+            slots.append(len(codings))
+            if group is not None:
+                coding, owner = self._select_shared(*group, names)
+            elif isinstance(x, SparseTensor):  # coded after the others, see below
+                sparse.append((len(codings), t))
+                coding, owner = None, ([t], None, None)
             else:
-                slots.append(slots[group[1][0][0]])
+                selection = self.selector.select(name, x)
+                coding = (selection.pipeline, selection.selected, selection.dense)
+                owner = ([t], None, [selection])
+            codings.append(coding)
+            owners.append(owner)
+        # Each payload's coding on its own: every tensor has its own pipeline (random
+        # streams included), so on several threads they make the same bytes.
+        pending = [i for i, coding in enumerate(codings) if coding is not None]
+        coding_start = time.perf_counter()
+        coded = run_in_order(_encode, [codings[i] for i in pending],
+                             self._threads(codings[i] for i in pending),
+                             cost=lambda coding: coding[1].nnz)
+        self._codec_seconds += time.perf_counter() - coding_start
+        for i, result in zip(pending, coded):
+            codings[i] = result
+        # Sparse ones one at a time, their residuals settled at once: their error
+        # feedback makes a dense sum each. (After the others: if a dense tensor's
+        # coding raised, none of them was settled.)
+        for i, t in sparse:
+            codings[i] = self.encode_tensor(names[t], tensors[t])
+        payloads, decoded, settles = [], [], []
+        for (payload, received), (members, shapes, selections) in zip(codings, owners):
+            payloads.append(payload)
+            decoded.append(received)
+            parts = [received] if shapes is None else split_shared(received, shapes)
+            for t, part in zip(members, parts):
+                receiveds[t] = part
+            if shapes is None and selections:
+                settles.append((selections[0], received, None))
+            elif selections:
+                for selection, part in zip(selections, parts):
+                    # (the index code is exact: the part's indices are the selection's)
+                    settles.append((selection, part, SparseTensor._trusted(
+                        selection.selected.values, part.indices, part.shape)))
         # (if a coding raised, nothing was sent: every dense tensor's residual still
         # holds its whole corrected gradient)
         for selection, received, selected in settles:
@@ -162,18 +192,17 @@ class AllgatherExchange:
         return [(selects, members) for (selects, _), members in groups.items()
                 if len(members) > 1]
 
-    def _encode_shared(self, selects: bool, members, names,
-                       settles: list) -> tuple[bytes, SparseTensor, list]:
-        """``(payload, whole, tensors)``: the payload of ``members`` (see
-        :meth:`_shared_payloads`), what the receivers decode of it and of each member.
-        Appends to ``settles`` what finishes their error feedback."""
+    def _select_shared(self, selects: bool, members, names) -> tuple[tuple, tuple]:
+        """``(coding, owner)`` of the payload ``members`` share (see
+        :meth:`_shared_payloads`): its ``(pipeline, selection, dense)``, and ``(positions,
+        shapes, selections)`` of its tensors (``selections`` None when it is lossless)."""
         shapes = [tuple(array.shape) for _, array in members]
+        positions = [t for t, _ in members]
         if not selects:
             flat = np.concatenate([array.reshape(-1) for _, array in members])
             selection = self.selector.select(None, flat, lossless=True)
-            payload, whole = self._encode_timed(selection.pipeline, selection.selected,
-                                                selection.dense)
-            return payload, whole, split_shared(whole, shapes)
+            return ((selection.pipeline, selection.selected, selection.dense),
+                    (positions, shapes, None))
         # each tensor's own error feedback and selection, then one coding of them all
         selections, values, indices, offset = [], [], [], 0
         for t, array in members:
@@ -183,13 +212,23 @@ class AllgatherExchange:
             indices.append(selection.selected.indices + offset)
             offset += self.selector.size(array)
         whole = SparseTensor._trusted(np.concatenate(values), np.concatenate(indices), (offset,))
-        payload, received = self._encode_timed(self.selector.pipeline, whole, None)
-        parts = split_shared(received, shapes)
-        for selection, part in zip(selections, parts):
-            # (the index code is exact: the part's indices are the selection's)
-            settles.append((selection, part, SparseTensor._trusted(
-                selection.selected.values, part.indices, part.shape)))
-        return payload, received, parts
+        return (self.selector.pipeline, whole, None), (positions, shapes, selections)
+
+    def _threads(self, codings) -> int:
+        """The threads for ``codings`` (``(pipeline, ...)``): :attr:`codec_threads`, or one
+        when two of them would draw from the same random stream (a codec with a
+        ``step`` or an ``_rng`` in two pipelines), whose draws depend on the order."""
+        threads = codec_threads(self.codec_threads)
+        if threads == 1:
+            return 1
+        seen = set()
+        for pipeline, *_ in codings:
+            for codec in {id(c): c for c in (pipeline.index_codec, pipeline.value_codec)
+                          if hasattr(c, "step") or hasattr(c, "_rng")}.values():
+                if id(codec) in seen:
+                    return 1
+                seen.add(id(codec))
+        return threads
 
     def decode(self, groups, ranks, rank, average, as_rows, out, sent, out_keys=None):
         """``(results, stats)``: the tensors of the allgathered ``groups`` of bundles, summed.
@@ -221,12 +260,20 @@ class AllgatherExchange:
         if len(as_rows) != count:
             raise ValueError(f"as_rows has {len(as_rows)} entries for {count} tensors")
         codec_start = time.perf_counter()
+        # a rank's own payloads are what it encoded, unless its bundle came back
+        # changed (bytes(view) == bytes is one memcmp); every other payload is decoded,
+        # all of them side by side
+        reused = [own is not None and bytes(per_rank[rank].data) == own[0]
+                  for per_rank, own in zip(read, sent)]
+        payloads = [p for per_rank, own_reused in zip(read, reused)
+                    for r, bundle in enumerate(per_rank) if r != rank or not own_reused
+                    for p in bundle.payloads]
+        decodes = iter(run_in_order(decode, payloads, codec_threads(self.codec_threads),
+                                    cost=len))
         units, first = [], 0
-        for per_rank, own in zip(read, sent):
-            # a rank's own payloads are what it encoded, unless its bundle came back
-            # changed (bytes(view) == bytes is one memcmp)
-            decoded = [own[1] if r == rank and own is not None and bytes(bundle.data) == own[0]
-                       else [decode(p) for p in bundle.payloads]
+        for per_rank, own, own_reused in zip(read, sent, reused):
+            decoded = [own[1] if r == rank and own_reused
+                       else [next(decodes) for _ in bundle.payloads]
                        for r, bundle in enumerate(per_rank)]
             units += _units(per_rank, decoded, rank, first, as_rows)
             first += len(per_rank[rank].slots)
@@ -317,6 +364,11 @@ class AllgatherExchange:
 def _check_holds_elements(target, size: int, selector) -> None:
     if selector.size(target) != size:
         raise ValueError(f"out has {selector.size(target)} elements for a tensor of {size}")
+
+
+def _encode(coding) -> tuple[bytes, SparseTensor]:
+    pipeline, selected, dense = coding
+    return pipeline.encode_sparse(selected, dense)
 
 
 def _writable_flat(array: np.ndarray, size: int, dtype: np.dtype) -> np.ndarray:

@@ -50,7 +50,8 @@ class GradientExchange:
         The fields of :class:`~deepreduce.config.ExchangeConfig`, in its order or by
         name: ``sparsifier`` (default Top-1%), ``index`` ("auto"), ``value``
         ("fp16"), ``error_feedback`` (True), ``min_size`` (1024), ``seed`` (0),
-        ``communicator`` ("allgather") and ``communicator_options``.
+        ``communicator`` ("allgather"), ``communicator_options`` and
+        ``codec_threads`` (None: automatic).
     config : ExchangeConfig, optional
         All of them at once, instead.
     selector : callable, default :class:`~deepreduce.selection.Selector`
@@ -85,7 +86,7 @@ class GradientExchange:
                  **settings):
         self.config = config = ExchangeConfig.from_settings(config, *args, **settings)
         self.selector = selector(config)
-        self._allgather = AllgatherExchange(self.selector)
+        self._allgather = AllgatherExchange(self.selector, config.codec_threads)
         self._reducing = None if config.communicator == "allgather" else \
             ReducingExchange(config, self.selector)
         self.stats = CompressionStats()

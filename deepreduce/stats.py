@@ -53,7 +53,9 @@ class StepStats:
         value codecs: coding the selected entries into payloads and decoding
         every rank's payloads. The rest (error feedback, the sparsifier,
         summing into dense tensors) is what any Top-k scheme pays, raw pairs
-        included. Allgather communicator only: the reducing communicators
+        included. The wall time of the codings, which overlap on several
+        ``codec_threads``: what they add to the step, not the threads' CPU
+        time. Allgather communicator only: the reducing communicators
         code inside their collectives, and leave it 0.
 
     Examples
