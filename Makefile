@@ -6,6 +6,9 @@
 #   make test    set up (if needed), run the test suite
 #   make docs    set up (if needed), serve the documentation site at http://127.0.0.1:8000
 #   make test-core  the core's tests on a newer Python with numpy 2, no frameworks
+#   make test-wheel the sdist and the wheel (python -m build in dist/), installed into clean
+#                venvs: the core tests with the compiled extensions, then without them, and
+#                the sdist with the torch extra
 #   make venv    only set up: .venv in this checkout with TensorFlow, Horovod, torch and deepreduce
 #
 # Needs python3 (3.9 to 3.11: TensorFlow 2.15 has no wheels for newer ones) with its
@@ -44,7 +47,7 @@ CORE_PYTHON ?= PYENV_VERSION=3.12.1 python3.12
 CORE_VENV := .venv-core
 CORE_STAMP := $(CORE_VENV)/.deepreduce-installed
 
-.PHONY: venv test test-core demo bench docs clean help
+.PHONY: venv test test-core test-wheel demo bench docs clean help
 
 help:
 	@echo "make demo    set up (if needed), train on two Horovod ranks: dense versus deepreduce"
@@ -53,6 +56,7 @@ help:
 	@echo "make test    set up (if needed), run the test suite"
 	@echo "make docs    set up (if needed), serve the documentation at http://127.0.0.1:8000"
 	@echo "make test-core  the core's tests on Python 3.12+ with numpy 2, without the frameworks"
+	@echo "make test-wheel build the sdist and the wheel into dist/ and test them installed"
 	@echo "make venv    only set up .venv (TensorFlow, Horovod, torch, deepreduce with its extras)"
 	@echo "make clean   remove .venv, the gradient cache and build leftovers"
 
@@ -116,6 +120,82 @@ test-core: $(CORE_STAMP)
 	@$(CORE_VENV)/bin/python -c 'import sys, numpy; print("core tests on Python", \
 		sys.version.split()[0], "and numpy", numpy.__version__)'
 	$(CORE_VENV)/bin/python -m pytest -q -p no:cacheprovider
+
+# The package as users get it, in new venvs under build/pkg/ that share only pip's cache;
+# each leg prints its wall time.
+#   dist      `python -m build` (in its own venv) makes dist/deepreduce-V.tar.gz and the wheel
+#             from a copy of the checkout's tracked and unignored files, so nothing built in
+#             place (.so, egg-info) rides along; MANIFEST.in says what the sdist holds
+#   compiled  the wheel with [dev] in a new venv; the core tests (the frameworks' skip) run
+#             from the sdist's tests/ copied outside the checkout, where `import deepreduce`
+#             can only be the installed package (checked first); test_setup checks that every
+#             extension is compiled and what the sdist and the wheel hold
+#   numpy     the same with a wheel built from the sdist with DEEPREDUCE_NO_EXTENSIONS=1 (no C
+#             extension in it); test_setup checks that every numpy fallback serves
+#   torch     pip install "dist/deepreduce-V.tar.gz[torch]" (torch held to $(TORCH) by a
+#             constraint) in a new venv; deepreduce.torch allreduces on one gloo rank
+PKG := build/pkg
+VERSION := $(shell sed -n 's/^version *= *//p' setup.cfg)
+SDIST := dist/deepreduce-$(VERSION).tar.gz
+WHEEL = $(wildcard dist/deepreduce-$(VERSION)-*.whl)
+
+test-wheel:
+	@times=; for leg in dist compiled numpy torch; do start=$$(date +%s); \
+		$(MAKE) --no-print-directory test-wheel-$$leg || exit 1; \
+		times="$$times $$leg $$(( $$(date +%s) - start )) s;"; \
+		echo "test-wheel: $$leg leg took $$(( $$(date +%s) - start )) s"; done; \
+		echo "test-wheel: every leg passed:$$times"
+
+test-wheel-dist:
+	rm -rf $(PKG)/src $(SDIST) dist/deepreduce-$(VERSION)-*.whl
+	mkdir -p $(PKG)/src dist
+	test -x $(PKG)/build-venv/bin/python || $(PYTHON) -m venv $(PKG)/build-venv
+	$(PKG)/build-venv/bin/python -m pip install -q build
+	git ls-files -z --cached --others --exclude-standard \
+		| tar --null -T - --ignore-failed-read -cf - | tar -xf - -C $(PKG)/src
+	cd $(PKG)/src && ../build-venv/bin/python -m build --outdir $(CURDIR)/dist . >../build.log 2>&1 \
+		|| { tail -n 40 ../build.log; exit 1; }
+	ls -l dist/deepreduce-$(VERSION)[.-]*
+
+# $(1): the venv; then the sdist's tests run in a temporary folder with the venv first on PATH
+define WHEEL_TESTS
+tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	tar -xzf $(CURDIR)/$(SDIST) -C "$$tmp" --strip-components=1 deepreduce-$(VERSION)/tests && \
+	cd "$$tmp" && PATH="$(CURDIR)/$(1)/bin:$$PATH" && \
+	python -c 'import deepreduce, pathlib, sys, sysconfig; \
+		where = pathlib.Path(deepreduce.__file__).resolve().parent; print("deepreduce from", where); \
+		sys.exit(not where.is_relative_to(pathlib.Path(sysconfig.get_paths()["platlib"]).resolve()))' && \
+	python -m pytest -q -ra -p no:cacheprovider tests
+endef
+
+test-wheel-compiled:
+	rm -rf $(PKG)/venv-compiled && $(PYTHON) -m venv $(PKG)/venv-compiled
+	$(PKG)/venv-compiled/bin/python -m pip install -q "$(WHEEL)[dev]"
+	export DEEPREDUCE_SDIST=$(CURDIR)/$(SDIST) DEEPREDUCE_WHEEL=$(CURDIR)/$(WHEEL) && \
+		$(call WHEEL_TESTS,$(PKG)/venv-compiled)
+
+test-wheel-numpy:
+	rm -rf $(PKG)/sdist-src $(PKG)/dist-numpy && mkdir -p $(PKG)/sdist-src
+	tar -xzf $(SDIST) -C $(PKG)/sdist-src --strip-components=1
+	cd $(PKG)/sdist-src && DEEPREDUCE_NO_EXTENSIONS=1 ../build-venv/bin/python -m build --wheel \
+		--outdir ../dist-numpy . >../build-numpy.log 2>&1 || { tail -n 40 ../build-numpy.log; exit 1; }
+	rm -rf $(PKG)/venv-numpy && $(PYTHON) -m venv $(PKG)/venv-numpy
+	$(PKG)/venv-numpy/bin/python -m pip install -q "$$(ls $(PKG)/dist-numpy/*.whl)[dev]"
+	export DEEPREDUCE_EXPECT_IMPLEMENTATION=numpy DEEPREDUCE_SDIST=$(CURDIR)/$(SDIST) \
+		DEEPREDUCE_WHEEL=$$(ls $(CURDIR)/$(PKG)/dist-numpy/*.whl) && $(call WHEEL_TESTS,$(PKG)/venv-numpy)
+
+test-wheel-torch:
+	rm -rf $(PKG)/venv-torch && $(PYTHON) -m venv $(PKG)/venv-torch
+	echo "$(TORCH)" >$(PKG)/torch-constraint.txt
+	$(PKG)/venv-torch/bin/python -m pip install -q -c $(PKG)/torch-constraint.txt "$(SDIST)[torch]"
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && cd "$$tmp" && \
+		$(CURDIR)/$(PKG)/venv-torch/bin/python -c 'import torch, torch.distributed as dist; \
+		import deepreduce.torch as drt; from deepreduce.collectives import base; \
+		dist.init_process_group("gloo", init_method="file://" + "'"$$tmp"'/store", rank=0, world_size=1); \
+		g = torch.arange(10_000.0); state = drt.DeepReduceState(sparsifier="topk:0.01", value="raw"); \
+		assert torch.equal(drt.allreduce(g, state, name="g"), torch.where(g >= 9_900, g, 0)); \
+		print("torch", torch.__version__, "| deepreduce.torch from", drt.__file__, \
+		      "| sums:", base.SUM_IMPLEMENTATION); dist.destroy_process_group()'
 
 # The main job: two Horovod ranks train the same model with dense allreduce and
 # with deepreduce, and print bytes per step, step time and accuracy side by side.

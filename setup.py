@@ -4,8 +4,13 @@ The extensions are optional: where they cannot be compiled (no C compiler) the
 install goes on and deepreduce falls back to numpy, which gives the same results
 more slowly. Each C source lies beside the module that imports it (codecs/ is the
 package deepreduce.codecs, see setup.cfg); EXTENSIONS below says which serves what.
+
+DEEPREDUCE_NO_EXTENSIONS=1 in the environment builds none of them: a pure-Python wheel
+(py3-none-any) whose numpy fallbacks serve, as on a machine without a C compiler. `make
+test-wheel` builds one that way and runs the core tests on it.
 """
 
+import os
 import sys
 
 from setuptools import Extension, setup
@@ -45,7 +50,10 @@ EXTENSIONS = [
      "(deepreduce.collectives.base.sum_sorted_into)"),
 ]
 
-setup(ext_modules=[
+#: The switch that leaves every extension out (any value but "" and "0").
+NO_EXTENSIONS = os.environ.get("DEEPREDUCE_NO_EXTENSIONS", "") not in ("", "0")
+
+setup(ext_modules=[] if NO_EXTENSIONS else [
     Extension(name, [source], include_dirs=["deepreduce"], depends=[SHARED],
               extra_compile_args=OPTIMISE + flags, optional=True)
     for name, source, flags, _ in EXTENSIONS])

@@ -2,6 +2,13 @@
 
 They run in subprocesses so that TensorFlow, Horovod's launcher and TensorFlow's
 op-determinism switch stay out of the test process.
+
+They run in a checkout (deepreduce installed in editable mode) and on an installed wheel
+with the tests alone copied outside any checkout (make test-wheel), where the tests of the
+checkout's own files (setup.py, the benchmarks) skip. There two variables say what was
+built: DEEPREDUCE_EXPECT_IMPLEMENTATION=numpy for a wheel built with
+DEEPREDUCE_NO_EXTENSIONS=1 (every numpy fallback must serve), and DEEPREDUCE_SDIST and
+DEEPREDUCE_WHEEL, the files whose contents are checked.
 """
 
 import importlib.util
@@ -11,7 +18,9 @@ import pathlib
 import runpy
 import subprocess
 import sys
+import tarfile
 import textwrap
+import zipfile
 from unittest import mock
 
 import numpy as np
@@ -19,6 +28,12 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 QUIET_TF = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+#: "compiled" where a C compiler built the extensions (a checkout here, make test-wheel's
+#: first wheel), "numpy" for a wheel built with DEEPREDUCE_NO_EXTENSIONS=1.
+EXPECTED = os.environ.get("DEEPREDUCE_EXPECT_IMPLEMENTATION", "compiled")
+#: the tests of the checkout's own files (setup.py, benchmarks/) skip without them
+needs_checkout = pytest.mark.skipif(not (REPO / "setup.py").exists(),
+                                    reason="the tests run without a checkout (an installed wheel)")
 
 
 def run_python(*args, cwd=REPO, timeout=300):
@@ -33,11 +48,14 @@ def test_core_import_needs_no_framework():
 
 
 def test_codecs_subpackage_maps_to_codecs_folder_and_stdlib_codecs_stays():
-    code = ("import codecs, deepreduce.codecs; "
+    code = ("import codecs, deepreduce, deepreduce.codecs; print(deepreduce.__file__); "
             "print(deepreduce.codecs.__file__); print(hasattr(codecs, 'lookup'))")
-    package_file, stdlib_codecs = run_python("-c", code).stdout.split()
-    assert pathlib.Path(package_file).resolve() == REPO / "codecs" / "__init__.py"
-    assert stdlib_codecs == "True"
+    core_file, package_file, stdlib_codecs = map(pathlib.Path, run_python("-c", code).stdout.split())
+    core = core_file.resolve().parent
+    # the checkout's codecs/ in editable mode; deepreduce/codecs/ where a wheel installed it
+    expected = REPO / "codecs" if core == REPO / "deepreduce" else core / "codecs"
+    assert package_file.resolve() == expected / "__init__.py"
+    assert str(stdlib_codecs) == "True"
 
 
 #: (a module using the extension, its switch between compiled and numpy or None, the
@@ -53,29 +71,57 @@ COMPILED = [
 ]
 
 
-def folder_of(extension: str) -> pathlib.Path:
+def folder_of(extension: str, root: pathlib.Path = REPO) -> pathlib.Path:
     """Where the source of ``extension`` lies and its build lands (setup.cfg's package_dir)."""
     package = extension.rsplit(".", 1)[0]
-    return REPO / ("codecs" if package == "deepreduce.codecs" else package.replace(".", "/"))
+    return root / ("codecs" if package == "deepreduce.codecs" else package.replace(".", "/"))
 
 
 @pytest.mark.parametrize("module, implementation, extension", COMPILED)
 def test_install_compiled_the_c_extensions(module, implementation, extension):
     # The extensions are optional so that installs without a compiler work; this
-    # machine has one, so a numpy fallback here means a broken build.
+    # machine has one, so a numpy fallback here means a broken build. A wheel built with
+    # DEEPREDUCE_NO_EXTENSIONS=1 holds none of them, and every user runs its numpy path.
     attribute = extension.rsplit(".", 1)[1]
+    package = extension.rsplit(".", 1)[0]
     active = f"module.{implementation}" if implementation else \
         f"'numpy' if module.{attribute} is None else 'compiled'"
-    code = f"import {module} as module; print({active}); print(module.{attribute}.__file__)"
-    active, module_file = run_python("-c", code).stdout.split()
-    assert active == "compiled"
-    assert pathlib.Path(module_file).resolve().parent == folder_of(extension)
+    code = (f"import importlib.util, {module} as module, {package} as package; print({active}); "
+            f"print(importlib.util.find_spec('{extension}') is not None); "
+            f"print(package.__file__); print(getattr(module.{attribute}, '__file__', None))")
+    active, installed, package_file, module_file = run_python("-c", code).stdout.split()
+    assert active == EXPECTED
+    if EXPECTED == "numpy":
+        assert installed == "False", f"{extension} is installed, yet the build had no extensions"
+        return
+    # beside its package's modules: in the checkout's folders in editable mode
+    assert pathlib.Path(module_file).resolve().parent == pathlib.Path(package_file).resolve().parent
+    if (REPO / "setup.py").exists():
+        assert pathlib.Path(module_file).resolve().parent == folder_of(extension)
 
 
-def test_setup_builds_each_extension_from_the_source_beside_its_user():
-    with mock.patch("setuptools.setup") as setup:  # the table, without a build
+def setup_call(monkeypatch, switch=None) -> dict:
+    """The keywords setup.py hands setuptools.setup, without a build."""
+    if switch is None:
+        monkeypatch.delenv("DEEPREDUCE_NO_EXTENSIONS", raising=False)
+    else:
+        monkeypatch.setenv("DEEPREDUCE_NO_EXTENSIONS", switch)
+    with mock.patch("setuptools.setup") as setup:
         runpy.run_path(str(REPO / "setup.py"))
-    extensions = {e.name: e for e in setup.call_args.kwargs["ext_modules"]}
+    return setup.call_args.kwargs
+
+
+@needs_checkout
+def test_no_extensions_switch_builds_none(monkeypatch):
+    assert setup_call(monkeypatch, "1")["ext_modules"] == []
+    assert len(setup_call(monkeypatch, "0")["ext_modules"]) == len(COMPILED)
+    assert len(setup_call(monkeypatch, "")["ext_modules"]) == len(COMPILED)
+
+
+@needs_checkout
+def test_setup_builds_each_extension_from_the_source_beside_its_user(monkeypatch):
+    setup_call_kwargs = setup_call(monkeypatch)
+    extensions = {e.name: e for e in setup_call_kwargs["ext_modules"]}
     assert set(extensions) == {extension for _, _, extension in COMPILED}
     for name, extension in extensions.items():
         source = folder_of(name) / (name.rsplit(".", 1)[1] + ".c")
@@ -89,6 +135,52 @@ def test_setup_builds_each_extension_from_the_source_beside_its_user():
              for path in (REPO / folder).rglob("*.so")
              if (path.parent, path.name.split(".")[0]) not in built]
     assert stale == []
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPREDUCE_SDIST") or not os.environ.get("DEEPREDUCE_WHEEL"),
+                    reason="DEEPREDUCE_SDIST and DEEPREDUCE_WHEEL name no build (make test-wheel does)")
+def test_sdist_and_wheel_hold_the_package(tmp_path, monkeypatch):
+    sdist, wheel = pathlib.Path(os.environ["DEEPREDUCE_SDIST"]), pathlib.Path(os.environ["DEEPREDUCE_WHEEL"])
+    with tarfile.open(sdist) as archive:  # deepreduce-VERSION/...: paths below that folder
+        members = [m for m in archive.getmembers() if m.isfile()]
+        top = members[0].name.split("/")[0]
+        (tmp_path / "setup.py").write_bytes(archive.extractfile(f"{top}/setup.py").read())
+    in_sdist = {m.name.split("/", 1)[1] for m in members}
+    with zipfile.ZipFile(wheel) as archive:
+        in_wheel = set(archive.namelist())
+
+    # the sdist builds the package: setup.py's table of sources (read as the build does)
+    # and the header they share, every module, the whole test suite with its fixtures
+    monkeypatch.delenv("DEEPREDUCE_NO_EXTENSIONS", raising=False)
+    with mock.patch("setuptools.setup") as setup:
+        runpy.run_path(str(tmp_path / "setup.py"))
+    extensions = setup.call_args.kwargs["ext_modules"]
+    sources = {source for extension in extensions for source in extension.sources}
+    assert len(sources) == len(COMPILED)
+    needed = {"setup.py", "setup.cfg", "pyproject.toml", "README.md", "deepreduce/_buffer.h",
+              "tests/extensions.py", "tests/test_setup.py"} | sources
+    assert needed - in_sdist == set()
+    fixtures = {pathlib.PurePath(name).suffix for name in in_sdist if name.startswith("tests/fixtures/")}
+    assert fixtures >= {".drz", ".npz"}  # golden payloads and their inputs
+    stray = [name for name in in_sdist
+             if name.endswith((".so", ".pyc", ".pyd")) or "__pycache__" in name
+             or name.split("/")[0] in ("benchmarks", "notebooks", "docs", "examples", "build", "dist")]
+    assert stray == []
+
+    # the wheel: every module at its installed path (codecs/ becomes deepreduce/codecs/),
+    # the extensions compiled (none where the build had DEEPREDUCE_NO_EXTENSIONS=1), and
+    # nothing else: no C source, no test
+    modules = {("deepreduce/" + name if name.startswith("codecs/") else name)
+               for name in in_sdist if name.endswith(".py") and name.startswith(("deepreduce/", "codecs/"))}
+    assert modules - in_wheel == set()
+    built = {name for name in in_wheel if name.endswith((".so", ".pyd"))}
+    if EXPECTED == "numpy":
+        assert built == set() and wheel.name.endswith("-py3-none-any.whl")
+    else:
+        assert {name.split(".")[0].replace("/", ".") for name in built} == \
+            {extension.name for extension in extensions}
+    assert {name.split("/")[0] for name in in_wheel} == {"deepreduce", top + ".dist-info"}
+    assert [name for name in in_wheel if name.endswith((".c", ".h"))] == []
 
 
 def test_console_script_is_installed():
@@ -127,6 +219,7 @@ def test_horovod_two_ranks_allgather_ragged_uint8(tmp_path):
     assert results == [(0, 2, expected, expected), (1, 2, expected, expected)]
 
 
+@needs_checkout
 @pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                     reason="tensorflow not installed")
 def test_gradient_capture_layout_and_determinism(tmp_path):
@@ -157,6 +250,7 @@ def test_gradient_capture_layout_and_determinism(tmp_path):
         assert untouched.size and not dense[untouched].any()
 
 
+@needs_checkout
 def test_model_steps_benchmark_reports_every_shape_list(tmp_path):
     out = tmp_path / "steps.md"
     run_python("-m", "benchmarks.model_steps", "--steps", "1", "--warmup", "0", "--out", str(out))
@@ -166,6 +260,7 @@ def test_model_steps_benchmark_reports_every_shape_list(tmp_path):
     assert json.loads(out.with_suffix(".json").read_text())["copy_gbytes_s"] > 0
 
 
+@needs_checkout
 def test_e2e_ratio_intervals_resample_whole_turns_of_both_schemes(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))  # as `python -m benchmarks.e2e` from the root
     e2e = importlib.import_module("benchmarks.e2e")
