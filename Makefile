@@ -139,6 +139,7 @@ VERSION := $(shell sed -n 's/^version *= *//p' setup.cfg)
 SDIST := dist/deepreduce-$(VERSION).tar.gz
 WHEEL = $(wildcard dist/deepreduce-$(VERSION)-*.whl)
 
+.PHONY: test-wheel-dist test-wheel-compiled test-wheel-numpy test-wheel-torch
 test-wheel:
 	@times=; for leg in dist compiled numpy torch; do start=$$(date +%s); \
 		$(MAKE) --no-print-directory test-wheel-$$leg || exit 1; \
@@ -165,7 +166,7 @@ tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	python -c 'import deepreduce, pathlib, sys, sysconfig; \
 		where = pathlib.Path(deepreduce.__file__).resolve().parent; print("deepreduce from", where); \
 		sys.exit(not where.is_relative_to(pathlib.Path(sysconfig.get_paths()["platlib"]).resolve()))' && \
-	python -m pytest -q -ra -p no:cacheprovider tests
+	python -m pytest -q -p no:cacheprovider tests
 endef
 
 test-wheel-compiled:
