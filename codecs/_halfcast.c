@@ -35,6 +35,9 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Casts of fewer values keep the GIL (see RELEASED_BEGIN): about a nanosecond a value. */
+#define RELEASE_VALUES (1 << 16)
+
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define HAVE_F16C 1
 #include <immintrin.h>
@@ -167,9 +170,9 @@ static PyObject *to_half(PyObject *module, PyObject *args)
                  "array of the same length") < 0)
         return NULL;
 #ifdef HAVE_F16C
-    Py_BEGIN_ALLOW_THREADS
+    RELEASED_BEGIN(values.len / 4, RELEASE_VALUES)
     narrow(values.buf, out.buf, values.len / 4);
-    Py_END_ALLOW_THREADS
+    RELEASED_END
 #endif
     return release_pair(&values, &out);
 }
@@ -183,9 +186,9 @@ static PyObject *to_single(PyObject *module, PyObject *args)
                  "array of the same length") < 0)
         return NULL;
 #ifdef HAVE_F16C
-    Py_BEGIN_ALLOW_THREADS
+    RELEASED_BEGIN(halves.len / 2, RELEASE_VALUES)
     widen(halves.buf, out.buf, halves.len / 2);
-    Py_END_ALLOW_THREADS
+    RELEASED_END
 #endif
     return release_pair(&halves, &out);
 }

@@ -33,6 +33,17 @@ static inline char native_float_code(const Py_buffer *view)
     return 0;
 }
 
+/* Releases the GIL around a loop that touches no Python object when `work` (its input,
+ * in bytes or items as the caller says) reaches `least`: below that, handing the GIL to
+ * a waiting thread and taking it back costs more than the loop (two thread wake-ups,
+ * some microseconds each, tens where the threads run on virtual cores). The buffers the
+ * loop reads and writes must stay held (their Py_buffer views, or objects not yet
+ * shared) until RELEASED_END. */
+#define RELEASED_BEGIN(work, least) \
+    { PyThreadState *released_state_ = (work) >= (least) ? PyEval_SaveThread() : NULL;
+#define RELEASED_END \
+    if (released_state_ != NULL) PyEval_RestoreThread(released_state_); }
+
 /* Lowest set bit of a non-zero mask. */
 #if defined(__GNUC__) || defined(__clang__)
 #define LOWEST_BIT(x) __builtin_ctzll(x)

@@ -26,7 +26,7 @@ from deepreduce.bundle import check_holds, pack_bundle, split_bundles, split_sha
 from deepreduce.collectives.base import (returns_only_what_ranks_lack, scale_at,
                                          sum_sorted_into, sum_sparse)
 from deepreduce.errors import DecodeError
-from deepreduce.parallel import codec_threads, run_in_order
+from deepreduce.parallel import PARALLEL_BYTES, PARALLEL_ENTRIES, codec_threads, run_in_order
 from deepreduce.pipeline import decode
 from deepreduce.sparse import SparseTensor, zeros
 from deepreduce.stats import StepStats
@@ -132,7 +132,7 @@ class AllgatherExchange:
         coding_start = time.perf_counter()
         coded = run_in_order(_encode, [codings[i] for i in pending],
                              self._threads(codings[i] for i in pending),
-                             cost=lambda coding: coding[1].nnz)
+                             cost=lambda coding: coding[1].nnz, least=PARALLEL_ENTRIES)
         self._codec_seconds += time.perf_counter() - coding_start
         for i, result in zip(pending, coded):
             codings[i] = result
@@ -269,7 +269,7 @@ class AllgatherExchange:
                     for r, bundle in enumerate(per_rank) if r != rank or not own_reused
                     for p in bundle.payloads]
         decodes = iter(run_in_order(decode, payloads, codec_threads(self.codec_threads),
-                                    cost=len))
+                                    cost=len, least=PARALLEL_BYTES))
         units, first = [], 0
         for per_rank, own, own_reused in zip(read, sent, reused):
             decoded = [own[1] if r == rank and own_reused

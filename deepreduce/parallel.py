@@ -49,6 +49,14 @@ def codec_threads(setting: int | None) -> int:
     return max(1, min(cores, MAX_CODEC_THREADS))
 
 
+#: Codings of fewer selected entries, and decodings of shorter payloads (about 3 bytes
+#: an entry with fp16 values), stay on the caller's thread (see :func:`run_in_order`'s
+#: ``least``): on two cores a second thread made the codecs of ResNet-50's and GPT-2
+#: small's tensors (up to 24,000 entries each) a few percent slower, and those of
+#: 168,000-entry tensors 1.3x faster (``benchmarks/codec_threads.py``).
+PARALLEL_ENTRIES = 1 << 15
+PARALLEL_BYTES = 1 << 17
+
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
@@ -74,16 +82,20 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools)
 
 
-def run_in_order(function, items, threads: int, cost=None) -> list:
+def run_in_order(function, items, threads: int, cost=None, least: float = 0) -> list:
     """``[function(item) for item in items]``, on ``threads`` threads (the caller's one
     of them).
 
     Each thread takes the next item until none is left, the costliest first
     when ``cost`` (a function of an item) says which those are, so that no
-    thread is left with a large one at the end. Every item is tried, whatever
-    fails; the error raised is the one of the first item that failed, in the
-    order of ``items``, as a loop would raise it. ``function`` must not depend
-    on the order in which the items run.
+    thread is left with a large one at the end. Items that cost less than
+    ``least`` are the caller's alone, and with fewer than two above it the
+    caller runs them all: in work that small the Python between the
+    compiled loops, which holds the GIL, outweighs the loops, and a second
+    thread costs more in handing the GIL back and forth than it saves. Every
+    item is tried, whatever fails; the error raised is the one of the first
+    item that failed, in the order of ``items``, as a loop would raise it.
+    ``function`` must not depend on the order in which the items run.
 
     Examples
     --------
@@ -92,27 +104,28 @@ def run_in_order(function, items, threads: int, cost=None) -> list:
     [9, 1, 4]
     """
     items = list(items)
-    if threads <= 1 or len(items) <= 1:
+    costs = [1] * len(items) if cost is None else [cost(item) for item in items]
+    heavy = sum(c >= least for c in costs)
+    if threads <= 1 or heavy <= 1:
         return [function(item) for item in items]
-    order = list(range(len(items)))
-    if cost is not None:
-        order.sort(key=lambda i: cost(items[i]), reverse=True)
+    order = sorted(range(len(items)), key=costs.__getitem__, reverse=True)
     results, errors = [None] * len(items), {}
-    pending, taking = iter(order), threading.Lock()
+    taken, taking = [0], threading.Lock()
 
-    def work():
+    def work(last):
         while True:
             with taking:
-                i = next(pending, None)
-            if i is None:
-                return
+                if taken[0] >= last:
+                    return
+                i = order[taken[0]]
+                taken[0] += 1
             try:
                 results[i] = function(items[i])
             except BaseException as error:  # (raised below, after every item ran)
                 errors[i] = error
 
-    helpers = [_pool(threads - 1).submit(work) for _ in range(min(threads, len(items)) - 1)]
-    work()
+    helpers = [_pool(threads - 1).submit(work, heavy) for _ in range(min(threads, heavy) - 1)]
+    work(len(order))
     for helper in helpers:
         # a helper still queued behind another bundle's work finds nothing left: drop it
         if not helper.cancel():

@@ -1,15 +1,18 @@
 """Codec threads: a bundle's payloads coded and decoded side by side, the compiled loops
 without the GIL, and nothing that travels or stays behind changed by either."""
 
+import importlib
+import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import deepreduce as dr
-from deepreduce import parallel
+from deepreduce import allgather_exchange, parallel
 from deepreduce.allgather_exchange import SHARED_BELOW
 from deepreduce.codecs import _entropy, bloom, floats, golomb, qsgd
 from deepreduce.collectives import base as collectives_base
@@ -61,6 +64,23 @@ def test_run_in_order_gives_a_loops_results_and_its_first_error():
     assert sorted(ran) == list(range(20))
 
 
+def test_run_in_order_keeps_light_items_on_the_callers_thread():
+    def where(x):
+        return threading.current_thread() is threading.main_thread()
+
+    # (one heavy item is not worth a second thread)
+    assert all(parallel.run_in_order(where, range(30), threads=3, cost=lambda x: x, least=29))
+    on_caller = parallel.run_in_order(where, range(30), threads=3, cost=lambda x: x, least=20)
+    assert all(on_caller[:20])
+
+
+@pytest.fixture
+def every_coding_on_threads(monkeypatch):
+    """Small tensors on the codec threads too (they keep to the caller's otherwise)."""
+    monkeypatch.setattr(allgather_exchange, "PARALLEL_ENTRIES", 0)
+    monkeypatch.setattr(allgather_exchange, "PARALLEL_BYTES", 0)
+
+
 # --------------------------------------------------------- the same bytes and sums
 
 
@@ -82,7 +102,7 @@ def gradients(rng, step):
     {"sparsifier": "randomk:0.02", "index": "bloom:fpr=0.01", "value": "bf16"},
     {"index": "huffman", "value": "raw", "error_feedback": False},
 ], ids=["default", "qsgd", "randomk-bloom", "huffman"])
-def test_threads_code_the_same_bundles_sums_and_residuals(settings):
+def test_threads_code_the_same_bundles_sums_and_residuals(settings, every_coding_on_threads):
     names = [f"t{i}" for i in range(8)]
     ranks = 3
     runs = {}
@@ -110,7 +130,8 @@ def test_threads_code_the_same_bundles_sums_and_residuals(settings):
             np.testing.assert_array_equal(residual, state3["residuals"][name])
 
 
-def test_a_failed_coding_on_threads_raises_the_first_and_leaves_every_residual(monkeypatch):
+def test_a_failed_coding_on_threads_raises_the_first_and_leaves_every_residual(
+        monkeypatch, every_coding_on_threads):
     ex = GradientExchange(dr.TopK(0.01), value="fp16", codec_threads=3)
     rng = np.random.default_rng(3)
     names = ["s1", "s2", "a", "b", "c"]
@@ -141,6 +162,19 @@ def test_codings_that_share_a_random_stream_stay_on_one_thread():
     assert ex._allgather._threads(codings) == 3
     ex.selector.pipeline_of("y").value_codec = shared
     assert ex._allgather._threads(codings) == 1
+
+
+def test_the_benchmark_compares_the_settings_on_the_same_bytes(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    benchmark = importlib.import_module("benchmarks.codec_threads")
+    shapes = [(300, 300), (200, 400), (64,), (40, 30)]
+    monkeypatch.setitem(benchmark.MODELS, "tiny", lambda: shapes)
+    out = tmp_path / "threads.md"
+    benchmark.main(["--models", "tiny", "--steps", "1", "--out", str(out)])
+    record = json.loads(out.with_suffix(".json").read_text())["models"]["tiny"]
+    assert record["parameters"] == 90000 + 80000 + 64 + 1200
+    assert set(record["settings"]) == {"1", "2", "2 every tensor"}
+    assert "| tiny | 1 |" in out.read_text()
 
 
 # ---------------------------------------------------------- the GIL, released
@@ -227,10 +261,21 @@ def record_compiled_calls(monkeypatch) -> dict:
     golomb.field_bits(np.diff(indices), 16)
     collectives_base.sum_sorted_into(np.zeros(n, np.float32), [part, part])
     calls = {name: (function, args) for name, (function, args, _) in calls.items()}
-    if "sampled_low" in calls:  # Top-k's sample is small: one long enough to be seen
+    # samples are small (and loops that small keep the GIL): the whole array instead
+    if "sampled_low" in calls:
         function, (values, k, _, *rest) = calls["sampled_low"]
         calls["sampled_low"] = function, (values, k, values.size // 2, *rest)
+    if "huffman_estimate" in calls:
+        function, (values, _, *rest) = calls["huffman_estimate"]
+        calls["huffman_estimate"] = function, (values, 1, *rest)
     return calls
+
+
+@pytest.mark.skipif(floats._halfcast is None, reason="deepreduce.codecs._halfcast is not built")
+def test_short_loops_keep_the_gil():
+    # handing the GIL over and back costs more than a loop this short
+    values, out = np.ones(1000, np.float32), np.empty(1000, np.float16)
+    assert not runs_beside(lambda: [floats._halfcast.to_half(values, out) for _ in range(1000)])
 
 
 def test_a_busy_python_thread_is_seen_to_keep_the_gil():
