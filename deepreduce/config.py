@@ -68,9 +68,11 @@ class ExchangeConfig:
         loops release the GIL) and decode the ranks' payloads: None takes this
         rank's share of the cores it may run on (divided by torchrun's
         ``LOCAL_WORLD_SIZE`` unless the ranks are pinned to their own cores),
-        at most 4; 1 codes on the caller's thread alone. The payloads, error
-        feedback and sums are the same whatever the number. Allgather
-        communicator only.
+        at most 4; 1 codes on the caller's thread alone. Only tensors that
+        select 32,768 entries or more go on the other threads: on smaller ones
+        the Python around the loops, which holds the GIL, outweighs them.
+        The payloads, error feedback and sums are the same whatever the
+        number. Allgather communicator only.
 
     Examples
     --------
