@@ -9,6 +9,10 @@ Measures, against the targets of the project's issue 4:
   <= 125 ms) with the compiled scan and with its numpy fallback, and which share of the
   positions each policy gives values to
   are true indices;
+* Bloom policies' decode: CPU time and peak memory of ``p0``, ``random`` and
+  ``conflict_sets`` on the same filters in the same run (issue 33: the
+  conflict sets within 1.5x of p0's time, memory in proportion to the
+  positives, not the universe);
 * Fit-Poly and Fit-DExp: relative L2 error of the (sorted) values and
   encode time;
 * QSGD and scaled sign: bits per value and relative L2 error.
@@ -35,7 +39,12 @@ import argparse
 import contextlib
 import math
 import os
+import resource
+import subprocess
+import sys
+import tempfile
 import time
+import tracemalloc
 from unittest import mock
 
 import numpy as np
@@ -211,6 +220,108 @@ def bloom_policies(grads, fpr_values=(1e-2, 1e-3)) -> list[dict]:
     return rows
 
 
+#: (universe, values, fpr) of the policy decode table: Top-0.1% of 2**24 positions at
+#: fpr 1e-3, and 200 values in 2**26 positions at fpr 1e-2 (where the false positives,
+#: about fpr * n, outnumber the values 3,000 to 1).
+POLICY_DECODES = ((1 << 24, 16_384, 1e-3), (1 << 26, 200, 1e-2))
+DECODE_POLICIES = ("p0", "random", "conflict_sets")
+
+
+def policy_stream(n: int, r: int, fpr: float, policy: str) -> tuple[bytes, int]:
+    """A filter of ``r`` random positions of ``[0, n)`` and the nnz its decoder reads."""
+    rng = np.random.default_rng(5)
+    idx = np.sort(rng.choice(n, size=r, replace=False)).astype(np.int64)
+    codec = BloomIndices(fpr=fpr, policy=policy, seed=3)
+    data, received, _ = codec.encode_selection(idx, np.ones(r, np.float32), n)
+    return data, received.size
+
+
+def decode_peak(data: bytes, n: int, nnz: int, fpr: float, policy: str,
+                implementation: str) -> dict:
+    """Peak memory of one decode of ``data``, measured in a fresh process: the growth
+    of its maximum resident set over what the process held before the decode, and
+    the peak that tracemalloc sees (numpy's arrays and the C extension's buffers,
+    which it allocates through Python's allocator)."""
+    with tempfile.NamedTemporaryFile(suffix=".bloom") as stream:
+        stream.write(data)
+        stream.flush()
+        code = ("from benchmarks.lossy_codecs import _peak_child; _peak_child("
+                f"{stream.name!r}, {n}, {nnz}, {fpr!r}, {policy!r}, {implementation!r})")
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout.split()
+    return {"rss": int(out[0]), "traced": int(out[1])}
+
+
+def _resident_peak() -> int:
+    """This process's peak resident set in bytes. Linux's VmHWM, where ru_maxrss would
+    carry over the parent's peak across exec."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _peak_child(path, n, nnz, fpr, policy, implementation):
+    with scan_implementation(implementation):
+        with open(path, "rb") as stream:
+            data = stream.read()
+        codec = BloomIndices(fpr=fpr, policy=policy)
+        small, small_nnz = policy_stream(1 << 16, 64, fpr, policy)
+        codec.decode(small, 1 << 16, small_nnz)  # every code path warm, every import done
+        before = _resident_peak()
+        result = codec.decode(data, n, nnz)
+        after = _resident_peak()
+        del result
+        tracemalloc.start()
+        codec.decode(data, n, nnz)
+        traced = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    print(after - before, traced)
+
+
+def bloom_policy_decodes(repeats: int, cases=POLICY_DECODES) -> list[dict]:
+    """CPU time (best of ``repeats``) and peak memory of each policy's decode, per case."""
+    rows = []
+    for n, r, fpr in cases:
+        streams = {policy: policy_stream(n, r, fpr, policy) for policy in DECODE_POLICIES}
+        positives = BloomFilter.from_bytes(streams["p0"][0], n, "bench").positives().size
+        for implementation in implementations():
+            cpu = dict.fromkeys(DECODE_POLICIES, math.inf)
+            with scan_implementation(implementation):
+                for _ in range(repeats):  # the policies in turn: a busy spell hits them all
+                    for policy, (data, nnz) in streams.items():
+                        codec = BloomIndices(fpr=fpr, policy=policy)
+                        seconds, _ = best_of(lambda: codec.decode(data, n, nnz), 1,
+                                             time.thread_time)
+                        cpu[policy] = min(cpu[policy], seconds)
+            for policy, (data, nnz) in streams.items():
+                peak = decode_peak(data, n, nnz, fpr, policy, implementation)
+                rows.append({"n": n, "r": r, "fpr": fpr, "scan": implementation,
+                             "policy": policy, "positives": positives, "cpu": cpu[policy],
+                             "rate": n / cpu[policy] / 1e6, **peak})
+                print(f"  {n:,} {r:,} {fpr:g} {implementation} {policy}: "
+                      f"{cpu[policy] * 1e3:.0f} ms, peak {peak['traced'] / 1e6:.1f} MB traced, "
+                      f"{peak['rss'] / 1e6:.1f} MB RSS", flush=True)
+    for row in rows:
+        p0 = next(other for other in rows if other["policy"] == "p0" and all(
+            other[key] == row[key] for key in ("n", "r", "fpr", "scan")))
+        row["vs_p0"] = row["cpu"] / p0["cpu"]
+    return rows
+
+
+def policy_decode_table(rows) -> list[str]:
+    return table(["universe", "values", "fpr", "scan", "policy", "positives", "decode CPU ms",
+                  "vs p0", "M positions/s", "peak MB (traced)", "peak MB (RSS growth)"],
+                 [[f"{row['n']:,}", f"{row['r']:,}", f"{row['fpr']:g}", row["scan"],
+                   row["policy"], f"{row['positives']:,}", f"{row['cpu'] * 1e3:.0f}",
+                   f"{row['vs_p0']:.2f}x", f"{row['rate']:.0f}",
+                   f"{row['traced'] / 1e6:.1f}", f"{row['rss'] / 1e6:.1f}"] for row in rows])
+
+
 # ----------------------------------------------------------------- values
 
 def value_codecs(grads) -> list[dict]:
@@ -264,7 +375,8 @@ def fit_scaling(n: int) -> list[dict]:
 
 # ----------------------------------------------------------------- report
 
-def report(source, sizes, rates, scans, breakdown, policies, values, scaling, load) -> str:
+def report(source, sizes, rates, scans, breakdown, policies, decodes, values, scaling,
+           load) -> str:
     lines = ["# Lossy codecs: Bloom filter, curve fits, QSGD, sign", "",
              f"Generated by `python -m benchmarks.lossy_codecs`. Gradients: {source}. "
              f"Tensors under {MIN_TENSOR:,} values are left out of the per-tensor statistics.",
@@ -323,6 +435,16 @@ def report(source, sizes, rates, scans, breakdown, policies, values, scaling, lo
     lines += table(["fpr", "policy", "positions", "true share", "encode s"],
                    [[f"{row['fpr']:g}", row["policy"], f"{row['received']:,}",
                      f"{row['true_share']:.4f}", f"{row['seconds']:.2f}"] for row in policies])
+    lines += ["", "## Policy decode: time and peak memory", "",
+              "Decoding the same filter under p0, random and conflict_sets, in the same run: "
+              "CPU time of the decoding thread (best of several) and its ratio to p0's; peak "
+              "memory of one decode in a fresh process, as tracemalloc sees it (numpy arrays "
+              "and the C extension's buffers) and as growth of the maximum resident set. "
+              "Every policy scans the universe; the selecting ones then hold only the "
+              "positives (at most what the declared rate allows) and, for conflict_sets, "
+              "the (positive, filter bit) pairs: 4 bytes each compiled, about 12 in numpy "
+              "(issue 33; its first implementation took about 100).", ""]
+    lines += policy_decode_table(decodes)
     lines += ["", "## Value codecs", "",
               "Top-k values of every tensor; bits per value include every header and "
               "coefficient; relative L2 error over all values (curve fits: of the sorted "
@@ -366,9 +488,12 @@ def main(argv=None):
     print("scan speed done", flush=True)
     policies = bloom_policies(grads)
     print("policies done", flush=True)
+    decodes = bloom_policy_decodes(repeats)
+    print("policy decodes done", flush=True)
     values = value_codecs(grads)
     scaling = fit_scaling(scan_n)
-    text = report(source, sizes, rates, scans, breakdown, policies, values, scaling, load)
+    text = report(source, sizes, rates, scans, breakdown, policies, decodes, values, scaling,
+                  load)
     print(text)
     if args.out:
         write_report(args.out, text)

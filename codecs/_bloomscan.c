@@ -17,7 +17,14 @@
  *   build(words, masks, indices, seed, key_bytes, m, k, block_k) -> None
  *
  * sets the bits of the indices in words, the encoder's side of the same layout.
- * Both run without the GIL, so other Python threads (Horovod's) keep going.
+ *
+ *   conflict_sets(words, masks, positives, r, seed, selection_seed, key_bytes, m, k,
+ *                 block_k, rounds, out) -> None
+ *
+ * writes the r positives the conflict_sets policy selects to out, increasing
+ * (the selection is described in codecs/bloom.py, whose numpy fallback selects
+ * the same positions). All three run without the GIL, so other Python threads
+ * (Horovod's) keep going.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -202,6 +209,443 @@ static inline void build_keys(const filter_t *f, uint64_t *words, const int64_t 
     }
 }
 
+/* ------------------------------------------------------------ conflict sets */
+
+/* The P2 policy's selection (conflict_sets in codecs/bloom.py describes the algorithm;
+ * its numpy fallback there selects the same positions). The conflict set of a filter
+ * bit is the positives hashing to it; a set is named by the bit's rank among the
+ * filter's set bits, so the arrays indexed by set hold popcount entries (at most k for
+ * each value sent, which the decoder checks before its scan), and the members of all
+ * sets, 4 bytes each, are the one array that grows with positives x k. Nothing grows
+ * with the universe.
+ *
+ * Cache behaviour decides the speed once the sets outgrow the cache (a filter of a
+ * 1% Top-k): the (set, member) pairs are grouped by set in two passes, first into
+ * 2048 ranges of sets, then within each range, rather than scattered one by one; the
+ * sets of one size are visited in set order, and their order of the paper (by a key
+ * per set) is only needed where it changes the result: when a visit nominates more
+ * members than are still wanted, and for the shortfall. A set's next member (its
+ * unselected member of smallest (pair key, position)) is found when the set is
+ * visited and remembered until it is selected: a set is visited once per round at
+ * most, so that costs at most `rounds` passes over its members. */
+
+#define NO_MEMBER 0xFFFFFFFFu   /* not looked for yet */
+#define NO_MEMBER_LEFT 0xFFFFFFFEu /* every member selected: stays so */
+#define RANGE_BITS 11
+
+/* Inline, where __builtin_popcountll without a -mpopcnt target is a library call. */
+static inline uint32_t popcount64(uint64_t x)
+{
+    x = x - ((x >> 1) & 0x5555555555555555ull);
+    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full;
+    return (uint32_t)((x * 0x0101010101010101ull) >> 56);
+}
+
+typedef struct {
+    filter_t f;
+    uint32_t selection_seed;
+    const uint32_t *rank;     /* set bits before each filter word */
+    const uint32_t *set_bit;  /* the filter bit of each set */
+    const uint32_t *key;      /* each positive's key: murmur(position, selection seed) */
+    const uint32_t *start;    /* members of set s: member[start[s] .. start[s + 1]) */
+    const uint32_t *member;
+} sets_t;
+
+/* The distinct sets of `position` in ids (room for 2 * MAX_HASHES), in no particular
+ * order; their count, or -1 when one of its bits is not set (the position is not a
+ * positive). The bits are those of bloom.py's bit_positions: the pattern's bits in the
+ * blocked word, then the single bits by double hashing. */
+static int position_sets(const sets_t *c, uint64_t position, uint32_t *ids)
+{
+    const filter_t *f = &c->f;
+    uint32_t low = scramble((uint32_t)position), high = scramble((uint32_t)(position >> 32));
+    uint32_t h1 = murmur_key(low, high, f->key_bytes, f->seed);
+    uint32_t g = murmur_key(low, high, f->key_bytes, f->seed ^ SECOND_HASH_SEED);
+    uint64_t bits[2 * MAX_HASHES], word_bit = block_word(f, h1) * 64;
+    uint64_t mask = f->masks[h1 & (PATTERNS - 1)];
+    int count = 0, distinct = 0;
+    for (; mask && count < MAX_HASHES; mask &= mask - 1)
+        bits[count++] = word_bit + (uint64_t)LOWEST_BIT(mask);
+    for (int j = f->block_k; j < f->k; j++, g += h1)
+        bits[count++] = single_bit(f, g);
+    for (int j = 0; j < count; j++) {
+        uint64_t bit = bits[j], word = f->words[bit >> 6];
+        if (!((word >> (bit & 63)) & 1u))
+            return -1;
+        uint32_t id = c->rank[bit >> 6] + popcount64(word & ((1ull << (bit & 63)) - 1u));
+        int i = 0;  /* a position's own bits rarely collide: a linear check is enough */
+        while (i < distinct && ids[i] != id)
+            i++;
+        if (i == distinct)
+            ids[distinct++] = id;
+    }
+    return distinct;
+}
+
+static inline uint32_t set_key(const sets_t *c, uint32_t set)
+{
+    return murmur_key(scramble(c->set_bit[set]), 0, 4, c->selection_seed);
+}
+
+static inline uint32_t pair_key(const sets_t *c, uint32_t set, uint32_t member)
+{
+    return murmur_key(scramble(c->set_bit[set]), 0, 4, c->key[member]);
+}
+
+/* The unselected member of `set` with the smallest (pair key, position), or
+ * NO_MEMBER_LEFT; `best` remembers it across visits. */
+static uint32_t next_member(const sets_t *c, uint32_t set, uint32_t *best,
+                            const uint8_t *selected)
+{
+    uint32_t known = best[set];
+    if (known == NO_MEMBER_LEFT || (known != NO_MEMBER && !selected[known]))
+        return known;
+    uint32_t chosen = NO_MEMBER_LEFT, chosen_key = 0;
+    for (uint32_t i = c->start[set]; i < c->start[set + 1]; i++) {
+        uint32_t member = c->member[i];
+        if (selected[member])
+            continue;
+        uint32_t key = pair_key(c, set, member);
+        /* members are in position order: on equal keys the first stays */
+        if (chosen == NO_MEMBER_LEFT || key < chosen_key) {
+            chosen = member;
+            chosen_key = key;
+        }
+    }
+    best[set] = chosen;
+    return chosen;
+}
+
+/* Stable sort of keys by their high 32 bits (LSD radix, RANGE_BITS a pass; a pass
+ * whose digit is the same for every key is skipped); spare has the same room. */
+static void sort_by_high_word(uint64_t *keys, uint64_t *spare, size_t count)
+{
+    size_t histogram[1 << RANGE_BITS];
+    for (int shift = 32; shift < 64; shift += RANGE_BITS) {
+        memset(histogram, 0, sizeof histogram);
+        for (size_t i = 0; i < count; i++)
+            histogram[(keys[i] >> shift) & ((1u << RANGE_BITS) - 1)]++;
+        if (count == 0 || histogram[(keys[0] >> shift) & ((1u << RANGE_BITS) - 1)] == count)
+            continue;
+        for (size_t d = 0, total = 0; d < (1u << RANGE_BITS); d++) {
+            size_t here = histogram[d];
+            histogram[d] = total;
+            total += here;
+        }
+        for (size_t i = 0; i < count; i++)
+            spare[histogram[(keys[i] >> shift) & ((1u << RANGE_BITS) - 1)]++] = keys[i];
+        memcpy(keys, spare, count * sizeof *keys);
+    }
+}
+
+enum { SELECT_OK, SELECT_NO_MEMORY, SELECT_NOT_POSITIVE, SELECT_TOO_MANY };
+
+/* Every buffer of one selection; all freed together. */
+typedef struct {
+    uint32_t *rank, *set_bit, *key, *start, *member, *rows, *range_set, *scratch, *order;
+    uint32_t *pickers, *picked, *chosen, *best, *rank_of_set, *counts;
+    uint64_t *sort_keys, *sort_spare;
+    size_t *level_end;
+    uint8_t *row_length, *selected, *nominated, *touched;
+} buffers_t;
+
+static void free_buffers(buffers_t *b)
+{
+    void *all[] = {b->rank, b->set_bit, b->key, b->start, b->member, b->rows, b->range_set,
+                   b->scratch, b->order, b->pickers, b->picked, b->chosen, b->best,
+                   b->rank_of_set, b->counts, b->sort_keys, b->sort_spare, b->level_end,
+                   b->row_length, b->selected, b->nominated, b->touched};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        PyMem_RawFree(all[i]);
+}
+
+/* Groups the (set, member) pairs of the positives by set, position order within a set:
+ * fills c->key, b->start and b->member. The sets of every position are found once,
+ * kept in b->rows (4 bytes a pair) while the pairs are counted, then dealt out. */
+static int group_pairs(sets_t *c, buffers_t *b, const int64_t *positives, size_t p,
+                       uint64_t sets, size_t *bad)
+{
+    int shift = 0;
+    while (((sets - 1) >> shift) >> RANGE_BITS)
+        shift++;
+    size_t ranges = (size_t)((sets - 1) >> shift) + 1, range_start[(1 << RANGE_BITS) + 2];
+    memset(range_start, 0, sizeof range_start);
+    if ((uint64_t)p * (uint64_t)c->f.k > 0xFFFFFFFFull)  /* pairs are numbered with 4 bytes */
+        return SELECT_TOO_MANY;
+    b->rows = PyMem_RawMalloc(((size_t)p * (size_t)c->f.k + 1) * sizeof *b->rows);
+    b->row_length = PyMem_RawMalloc(p + 1);
+    if (b->rows == NULL || b->row_length == NULL)
+        return SELECT_NO_MEMORY;
+    size_t pairs = 0;
+    for (size_t i = 0; i < p; i++) {
+        uint64_t position = (uint64_t)positives[i];
+        uint32_t *ids = b->rows + pairs;
+        int count = position_sets(c, position, ids);
+        if (count < 0) {
+            *bad = i;
+            return SELECT_NOT_POSITIVE;
+        }
+        for (int j = 0; j < count; j++)
+            range_start[(ids[j] >> shift) + 1]++;
+        b->row_length[i] = (uint8_t)count;
+        pairs += (size_t)count;
+        b->key[i] = murmur_key(scramble((uint32_t)position),
+                               scramble((uint32_t)(position >> 32)), c->f.key_bytes,
+                               c->selection_seed);
+    }
+    size_t longest = 0;
+    for (size_t r = 0; r < ranges; r++) {
+        longest = range_start[r + 1] > longest ? range_start[r + 1] : longest;
+        range_start[r + 1] += range_start[r];
+    }
+    b->member = PyMem_RawMalloc((pairs + 1) * sizeof *b->member);
+    b->start = PyMem_RawMalloc((sets + 2) * sizeof *b->start);
+    if (b->member == NULL || b->start == NULL)
+        return SELECT_NO_MEMORY;
+    if (shift == 0) {
+        /* a range is one set: dealing the pairs out groups them */
+        for (size_t s = 0; s <= sets; s++)
+            b->start[s] = (uint32_t)range_start[s];
+        for (size_t i = 0, at = 0; i < p; i++)
+            for (size_t end = at + b->row_length[i]; at < end; at++)
+                b->member[range_start[b->rows[at]]++] = (uint32_t)i;
+    } else {
+        /* each pair to its range of sets, then within each range to its set */
+        b->range_set = PyMem_RawMalloc((pairs + 1) * sizeof *b->range_set);
+        if (b->range_set == NULL)
+            return SELECT_NO_MEMORY;
+        for (size_t i = 0, at = 0; i < p; i++)
+            for (size_t end = at + b->row_length[i]; at < end; at++) {
+                size_t to = range_start[b->rows[at] >> shift]++;
+                b->range_set[to] = b->rows[at];
+                b->member[to] = (uint32_t)i;
+            }
+        PyMem_RawFree(b->rows);
+        b->rows = NULL;
+        for (size_t r = ranges; r > 0; r--)  /* range_start[r] moved on to [r + 1] */
+            range_start[r] = range_start[r - 1];
+        range_start[0] = 0;
+        memset(b->start, 0, (sets + 2) * sizeof *b->start);
+        for (size_t i = 0; i < pairs; i++)
+            b->start[b->range_set[i] + 1]++;
+        for (uint64_t s = 0; s < sets; s++)
+            b->start[s + 1] += b->start[s];
+        b->scratch = PyMem_RawMalloc((longest + 1) * sizeof *b->scratch);
+        if (b->scratch == NULL)
+            return SELECT_NO_MEMORY;
+        for (size_t r = 0; r < ranges; r++) {
+            size_t low = range_start[r], high = range_start[r + 1];
+            for (size_t i = low; i < high; i++)
+                b->scratch[b->start[b->range_set[i]]++ - low] = b->member[i];
+            memcpy(b->member + low, b->scratch, (high - low) * sizeof *b->member);
+        }
+        for (uint64_t s = sets; s > 0; s--)  /* start[s] moved on to start[s + 1] */
+            b->start[s] = b->start[s - 1];
+        b->start[0] = 0;
+    }
+    PyMem_RawFree(b->rows);
+    PyMem_RawFree(b->range_set);
+    PyMem_RawFree(b->scratch);
+    PyMem_RawFree(b->row_length);
+    b->rows = b->range_set = b->scratch = NULL;
+    b->row_length = NULL;
+    c->start = b->start;
+    c->member = b->member;
+    return SELECT_OK;
+}
+
+/* Selects r of the p positives (increasing, int64) into out, increasing. *bad names
+ * the offending position for SELECT_NOT_POSITIVE. Runs without the GIL. */
+static int conflict_select(const filter_t *f, const int64_t *positives, size_t p, size_t r,
+                           uint32_t selection_seed, int rounds, int64_t *out, size_t *bad)
+{
+    buffers_t b;
+    memset(&b, 0, sizeof b);
+    uint32_t ids[2 * MAX_HASHES];
+    int status = SELECT_NO_MEMORY;
+    size_t nwords = (size_t)(f->m / 64 + (f->m % 64 != 0));
+    b.rank = PyMem_RawMalloc((nwords + 1) * sizeof *b.rank);
+    if (b.rank == NULL)
+        goto done;
+    uint64_t sets = 0;
+    for (size_t w = 0; w < nwords; w++) {
+        b.rank[w] = (uint32_t)sets;
+        sets += popcount64(f->words[w]);
+    }
+    b.set_bit = PyMem_RawMalloc((sets + 1) * sizeof *b.set_bit);
+    b.key = PyMem_RawMalloc((p + 1) * sizeof *b.key);
+    if (b.set_bit == NULL || b.key == NULL)
+        goto done;
+    if (sets == 0 || sets >= 0xFFFFFFFFull) {  /* no positive at all, or too many sets */
+        *bad = 0;
+        status = sets ? SELECT_TOO_MANY : SELECT_NOT_POSITIVE;
+        goto done;
+    }
+    for (size_t w = 0, s = 0; w < nwords; w++)
+        for (uint64_t word = f->words[w]; word; word &= word - 1)
+            b.set_bit[s++] = (uint32_t)(w * 64 + (size_t)LOWEST_BIT(word));
+    sets_t c = {*f, selection_seed, b.rank, b.set_bit, b.key, NULL, NULL};
+    status = group_pairs(&c, &b, positives, p, sets, bad);
+    if (status != SELECT_OK)
+        goto done;
+    status = SELECT_NO_MEMORY;
+
+    /* The sets by size (the order of their visits), in set order within a size:
+     * level_end[z] is the end of size z's sets in order. */
+    size_t largest = 0, nonempty = 0, longest = 0;
+    for (uint64_t s = 0; s < sets; s++) {
+        size_t size = b.start[s + 1] - b.start[s];
+        largest = size > largest ? size : largest;
+    }
+    b.level_end = PyMem_RawCalloc(largest + 2, sizeof *b.level_end);
+    if (b.level_end == NULL)
+        goto done;
+    for (uint64_t s = 0; s < sets; s++)
+        b.level_end[b.start[s + 1] - b.start[s]]++;
+    for (size_t z = 1; z <= largest; z++) {
+        longest = b.level_end[z] > longest ? b.level_end[z] : longest;
+        size_t here = b.level_end[z];
+        b.level_end[z] = nonempty;  /* for now the start of the level */
+        nonempty += here;
+    }
+    b.order = PyMem_RawMalloc((nonempty + 1) * sizeof *b.order);
+    if (b.order == NULL)
+        goto done;
+    for (uint64_t s = 0; s < sets; s++) {
+        size_t size = b.start[s + 1] - b.start[s];
+        if (size)
+            b.order[b.level_end[size]++] = (uint32_t)s;
+    }
+
+    b.best = PyMem_RawMalloc((sets + 1) * sizeof *b.best);
+    b.touched = PyMem_RawCalloc(sets + 1, 1);
+    b.selected = PyMem_RawCalloc(p + 1, 1);
+    b.nominated = PyMem_RawCalloc(p + 1, 1);
+    b.chosen = PyMem_RawMalloc((longest + 1) * sizeof *b.chosen);
+    b.pickers = PyMem_RawMalloc((longest + 1) * sizeof *b.pickers);
+    b.picked = PyMem_RawMalloc((longest + 1) * sizeof *b.picked);
+    if (b.best == NULL || b.touched == NULL || b.selected == NULL || b.nominated == NULL
+            || b.chosen == NULL || b.pickers == NULL || b.picked == NULL)
+        goto done;
+    for (uint64_t s = 0; s < sets; s++)
+        b.best[s] = NO_MEMBER;
+
+    size_t count = 0;
+    for (int round = 0; round < rounds && count < r; round++) {
+        for (size_t z = 1, first = 0; z <= largest && count < r; first = b.level_end[z++]) {
+            size_t end = b.level_end[z];
+            /* Every set of this size nominates from the state before any of them: its
+             * next member, if it gained no selected member since its last visit. */
+            size_t nchosen = 0, npickers = 0;
+            for (size_t i = first; i < end; i++) {
+                uint32_t set = b.order[i];
+                int open = !b.touched[set];
+                b.touched[set] = 0;
+                if (!open)
+                    continue;
+                uint32_t nominee = next_member(&c, set, b.best, b.selected);
+                if (nominee == NO_MEMBER_LEFT)
+                    continue;
+                b.pickers[npickers] = set;
+                b.picked[npickers++] = nominee;
+                if (!b.nominated[nominee]) {
+                    b.nominated[nominee] = 1;
+                    b.chosen[nchosen++] = nominee;
+                }
+            }
+            size_t take = nchosen < r - count ? nchosen : r - count;
+            uint32_t *taken = b.chosen;
+            if (take < nchosen) {
+                /* More nominees than still wanted (happens once): the first in the
+                 * paper's order, by the sets' keys, then set order. */
+                b.sort_keys = PyMem_RawMalloc((npickers + 1) * sizeof *b.sort_keys);
+                b.sort_spare = PyMem_RawMalloc((npickers + 1) * sizeof *b.sort_spare);
+                if (b.sort_keys == NULL || b.sort_spare == NULL)
+                    goto done;
+                for (size_t i = 0; i < npickers; i++)
+                    b.sort_keys[i] = ((uint64_t)set_key(&c, b.pickers[i]) << 32) | i;
+                sort_by_high_word(b.sort_keys, b.sort_spare, npickers);
+                taken = (uint32_t *)b.sort_spare;  /* free once sorted */
+                for (size_t i = 0, n = 0; n < take; i++) {
+                    uint32_t nominee = b.picked[b.sort_keys[i] & 0xFFFFFFFFu];
+                    if (b.nominated[nominee] == 1) {
+                        b.nominated[nominee] = 2;
+                        taken[n++] = nominee;
+                    }
+                }
+            }
+            for (size_t i = 0; i < take; i++) {
+                b.selected[taken[i]] = 1;
+                int n = position_sets(&c, (uint64_t)positives[taken[i]], ids);
+                for (int j = 0; j < n; j++)
+                    b.touched[ids[j]] = 1;
+            }
+            for (size_t i = 0; i < npickers; i++)
+                b.touched[b.pickers[i]] = 0;  /* a set's own pick does not compromise it */
+            for (size_t i = 0; i < nchosen; i++)
+                b.nominated[b.chosen[i]] = 0;
+            count += take;
+        }
+    }
+
+    if (count < r) {
+        /* Shortfall: the unselected positives whose first set in the paper's order
+         * (size, key, bit) comes first, ties by position: ranked, counted by rank,
+         * then taken below a threshold. */
+        size_t need = r - count;
+        b.rank_of_set = PyMem_RawMalloc((sets + 1) * sizeof *b.rank_of_set);
+        b.counts = PyMem_RawCalloc(nonempty + 1, sizeof *b.counts);
+        PyMem_RawFree(b.sort_keys);
+        PyMem_RawFree(b.sort_spare);
+        b.sort_keys = PyMem_RawMalloc((longest + 1) * sizeof *b.sort_keys);
+        b.sort_spare = PyMem_RawMalloc((longest + 1) * sizeof *b.sort_spare);
+        if (b.rank_of_set == NULL || b.counts == NULL || b.sort_keys == NULL
+                || b.sort_spare == NULL)
+            goto done;
+        for (size_t z = 1, first = 0; z <= largest; first = b.level_end[z++]) {
+            size_t size = b.level_end[z] - first;
+            for (size_t i = 0; i < size; i++)
+                b.sort_keys[i] = ((uint64_t)set_key(&c, b.order[first + i]) << 32) | i;
+            sort_by_high_word(b.sort_keys, b.sort_spare, size);
+            for (size_t i = 0; i < size; i++)
+                b.rank_of_set[b.order[first + (b.sort_keys[i] & 0xFFFFFFFFu)]] =
+                    (uint32_t)(first + i);
+        }
+        size_t threshold = 0, below = 0, at_threshold = 0;
+        for (int pass = 0; pass < 2; pass++) {
+            if (pass == 1) {
+                while (below + b.counts[threshold] < need)
+                    below += b.counts[threshold++];
+                at_threshold = need - below;
+            }
+            for (size_t i = 0; i < p; i++) {
+                if (b.selected[i])
+                    continue;
+                int n = position_sets(&c, (uint64_t)positives[i], ids);
+                uint32_t first_rank = UINT32_MAX;
+                for (int j = 0; j < n; j++)
+                    first_rank = b.rank_of_set[ids[j]] < first_rank ? b.rank_of_set[ids[j]]
+                                                                     : first_rank;
+                if (pass == 0)
+                    b.counts[first_rank]++;
+                else if (first_rank < threshold
+                         || (first_rank == threshold && at_threshold && at_threshold--))
+                    b.nominated[i] = 1;
+            }
+        }
+        for (size_t i = 0; i < p; i++)
+            b.selected[i] |= b.nominated[i];
+    }
+    for (size_t i = 0, n = 0; i < p; i++)
+        if (b.selected[i])
+            out[n++] = positives[i];
+    status = SELECT_OK;
+done:
+    free_buffers(&b);
+    return status;
+}
+
 /* ------------------------------------------------------------ argument checks */
 
 /* Whether the buffer holds signed (or unsigned) 8-byte integers. */
@@ -376,6 +820,78 @@ static PyObject *build(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *conflict_sets(PyObject *module, PyObject *args)
+{
+    PyObject *words_object, *masks_object, *positives_object, *out_object;
+    long long r, seed, selection_seed, key_bytes, m, k, block_k, rounds;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OOOLLLLLLLLO:conflict_sets", &words_object, &masks_object,
+                          &positives_object, &r, &seed, &selection_seed, &key_bytes, &m, &k,
+                          &block_k, &rounds, &out_object))
+        return NULL;
+    if (check_parameters(seed, key_bytes, m, k, block_k) < 0)
+        return NULL;
+    if (selection_seed < 0 || selection_seed > 0xFFFFFFFFll || rounds < 0 || rounds > 1000)
+        return PyErr_Format(PyExc_ValueError, "selection_seed must be in [0, 2**32) and "
+                            "rounds in [0, 1000], got %lld and %lld", selection_seed, rounds);
+    Py_buffer words, masks, positives, out;
+    if (get_filter(words_object, masks_object, m, 0, &words, &masks) < 0)
+        return NULL;
+    if (get_array(positives_object, &positives, "positives", 1, 0) < 0) {
+        PyBuffer_Release(&words);
+        PyBuffer_Release(&masks);
+        return NULL;
+    }
+    if (get_array(out_object, &out, "out", 1, 1) < 0) {
+        PyBuffer_Release(&words);
+        PyBuffer_Release(&masks);
+        PyBuffer_Release(&positives);
+        return NULL;
+    }
+    const int64_t *position = positives.buf;
+    Py_ssize_t p = positives.len / 8, bad = -1;
+    /* members are 4-byte positive numbers; positions must be increasing keys */
+    for (Py_ssize_t i = 0; i < p && bad < 0; i++)
+        if (position[i] < 0 || (unsigned long long)position[i] >= key_limit(key_bytes)
+                || (i && position[i] <= position[i - 1]))
+            bad = i;
+    PyObject *result = NULL;
+    if (p >= (Py_ssize_t)1 << 31)
+        PyErr_Format(PyExc_ValueError, "%zd positives, more than 2**31 - 1", p);
+    else if (bad >= 0)
+        PyErr_Format(PyExc_ValueError, "positives[%zd] = %lld is not an increasing position "
+                     "of %lld-byte keys", bad, (long long)position[bad], key_bytes);
+    else if (r < 0 || r >= (long long)p || out.len / 8 < r)
+        PyErr_Format(PyExc_ValueError, "r must be in [0, %zd) with room in out (%zd), got "
+                     "%lld", p, out.len / 8, r);
+    else {
+        filter_t filter = {words.buf, masks.buf, (uint64_t)m, (uint64_t)m / 64,
+                           (uint32_t)seed, (int)key_bytes, (int)k, (int)block_k};
+        size_t offender = 0;
+        int status;
+        Py_BEGIN_ALLOW_THREADS
+        status = conflict_select(&filter, position, (size_t)p, (size_t)r,
+                                 (uint32_t)selection_seed, (int)rounds, out.buf, &offender);
+        Py_END_ALLOW_THREADS
+        if (status == SELECT_NO_MEMORY)
+            PyErr_NoMemory();
+        else if (status == SELECT_TOO_MANY)
+            PyErr_SetString(PyExc_ValueError, "2**32 or more (positive, filter bit) pairs");
+        else if (status == SELECT_NOT_POSITIVE)
+            PyErr_Format(PyExc_ValueError, "positives[%zu] = %lld is not a positive of the "
+                         "filter", offender, (long long)position[offender]);
+        else {
+            Py_INCREF(Py_None);
+            result = Py_None;
+        }
+    }
+    PyBuffer_Release(&words);
+    PyBuffer_Release(&masks);
+    PyBuffer_Release(&positives);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS,
      "scan(words, masks, start, count, seed, key_bytes, m, k, block_k, out) -> int\n\n"
@@ -387,6 +903,13 @@ static PyMethodDef methods[] = {
      "build(words, masks, indices, seed, key_bytes, m, k, block_k) -> None\n\n"
      "Set the k filter bits of every index (int64, each within the key width) in\n"
      "words (writable uint64), the other arguments as for scan."},
+    {"conflict_sets", conflict_sets, METH_VARARGS,
+     "conflict_sets(words, masks, positives, r, seed, selection_seed, key_bytes, m, k,\n"
+     "              block_k, rounds, out) -> None\n\n"
+     "Write to out (int64, room for r) the r positives (increasing int64 positions whose\n"
+     "bits are all set, r < their count) that the conflict_sets policy selects, increasing:\n"
+     "rounds of set visits, then the shortfall (deepreduce.codecs.bloom describes it).\n"
+     "Memory: 4 bytes per (positive, distinct bit) and a few per set filter bit."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -41,7 +41,9 @@ bits and positions: the C extension ``deepreduce.codecs._bloomscan`` (compiled b
 ``benchmarks/results/lossy_codecs.md``) and, where it is not built,
 whole-array numpy (about 20 operations per position for the hash alone;
 9.5 ns per position there). :data:`SCAN_IMPLEMENTATION` says
-which one runs.
+which one runs. The same extension runs the ``conflict_sets`` selection (the
+numpy fallback selects the same positions); either takes memory in proportion to
+the positives times ``k``, never to the universe (figures in the same file).
 
 Stream: ``version u8 | k u8 | seed u32`` (little endian), ``nbytes`` as
 a LEB128 varint, then the filter's ``nbytes`` bytes (bit ``b`` is bit
@@ -70,7 +72,11 @@ Policies (``policy=``)
     ``r`` are selected. Sets of equal size are visited simultaneously
     (whole-array work) rather than one after another, the only departure
     from the sequential algorithm; after 8 rounds any shortfall is filled
-    with the positives whose smallest set is smallest.
+    with the positives whose smallest set is smallest. Within a set, the
+    random member is the one of smallest ``murmur3_32(bit, key)``, ``key``
+    the member's ``murmur3_32(i, seed ^ 0x7F4A7C15)``; sets of one size are
+    visited in the order of ``murmur3_32(bit, seed ^ 0x7F4A7C15)``, then of
+    their bits.
 ``naive``
     The true values, in index order, assigned to the ``r`` first positives
     (what a receiver without a policy would do; for comparison only).
@@ -455,76 +461,126 @@ def _random_selection(filt: BloomFilter, positives: np.ndarray, r: int) -> np.nd
     return np.sort(positives[_smallest_keys(keys, r)])
 
 
-def _conflict_set_selection(filt: BloomFilter, positives: np.ndarray, r: int) -> np.ndarray:
-    """The paper's Algorithm 1 on whole arrays (see the module docstring)."""
+def _conflict_set_selection(filt: BloomFilter, positives: np.ndarray, r: int,
+                            rounds: int = _CONFLICT_ROUNDS) -> np.ndarray:
+    """The paper's Algorithm 1 (see the module docstring): ``r`` of the ``positives``.
+
+    The C extension's loop runs when it is built, else :func:`_conflict_sets_numpy`;
+    both select the same positions. ``rounds``: visits of every set before the
+    shortfall is filled (tests lower it to reach that path).
+    """
     p = positives.size
     if r >= p:
         return positives
-    if p >= 2**31:  # keeps bit * p + positive below 2**63
-        raise DecodeError(f"conflict_sets: {p} positives, more than the policy handles")
-    bits = filt.bit_positions(positives)
-    # One pair per (bit, positive), sorted by bit then positive: a positive
-    # whose own bits collide counts once. ``inverse`` maps each (positive,
-    # hash) back to its pair.
-    pair_keys, inverse = np.unique(bits * p + np.arange(p)[:, None], return_inverse=True)
-    bit, member = np.divmod(pair_keys, p)
+    if p >= 2**31 or p * filt.k >= 2**32:  # positives and pairs are numbered with 4 bytes
+        raise DecodeError(f"conflict_sets: {p} positives of {filt.k} hashes, more than the "
+                          "policy handles")
+    if _bloomscan is None:
+        return _conflict_sets_numpy(filt, positives, r, rounds)
+    out = np.empty(r, dtype=np.int64)
+    _bloomscan.conflict_sets(filt.words, filt.masks, np.ascontiguousarray(positives, np.int64),
+                             r, filt.seed, filt.seed ^ _SELECTION_SEED, filt.key_bytes, filt.m,
+                             filt.k, filt.block_k, rounds, out)
+    return out
+
+
+def _level_rows(starts: np.ndarray, size: int, member: np.ndarray,
+                pair_key: np.ndarray) -> np.ndarray:
+    """The members of the sets of one ``size`` starting at ``starts`` (in the pairs),
+    a row per set, each by (pair key, position): ``(len(starts), size)`` uint32."""
+    where = starts[:, None] + np.arange(size)
+    rows = (pair_key[where].astype(np.uint64) << np.uint64(32)) | member[where]
+    rows.sort(axis=1)  # keys are distinct: the positions differ
+    return (rows & np.uint64(2**31 - 1)).astype(np.uint32)
+
+
+def _conflict_sets_numpy(filt: BloomFilter, positives: np.ndarray, r: int,
+                         rounds: int) -> np.ndarray:
+    """:func:`_conflict_set_selection` on whole arrays, the sets of one size at a time.
+
+    Memory: about 20 bytes per (positive, distinct bit) pair at its peak (grouping
+    them), then 12; nothing grows with the universe.
+    """
+    p = positives.size
+    # One pair per (bit, positive) as bit << 31 | positive, sorted in place: grouped
+    # by bit then positive; a positive whose own bits collide counts once.
+    pairs = filt.bit_positions(positives)
+    np.left_shift(pairs, 31, out=pairs)
+    pairs |= np.arange(p)[:, None]
+    pairs = pairs.reshape(-1)
+    pairs.sort()
+    repeat = pairs[1:] == pairs[:-1]
+    if repeat.any():
+        pairs = pairs[np.r_[True, ~repeat]]
+    del repeat
+    bit = (pairs >> 31).astype(np.uint32)
+    member = (pairs & (2**31 - 1)).astype(np.uint32)
+    del pairs
     set_start = np.flatnonzero(np.r_[True, bit[1:] != bit[:-1]])
     set_size = np.diff(np.r_[set_start, bit.size])
-    set_of_pair = np.repeat(np.arange(set_start.size), set_size)
+    set_bit = bit[set_start]
 
-    # Random draws every rank reproduces: a key per positive, one per set,
-    # and one per (set, member) pair for the choice inside a set. Sorts are
-    # stable so ties resolve the same way everywhere.
+    # Random draws every rank reproduces: a key per positive, one per set, and one
+    # per (set, member) pair for the choice inside a set. Sorts are stable (or of
+    # distinct keys) so ties resolve the same way everywhere.
     seed = filt.seed ^ _SELECTION_SEED
     positive_key = murmur3_32(positives, seed, filt.key_bytes)
-    set_key = murmur3_32(bit[set_start], seed)
-    pair_key = murmur3_32(bit, positive_key[member])
+    set_key = murmur3_32(set_bit, seed)
+    pair_key = np.empty(bit.size, dtype=np.uint32)
+    for lo in range(0, bit.size, _BUILD_SLICE):  # bounds murmur's temporaries
+        hi = lo + _BUILD_SLICE
+        pair_key[lo:hi] = murmur3_32(bit[lo:hi], positive_key[member[lo:hi]])
+    del bit, positive_key
 
-    # Rank sets by (size, key); order pairs by (set rank, pair key), so the
-    # first unselected member of a set is its random choice.
+    # Rank sets by (size, key). The sets of one size (a level) are rows of one
+    # matrix, each row its members by (pair key, position): the first unselected
+    # member of a row is the set's random choice.
     set_order = np.argsort((set_size.astype(np.uint64) << np.uint64(32)) | set_key,
                            kind="stable")
     set_rank = np.empty_like(set_order)
     set_rank[set_order] = np.arange(set_order.size)
-    rank_of_pair = set_rank[set_of_pair]
-    pair_order = np.argsort((rank_of_pair.astype(np.uint64) << np.uint64(32)) | pair_key,
-                            kind="stable")
-    pair_set = rank_of_pair[pair_order]
-    pair_member = member[pair_order]
     rank_size = set_size[set_order]
-    rank_start = np.r_[0, np.cumsum(rank_size)]
     level_start = np.flatnonzero(np.r_[True, rank_size[1:] != rank_size[:-1]])
-    levels = list(zip(level_start.tolist(), np.r_[level_start[1:], rank_size.size].tolist()))
-    member_sets = rank_of_pair[inverse.reshape(p, -1)]  # the set ranks of each positive
+    levels = [(first, end, _level_rows(set_start[set_order[first:end]], int(rank_size[first]),
+                                       member, pair_key))
+              for first, end in zip(level_start.tolist(),
+                                    np.r_[level_start[1:], rank_size.size].tolist())]
+    del member, pair_key
+
+    def set_ranks(chosen):
+        """The set ranks of each chosen positive, shape ``(len(chosen), k)``."""
+        bits = filt.bit_positions(positives[chosen]).astype(np.uint32)
+        return set_rank[np.searchsorted(set_bit, bits)]
 
     selected = np.zeros(p, dtype=bool)
     touched = np.zeros(rank_size.size, dtype=bool)  # gained a selected member since last visit
     count = 0
-    for _ in range(_CONFLICT_ROUNDS):
-        for first_rank, end_rank in levels:  # one pass per distinct set size
-            lo, hi = rank_start[first_rank], rank_start[end_rank]
-            sets, members = pair_set[lo:hi], pair_member[lo:hi]
-            open_set = ~touched[first_rank:end_rank]
+    for _ in range(rounds):
+        for first_rank, end_rank, rows in levels:  # one pass per distinct set size
+            open_rows = np.flatnonzero(~touched[first_rank:end_rank])
             touched[first_rank:end_rank] = False
-            candidate = np.flatnonzero(open_set[sets - first_rank] & ~selected[members])
-            if candidate.size == 0:
+            unselected = ~selected[rows[open_rows]]
+            column = unselected.argmax(axis=1)
+            picking = unselected[np.arange(open_rows.size), column]
+            if not picking.any():
                 continue
-            candidate_sets = sets[candidate]
-            first = np.r_[True, candidate_sets[1:] != candidate_sets[:-1]]
-            nominees, pickers = members[candidate[first]], candidate_sets[first]
+            pickers = open_rows[picking]
+            nominees = rows[pickers, column[picking]]
             _, first_nomination = np.unique(nominees, return_index=True)
             first_nomination.sort()
             chosen = nominees[first_nomination][:r - count]
             selected[chosen] = True
             count += chosen.size
-            touched[member_sets[chosen]] = True
-            touched[pickers] = False  # a set's own pick does not compromise it
+            touched[set_ranks(chosen)] = True
+            touched[first_rank + pickers] = False  # a set's own pick does not compromise it
             if count == r:
-                return np.sort(positives[selected])
+                return positives[selected]
     # Shortfall after the last round: positives whose smallest set comes first.
     rest = np.flatnonzero(~selected)
-    selected[rest[_smallest_keys(member_sets[rest].min(axis=1), r - count)]] = True
-    return np.sort(positives[selected])
+    first_set = np.concatenate([set_ranks(rest[lo:lo + _SCAN_CHUNK]).min(axis=1)
+                                for lo in range(0, rest.size, _SCAN_CHUNK)])
+    selected[rest[_smallest_keys(first_set, r - count)]] = True
+    return positives[selected]
 
 
 # ----------------------------------------------------------------- the codec

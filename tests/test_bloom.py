@@ -475,3 +475,178 @@ def test_a_saturated_filter_is_rejected_early_by_p0(scan):
     full = header + b"\xff" * 32
     with pytest.raises(DecodeError, match="more than"):
         BloomIndices(policy="p0").decode(full, 1_000_000, 10)
+
+
+# ----------------------------------------------------------------- conflict sets
+
+def reference_conflict_sets(filt, positives, r, rounds=8):
+    """The conflict-set selection as first written (whole-array numpy, memory about
+    100 bytes per (positive, bit) pair), kept to show that both implementations of
+    today select exactly the same positions."""
+    p = positives.size
+    if r >= p:
+        return positives
+    bits = filt.bit_positions(positives)
+    pair_keys, inverse = np.unique(bits * p + np.arange(p)[:, None], return_inverse=True)
+    bit, member = np.divmod(pair_keys, p)
+    set_start = np.flatnonzero(np.r_[True, bit[1:] != bit[:-1]])
+    set_size = np.diff(np.r_[set_start, bit.size])
+    set_of_pair = np.repeat(np.arange(set_start.size), set_size)
+    seed = filt.seed ^ bloom._SELECTION_SEED
+    positive_key = murmur3_32(positives, seed, filt.key_bytes)
+    set_key = murmur3_32(bit[set_start], seed)
+    pair_key = murmur3_32(bit, positive_key[member])
+    set_order = np.argsort((set_size.astype(np.uint64) << np.uint64(32)) | set_key,
+                           kind="stable")
+    set_rank = np.empty_like(set_order)
+    set_rank[set_order] = np.arange(set_order.size)
+    rank_of_pair = set_rank[set_of_pair]
+    pair_order = np.argsort((rank_of_pair.astype(np.uint64) << np.uint64(32)) | pair_key,
+                            kind="stable")
+    pair_set, pair_member = rank_of_pair[pair_order], member[pair_order]
+    rank_size = set_size[set_order]
+    rank_start = np.r_[0, np.cumsum(rank_size)]
+    level_start = np.flatnonzero(np.r_[True, rank_size[1:] != rank_size[:-1]])
+    levels = list(zip(level_start.tolist(), np.r_[level_start[1:], rank_size.size].tolist()))
+    member_sets = rank_of_pair[inverse.reshape(p, -1)]
+    selected = np.zeros(p, dtype=bool)
+    touched = np.zeros(rank_size.size, dtype=bool)
+    count = 0
+    for _ in range(rounds):
+        for first_rank, end_rank in levels:
+            lo, hi = rank_start[first_rank], rank_start[end_rank]
+            sets, members = pair_set[lo:hi], pair_member[lo:hi]
+            open_set = ~touched[first_rank:end_rank]
+            touched[first_rank:end_rank] = False
+            candidate = np.flatnonzero(open_set[sets - first_rank] & ~selected[members])
+            if candidate.size == 0:
+                continue
+            candidate_sets = sets[candidate]
+            first = np.r_[True, candidate_sets[1:] != candidate_sets[:-1]]
+            nominees, pickers = members[candidate[first]], candidate_sets[first]
+            _, first_nomination = np.unique(nominees, return_index=True)
+            first_nomination.sort()
+            chosen = nominees[first_nomination][:r - count]
+            selected[chosen] = True
+            count += chosen.size
+            touched[member_sets[chosen]] = True
+            touched[pickers] = False
+            if count == r:
+                return np.sort(positives[selected])
+    rest = np.flatnonzero(~selected)
+    selected[rest[bloom._smallest_keys(member_sets[rest].min(axis=1), r - count)]] = True
+    return np.sort(positives[selected])
+
+
+def assert_conflict_sets_match(filt, positives, counts, rounds=(8, 2, 0)):
+    """Compiled, numpy and the reference select the same positions for each r in
+    ``counts`` and each number of rounds (0: the shortfall alone)."""
+    for r in sorted({r for r in counts if 0 < r < positives.size}):
+        for n_rounds in rounds:
+            expected = reference_conflict_sets(filt, positives, r, n_rounds)
+            got = extensions.both(bloom, "_bloomscan", bloom._conflict_set_selection,
+                                  filt, positives, r, n_rounds)
+            for result in got:
+                assert result.dtype == np.int64 and np.array_equal(result, expected), \
+                    (filt.k, filt.m, positives.size, r, n_rounds)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 20_000), density=st.floats(0.0005, 0.3),
+       fpr=st.sampled_from([0.5, 0.2, 0.05, 0.01, 1e-3]), seed=st.integers(0, 2**32 - 1))
+def test_conflict_sets_select_what_they_always_did(n, density, fpr, seed):
+    rng = np.random.default_rng(seed)
+    indices = random_indices(rng, n, max(1, int(density * n)))
+    filt = BloomIndices(fpr=fpr, seed=seed).build_filter(indices, n)
+    positives = filt.positives()
+    assert_conflict_sets_match(filt, positives, [indices.size, positives.size - 1,
+                                                 positives.size // 2, 1])
+
+
+@pytest.mark.parametrize("nbytes,k,block_k", [(8, 1, 1), (8, 3, 1), (8, 20, 4), (16, 64, 4),
+                                              (64, 7, 3), (4096, 10, 4)])
+def test_conflict_sets_of_crafted_filters_match(nbytes, k, block_k):
+    # few filter bits for many positives: sets of hundreds, many of one size, a
+    # position's own bits colliding (k up to 64 in 64 bits)
+    n, rng = 3000, np.random.default_rng(nbytes * 100 + k)
+    filt = filter_of(random_indices(rng, n, 40), n, k, block_k, int(rng.integers(2**32)), nbytes)
+    positives = filt.positives()
+    assert positives.size >= 40
+    assert_conflict_sets_match(filt, positives, [40, positives.size - 1, positives.size // 3])
+
+
+def test_conflict_sets_with_many_sets_and_8_byte_keys_match():
+    # more than 2048 sets (the compiled grouping's two-stage path), 16,384 values
+    n = 1 << 20
+    indices = random_indices(np.random.default_rng(13), n, 16_384)
+    filt = BloomIndices(fpr=0.01, seed=5).build_filter(indices, n)
+    assert np.count_nonzero(np.unpackbits(filt.words.view(np.uint8))) > 2048
+    assert_conflict_sets_match(filt, filt.positives(), [16_384, 20_000], rounds=(8, 1))
+    # positions beyond 2**32 hash with 8-byte keys
+    n = 2**34
+    indices = np.unique(np.random.default_rng(14).integers(2**33, 2**33 + 40_000, 300))
+    filt = BloomIndices(fpr=0.05, seed=6).build_filter(indices, n)
+    positives = filt.positives(start=2**33 - 5000, stop=2**33 + 45_000)
+    assert filt.key_bytes == 8 and np.isin(indices, positives).all()
+    assert_conflict_sets_match(filt, positives, [300, positives.size - 1])
+
+
+def test_conflict_sets_fixture_decodes_the_same_with_either_implementation():
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "fixtures" / "bloom_conflict_sets_f32"
+    payload = (fixture.with_suffix(".drz")).read_bytes()
+    with np.load(fixture.with_suffix(".npz")) as expected:
+        for st_ in extensions.both(bloom, "_bloomscan", dr.decompress, payload):
+            np.testing.assert_array_equal(st_.indices, expected["indices"])
+            np.testing.assert_array_equal(st_.values, expected["values"])
+
+
+def peak_bytes(fn) -> int:
+    """Peak memory that tracemalloc sees during ``fn()`` (numpy's arrays, and the C
+    extension's buffers, which it allocates through Python's allocator)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_conflict_sets_memory_follows_the_positives_not_the_universe(scan):
+    # 200 values in 2**22 positions at fpr 0.01: about 42,000 positives, 7 bits each
+    n, r = 1 << 22, 200
+    indices = random_indices(np.random.default_rng(15), n, r)
+    data = BloomIndices(fpr=0.01, policy="conflict_sets", seed=7).encode(indices, n)
+    positives = BloomFilter.from_bytes(data, n, "test").positives().size
+    p0 = peak_bytes(lambda: BloomIndices(fpr=0.01, policy="p0").decode(data, n, positives))
+    p2 = peak_bytes(lambda: BloomIndices(fpr=0.01, policy="conflict_sets").decode(data, n, r))
+    # the scan's own buffers and the positives, plus at most 24 bytes per (positive, bit)
+    # pair: 150 bytes a positive (the first implementation took about 650)
+    assert p2 <= p0 + 150 * positives, (p0, p2, positives)
+
+
+@compiled
+def test_c_conflict_sets_refuses_what_is_not_a_selection():
+    filt = BloomIndices(fpr=0.05).build_filter(np.arange(0, 4000, 50), 4000)
+    positives = filt.positives()
+    arguments = [filt.words, filt.masks, positives, 80, filt.seed, 7, filt.key_bytes, filt.m,
+                 filt.k, filt.block_k, 8, np.empty(80, np.int64)]
+
+    def call(index, value):
+        return bloom._bloomscan.conflict_sets(*arguments[:index], value, *arguments[index + 1:])
+
+    assert call(3, 80) is None
+    not_positive = np.setdiff1d(np.arange(4000), positives)[:1]
+    with pytest.raises(ValueError, match="not a positive"):
+        call(2, np.union1d(positives, not_positive))
+    for index, wrong in [(2, positives[::-1].copy()),
+                         (2, np.r_[-1, positives]), (3, positives.size), (3, -1),
+                         (11, np.empty(79, np.int64)), (10, -1), (5, 2**32)]:
+        with pytest.raises(ValueError):
+            call(index, wrong)
+    for index, wrong in [(2, positives.astype(np.int32)), (11, np.empty(80, np.uint64))]:
+        with pytest.raises(TypeError):
+            call(index, wrong)
