@@ -13,7 +13,9 @@ torch = pytest.importorskip("torch")
 
 import deepreduce as dr  # noqa: E402
 from deepreduce.exchange import GradientExchange  # noqa: E402
-from deepreduce.torch.device import DeviceSelector, HostLink, select_on_device  # noqa: E402
+from deepreduce.torch.device import (DeviceSelector, HostLink, from_host,  # noqa: E402
+                                     host_array,
+                                     select_on_device)
 
 #: (name, shape): one with its own payload, two that share one, one below min_size
 SHAPES = [("w", (300, 400)), ("v", (64, 40)), ("u", (2000,)), ("b", (100,))]
@@ -69,8 +71,12 @@ def step_both(host, device, step, ranks=2):
 
 def residuals(exchange):
     memory = exchange.memory
+
+    def host(residual):
+        return host_array(residual.cpu()) if isinstance(residual, torch.Tensor) else residual
+
     return {} if memory is None else {
-        name: np.asarray(memory.residual(name)).tobytes() for name in memory.names()}
+        name: host(memory.residual(name)).tobytes() for name in memory.names()}
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: f"{s['sparsifier']}-{s['value']}")
@@ -127,3 +133,24 @@ def test_host_link_counts_what_crosses():
     back = link.to_device(array, "cpu", torch.float32)
     assert (link.to_host_bytes, link.to_device_bytes) == (80, 80)
     assert back.dtype == torch.float32 and back.tolist() == list(range(10))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+@pytest.mark.parametrize("value", ["raw", "fp16", "bf16"])
+def test_half_precision_buckets_take_the_same_bits(dtype, value):
+    # AMP's fp16 and bf16 gradients: selection in float32, sums accumulated in float32
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    host, device = pair(dict(sparsifier=dr.TopK(0.02), value=value))
+    names = [name for name, _ in SHAPES]
+    for step in range(2):
+        grads = [g.astype(dtype) for g in gradients(step)]
+        inputs = [from_host(g.copy()) if g.size >= MIN_SIZE else g.copy() for g in grads]
+        sent = host.encode_bundle(names, [g.copy() for g in grads])
+        assert device.encode_bundle(names, inputs) == sent
+        summed = host.decode_bundles(sent * 2, 2, 0, average=True)
+        out = [torch.zeros(shape, dtype=inputs[0].dtype) for _, shape in SHAPES]
+        device.decode_bundles(sent * 2, 2, 0, average=True, out=out)
+        for want, got in zip(summed, out):
+            assert np.asarray(want).tobytes() == host_array(got).tobytes()
+        assert residuals(device) == residuals(host)
