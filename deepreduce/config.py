@@ -67,10 +67,11 @@ class ExchangeConfig:
         Threads that code a bundle's payloads side by side (the compiled codec
         loops release the GIL) and decode the ranks' payloads: None takes this
         rank's share of the cores it may run on (divided by torchrun's
-        ``LOCAL_WORLD_SIZE`` unless the ranks are pinned to their own cores),
-        at most 4; 1 codes on the caller's thread alone. Only tensors that
-        select 32,768 entries or more go on the other threads: on smaller ones
-        the Python around the loops, which holds the GIL, outweighs them.
+        ``LOCAL_WORLD_SIZE`` or horovodrun's ``HOROVOD_LOCAL_SIZE`` unless the
+        ranks are pinned to their own cores), at most 4; 1 codes on the
+        caller's thread alone. Only tensors that select 32,768 entries or more
+        go on the other threads: on smaller ones the Python around the loops,
+        which holds the GIL, outweighs them.
         The payloads, error feedback and sums are the same whatever the
         number. Allgather communicator only.
 

@@ -34,14 +34,16 @@ def codec_threads(setting: int | None) -> int:
     share of the cores, at most :data:`MAX_CODEC_THREADS`.
 
     A rank's share is the cores it may run on, divided by the ranks on its host
-    (torchrun's ``LOCAL_WORLD_SIZE``) unless a launcher pinned it to its own
-    cores already (an affinity narrower than the machine).
+    (torchrun's ``LOCAL_WORLD_SIZE``, horovodrun's ``HOROVOD_LOCAL_SIZE``) unless
+    a launcher pinned it to its own cores already (an affinity narrower than the
+    machine).
     """
     if setting is not None:
         return setting
     cores, machine = available_cores(), os.cpu_count() or 1
     try:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE")
+                          or os.environ.get("HOROVOD_LOCAL_SIZE") or "1")
     except ValueError:
         local_ranks = 1
     if local_ranks > 1 and cores >= machine:

@@ -35,6 +35,7 @@ def test_automatic_threads_are_the_ranks_share_of_its_cores(monkeypatch):
     monkeypatch.setattr(parallel, "available_cores", lambda: 16)
     monkeypatch.setattr(parallel.os, "cpu_count", lambda: 16)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("HOROVOD_LOCAL_SIZE", raising=False)
     assert parallel.codec_threads(None) == parallel.MAX_CODEC_THREADS  # capped
     assert parallel.codec_threads(7) == 7                               # as set
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
@@ -45,6 +46,11 @@ def test_automatic_threads_are_the_ranks_share_of_its_cores(monkeypatch):
     monkeypatch.setattr(parallel, "available_cores", lambda: 3)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert parallel.codec_threads(None) == 3
+    # horovodrun says how many ranks share the host in its own variable
+    monkeypatch.setattr(parallel, "available_cores", lambda: 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("HOROVOD_LOCAL_SIZE", "8")
+    assert parallel.codec_threads(None) == 2
 
 
 def test_run_in_order_gives_a_loops_results_and_its_first_error():
