@@ -55,14 +55,18 @@ class ExchangeConfig:
         not set it (RandomK, stochastic rounding, Bloom hashing): runs are
         reproducible. The same seed on every rank makes RandomK draw the same
         coordinates everywhere; ``seed=base + rank`` gives independent draws.
-    communicator : {"allgather", "sparse_allreduce", "block"}, default "allgather"
+    communicator : {"allgather", "sparse_allreduce", "block", "hierarchical"}, default "allgather"
         How the gradients travel: every rank's payloads to every rank
-        (DeepReduce), SparCML's split allgather, or OmniReduce's non-zero
-        blocks (see :mod:`deepreduce.collectives`).
+        (DeepReduce), SparCML's split allgather, OmniReduce's non-zero
+        blocks (see :mod:`deepreduce.collectives`), or dense inside each node
+        and compressed between nodes (:mod:`deepreduce.hierarchical_exchange`).
     communicator_options : dict, optional
         Options of that communicator: ``algorithm`` (``"auto"``, ``"split"``,
         ``"recursive_doubling"``) for ``"sparse_allreduce"``; ``block_size``
-        and ``threshold`` for ``"block"``; ``"allgather"`` takes none.
+        and ``threshold`` for ``"block"``; ``"allgather"`` takes none;
+        ``local_size`` (ranks per node; None: torchrun's ``LOCAL_WORLD_SIZE``
+        or Horovod's local size), ``inter`` (the communicator between nodes,
+        ``"allgather"``) and ``inter_options`` for ``"hierarchical"``.
     codec_threads : int or None, default None
         Threads that code a bundle's payloads side by side (the compiled codec
         loops release the GIL) and decode the ranks' payloads: None takes this
@@ -161,11 +165,14 @@ _PER_CALL = ("pipeline", "op", "process_set", "transport")
 
 def _check_communicator(name, options) -> dict:
     """The options of communicator ``name``, checked against its constructor."""
-    names = tuple(collectives.COMMUNICATORS)
+    names = tuple(collectives.COMMUNICATORS) + ("hierarchical",)
     if name not in names:
         raise ValueError(f"communicator must be one of {', '.join(map(repr, names))}, "
                          f"got {name!r}")
     options = {} if options is None else dict(options)
+    if name == "hierarchical":  # dense inside a node, another communicator between nodes
+        from deepreduce.collectives.hierarchical import check_options
+        return check_options(options, _check_communicator)
     if name == "allgather":
         if options:
             raise ValueError(f"communicator 'allgather' takes no options, got {sorted(options)}")

@@ -31,6 +31,7 @@ from deepreduce.allgather_exchange import AllgatherExchange
 from deepreduce.collectives.base import fail_collectively, op_name, signed_allgather
 from deepreduce.collectives.transport import Traffic
 from deepreduce.config import ExchangeConfig
+from deepreduce.hierarchical_exchange import HierarchicalExchange
 from deepreduce.reducing_exchange import ReducingExchange
 from deepreduce.selection import Selector
 from deepreduce.sparse import SparseTensor
@@ -87,10 +88,15 @@ class GradientExchange:
         self.config = config = ExchangeConfig.from_settings(config, *args, **settings)
         self.selector = selector(config)
         self._allgather = AllgatherExchange(self.selector, config.codec_threads)
-        self._reducing = None if config.communicator == "allgather" else \
+        self._reducing = None if config.communicator in ("allgather", "hierarchical") else \
             ReducingExchange(config, self.selector)
+        self._hierarchical = HierarchicalExchange(config, self.selector) \
+            if config.communicator == "hierarchical" else None
         self.stats = CompressionStats()
         self._init_runtime()
+
+    #: (what an exchange pickled before the hierarchical communicator existed reads)
+    _hierarchical = None
 
     def _init_runtime(self):
         self._lock = threading.Lock()
@@ -154,6 +160,22 @@ class GradientExchange:
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` (of an exchange with the same settings)."""
         self.selector.load_state_dict(state)
+
+    def pay(self, names, tensors, transport=None) -> None:
+        """Add what error feedback owes into ``tensors`` (in place) and forget it, for a
+        step that sends them whole (a dense allreduce before compression starts).
+
+        With the hierarchical communicator each residual covers this rank's shard,
+        which ``transport`` (the reduction's) locates.
+        """
+        memory = self.memory
+        if memory is None:
+            return
+        if self._hierarchical is not None:
+            self._hierarchical.pay(memory, names, tensors, transport)
+            return
+        for name, x in zip(names, tensors):
+            memory.pay(name, x)
 
     def random_state(self) -> dict:
         """Where every tensor's random streams stand."""
@@ -246,6 +268,9 @@ class GradientExchange:
         as_rows = [False] * len(tensors) if as_rows is None else list(as_rows)
         if len(as_rows) != len(tensors):
             raise ValueError(f"as_rows has {len(as_rows)} entries for {len(tensors)} tensors")
+        if self._hierarchical is not None:
+            return self._hierarchical.reduce_async(list(names), list(tensors), transport, op,
+                                                   as_rows, out, self._lock, self.stats)
         if self._reducing is not None:
             return self._reducing_step(list(names), list(tensors), transport, op, as_rows, out)
         return self._allgather_step(names, tensors, transport, op, as_rows, out, reuse_out)

@@ -78,6 +78,44 @@ class Transport:
     def allgather(self, frame, traffic: Traffic, stage: str) -> list:
         raise NotImplementedError
 
+    def split(self, color: int, key: int | None = None) -> "Transport":
+        """The members with the same ``color`` as a transport of their own (MPI's
+        ``Comm_split``): a collective, called by every member in the same order.
+
+        Members of the new transport are ranked by ``key`` (default: their rank
+        here), ties broken by their rank here. The hierarchical exchange splits a
+        transport into the ranks of a node and the ranks that hold the same shard
+        on every node (:func:`deepreduce.collectives.hierarchical.node_transports`).
+        Creating the new groups may be slow (torch.distributed's ``new_group``):
+        split once, keep the result.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot split into sub-groups; the transports that can: "
+            "ThreadTransport, deepreduce.torch.transport.TorchTransport, "
+            "deepreduce.horovod.collectives.HorovodTransport")
+
+    def _split_members(self, color: int, key: int | None) -> list:
+        """The ranks here of the members that share this member's ``color``, in the order
+        of their ``(key, rank)``: every member's pair, gathered over this transport."""
+        key = self.rank if key is None else key
+        mine = np.array([color, key], dtype="<i8")
+        gathered = self.allgather(mine.tobytes(), Traffic(), "split")
+        return members_of(np.stack([np.frombuffer(f, dtype="<i8") for f in gathered]),
+                          self.rank)
+
+
+def members_of(pairs: np.ndarray, rank: int) -> list:
+    """Given every member's ``(color, key)`` (rows, in rank order), the ranks that share
+    ``rank``'s color, ordered by ``(key, rank)``.
+
+    >>> members_of(np.array([[0, 0], [1, 0], [0, 5], [0, 1]]), 2)
+    [0, 3, 2]
+    """
+    pairs = np.asarray(pairs, dtype=np.int64)
+    same = np.flatnonzero(pairs[:, 0] == pairs[rank, 0])
+    order = np.lexsort((same, pairs[same, 1]))  # by key, then by rank
+    return same[order].tolist()
+
 
 def split_frames(buffer, lengths) -> list:
     """Views of the consecutive frames of ``lengths`` bytes that fill ``buffer``, in order:
@@ -139,6 +177,26 @@ class ThreadTransport(Transport):
         own = len(everything[self.rank])
         traffic.add(stage, own, sum(map(len, everything)) - own)
         return [memoryview(f) for f in everything]
+
+    def split(self, color, key=None):
+        """The members of this member's ``color`` as a group of their own (see
+        :meth:`Transport.split`).
+
+        >>> from concurrent.futures import ThreadPoolExecutor
+        >>> members = ThreadTransport.group(4)
+        >>> with ThreadPoolExecutor(4) as pool:
+        ...     subs = list(pool.map(lambda t: t.split(t.rank % 2, key=-t.rank), members))
+        >>> [(s.rank, s.size) for s in subs]
+        [(1, 2), (1, 2), (0, 2), (0, 2)]
+        """
+        key = self.rank if key is None else key
+        members = members_of(np.array(self._exchange((int(color), int(key)))), self.rank)
+        # the first member makes the new group's meeting place and hands it to the others
+        fresh = {"barrier": threading.Barrier(len(members),
+                                              timeout=self._shared["barrier"]._timeout),
+                 "slots": [None] * len(members)} if members[0] == self.rank else None
+        shared = self._exchange(fresh)[members[0]]
+        return ThreadTransport(members.index(self.rank), len(members), shared)
 
 
 def get_transport(transport=None, process_set=None) -> Transport:
