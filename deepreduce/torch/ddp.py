@@ -107,7 +107,7 @@ class DeepReduceState:
         ``sparsifier`` (Top-1%), ``index`` ("auto"), ``value`` ("fp16"),
         ``error_feedback`` (True, per parameter), ``min_size`` (1024),
         ``seed`` (0), ``communicator`` ("allgather"; or "sparse_allreduce",
-        "block") and ``communicator_options``.
+        "block", "hierarchical") and ``communicator_options``.
     config : ExchangeConfig, optional
         All of them at once, instead.
     start_iter : int, default 10
@@ -387,10 +387,8 @@ def deepreduce_hook(state: DeepReduceState,
         started = state.exchange.reduce_async(keys, views, state._guarded, "average", out=out,
                                               reuse_out=reuse)
     else:
-        memory = state.exchange.memory
-        if memory is not None:
-            for key, view in zip(keys, views):   # what error feedback still owes goes now
-                memory.pay(key, view)
+        # what error feedback still owes goes now
+        state.exchange.pay(keys, views, state._guarded)
         started = state._submit(lambda: _allreduce_average(state, buffer, host, on_host, size))
     started.add_done_callback(deliver)
     if bucket.is_last():
@@ -471,3 +469,6 @@ class _GuardedTransport(Transport):
 
     def alltoall(self, frames, traffic, stage):
         return self._state.transport.alltoall(frames, traffic, stage)
+
+    def split(self, color, key=None):
+        return self._state.transport.split(color, key)

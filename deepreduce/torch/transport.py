@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from deepreduce.collectives.transport import Transport, split_frames
+from deepreduce.collectives.transport import Transport, members_of, split_frames
 
 __all__ = ["TorchTransport"]
 
@@ -132,6 +132,39 @@ class TorchTransport(Transport):
         self._held += [received, outgoing]
         traffic.add(stage, 8 * self.size + data.size, 8 * self.size + received.numel())
         return split_frames(self._to_host(received), incoming)
+
+    def split(self, color, key=None):
+        """The members of this member's ``color`` as a transport over a process group
+        of their own (see :meth:`deepreduce.collectives.Transport.split`).
+
+        torch.distributed creates groups collectively: in a group of the whole
+        world, every rank creates every sub-group, in the order of their colors
+        (``new_group``, which NCCL needs); in a smaller group, the members of each
+        sub-group create theirs alone (``use_local_synchronization``). Members are
+        ranked by ``key`` (``sort_ranks=False`` where that differs from their
+        global ranks' order).
+        """
+        key = self.rank if key is None else key
+        mine = np.array([color, key, dist.get_rank()], dtype=np.int64)
+        table = self._lengths(mine)  # every member's (color, key, global rank)
+        members = members_of(table[:, :2], self.rank)
+        whole_world = self.size == dist.get_world_size()
+        created = None
+        for each in sorted(set(table[:, 0].tolist())):
+            if each != color and not whole_world:
+                continue
+            ranks = table[members_of(table[:, :2], int(np.flatnonzero(table[:, 0] == each)[0])),
+                          2].tolist()
+            ordered = ranks == sorted(ranks)
+            group = dist.new_group(ranks, use_local_synchronization=not whole_world,
+                                   **({} if ordered else {"sort_ranks": False}))
+            if each == color:
+                created = group
+        transport = TorchTransport(created, self.device)
+        if transport.rank != members.index(self.rank):  # (new_group ignored the order)
+            raise RuntimeError("torch.distributed ranked the new group's members otherwise "
+                               "than their keys")
+        return transport
 
 
 _WITH_HELD_TENSORS = weakref.WeakSet()
