@@ -240,7 +240,7 @@ class Scheme:
         self.label, self.hook, self.state, self.kind, self.ranks = label, hook, state, kind, ranks
         #: wait for each bucket's future before the next bucket's hook call
         self.one_at_a_time = one_at_a_time
-        self.wall, self.cpu, self.sent, self.host_bytes = [], [], [], []
+        self.wall, self.cpu, self.sent, self.host_bytes, self.select = [], [], [], [], []
 
     def counters(self):
         """Cumulative (bytes sent, host<->device bytes) of the state, where it counts them."""
@@ -273,13 +273,39 @@ def build_schemes(ranks, device):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=POWERSGD_START,
                                             use_error_feedback=True)
-        # several buckets' PowerSGD in flight at once hang on gloo here (their chained
-        # allreduces, started from gloo's callback threads): one bucket at a time
+        # several buckets' PowerSGD in flight at once hung on gloo here (its chained
+        # allreduces): one bucket at a time
         schemes.append(Scheme(f"PowerSGD rank {rank}", powerSGD_hook.powerSGD_hook, state,
                               "powersgd", one_at_a_time=device.type != "cuda"))
     schemes.append(Scheme("DDP fp16_compress_hook", default_hooks.fp16_compress_hook, None,
                           "fp16"))
     return schemes
+
+
+class SelectionClock:
+    """Seconds spent in :func:`deepreduce.torch.device.select_on_device` (the device path's
+    sparsifier), wrapped while the clock is installed; on a GPU, launch time only."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        import deepreduce.torch.device as device_module
+        self._module, self._original = device_module, device_module.select_on_device
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return self._original(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.seconds += time.perf_counter() - start
+        device_module.select_on_device = timed
+        return self
+
+    def __exit__(self, *exc):
+        self._module.select_on_device = self._original
 
 
 def synchronize(device):
@@ -344,11 +370,13 @@ def measure_model(name, ranks, steps, warmup, device, seed=0):
         for scheme in order:
             fill(buckets, noise, at)
             before = scheme.counters()
-            wall, cpu = run_step(scheme, buckets, device)
+            with SelectionClock() as selection:
+                wall, cpu = run_step(scheme, buckets, device)
             after = scheme.counters()
             if round_ >= warmup:
                 scheme.wall.append(wall)
                 scheme.cpu.append(cpu)
+                scheme.select.append(selection.seconds)
                 scheme.sent.append(None if after[0] is None else after[0] - before[0])
                 scheme.host_bytes.append(None if after[1] is None else after[1] - before[1])
         print(f"  round {round_ + 1}/{warmup + steps} at {time.perf_counter() - began:.0f} s"
@@ -369,6 +397,7 @@ def measure_model(name, ranks, steps, warmup, device, seed=0):
                                      else None),
                      "ms": 1e3 * statistics.median(scheme.wall),
                      "cpu_ms": 1e3 * statistics.median(scheme.cpu),
+                     "select_ms": 1e3 * statistics.median(scheme.select),
                      "ms_all": [1e3 * s for s in scheme.wall],
                      "sent_bytes": sent, "host_device_bytes": host, "dense_bytes": dense})
     model = {"model": label, "parameters": parameters, "buckets": len(buckets),
@@ -407,7 +436,12 @@ def report(record) -> str:
              "would differ). PowerSGD (error feedback, warm start, compressing from step "
              f"{POWERSGD_START}, min_compression_rate 2) and the fp16 hook allreduce on a world "
              "of 1, where the allreduce costs next to nothing: their figures are their "
-             "computation, the same at any P.", "",
+             "computation, the same at any P."
+             + (" On gloo, PowerSGD with several buckets in flight at once hung here (its "
+                "chained allreduces; GPT-2 small's 13 buckets, at its first compressing step), "
+                "so its buckets go one at a time: the next hook call waits for the last "
+                "bucket's future, which leaves out the overlap between buckets it could have."
+                if on_cpu else ""), "",
              "Bytes per step: `sent` is what a rank hands to the collectives (deepreduce's "
              "stats; PowerSGD's elements after compression x 4; fp16 half the dense bytes); "
              "`host<->device` is what crosses between host and device memory: the device "
@@ -448,27 +482,28 @@ def paths_note(record) -> list[str]:
             rows = {r["device_path"]: r for r in record["rows"]
                     if r["model"] == model["model"] and r["ranks"] == p}
             if True in rows and False in rows:
-                pairs.append((model["model"], p, rows[False]["ms"], rows[True]["ms"]))
+                pairs.append((model["model"], p, rows[False]["ms"], rows[True]["ms"],
+                              rows[True]["select_ms"]))
     cells = "; ".join(f"{m} P={p}: {numpy_ms:,.1f} ms numpy/C, {device_ms:,.1f} ms device "
-                      f"({device_ms / numpy_ms:.2f}x)" for m, p, numpy_ms, device_ms in pairs)
-    faster = sum(device < numpy for _, _, numpy, device in pairs)
+                      f"({device_ms / numpy_ms:.2f}x; {select_ms:,.1f} ms of it in "
+                      "`select_on_device`)" for m, p, numpy_ms, device_ms, select_ms in pairs)
+    faster = sum(device < numpy for _, _, numpy, device, _ in pairs)
     if record["device"] == "cpu":
         verdict = ("On the CPU the device path was faster in "
                    f"{faster} of {len(pairs)} cases: {cells}.")
         return [verdict, "",
-                "On CPU buckets the numpy/C path needs no copy (it works on the bucket's "
-                "memory in place), and its passes over the dense gradient are one-pass C "
-                "loops: error feedback in place, Top-k by a sampled threshold and one scan, "
-                "the sums scattered straight into the result. The device path does the same "
-                "work as general torch operations that each pass over the whole tensor and "
-                "allocate their results (|x|, a 64-bit sort key per element so that ties "
-                "break as on the host, then `torch.topk` over those keys), which on a CPU "
-                "costs more than the host copies it saves, since on the CPU there are none "
-                "to save. So `DeepReduceState(device_path=None)` keeps the numpy/C path on "
-                "the CPU and takes the device path when CUDA is available, where the numpy/C "
-                "path would copy every bucket to the host and back (the `host<->device` "
-                "column: twice the dense bytes, against the device path's selected and "
-                "decoded pairs)."]
+                "On CPU buckets the numpy/C path needs no copy (it works on the bucket's memory in "
+                "place), and its passes over the dense gradient are one-pass C loops: error "
+                "feedback in place, Top-k by a sampled threshold and one scan, the sums scattered "
+                "straight into the result. The device path does the same work as general torch "
+                "operations that each pass over the whole tensor and allocate their results (|x|, a"
+                " 64-bit sort key per element so that ties break as on the host, then `torch.topk` "
+                "over those keys: most of its time, above), which on a CPU costs more than the host"
+                " copies it saves, since on the CPU there are none to save. So "
+                "`DeepReduceState(device_path=None)` keeps the numpy/C path on the CPU and takes "
+                "the device path when CUDA is available, where the numpy/C path would copy every "
+                "bucket to the host and back (the `host<->device` column: twice the dense bytes, "
+                "against the device path's selected and decoded pairs)."]
     return [f"On {record['device_name']} the device path was faster in {faster} of "
             f"{len(pairs)} cases: {cells}."]
 
