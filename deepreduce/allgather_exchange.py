@@ -230,6 +230,13 @@ class AllgatherExchange:
                 seen.add(id(codec))
         return threads
 
+    def written_positions(self, key, target: np.ndarray) -> np.ndarray | None:
+        """Where the last :meth:`decode` with ``out_keys`` may have made ``target`` (the
+        ``out`` array of the tensor keyed ``key``) non-zero, or None when it wrote it
+        whole: increasing and distinct with the compiled sums, perhaps repeated and
+        unordered with numpy's (see :func:`~deepreduce.collectives.base.sum_sorted_into`)."""
+        return self._sums.peek_written(key, target)
+
     def decode(self, groups, ranks, rank, average, as_rows, out, sent, out_keys=None):
         """``(results, stats)``: the tensors of the allgathered ``groups`` of bundles, summed.
 
@@ -466,6 +473,11 @@ class _ReusedSums:
     def keep_written(self, key, target: np.ndarray, touched: np.ndarray) -> None:
         """Remember that ``target`` is zero but perhaps at ``touched``."""
         self._written[key] = (_memory_of(target), touched)
+
+    def peek_written(self, key, target: np.ndarray) -> np.ndarray | None:
+        """What :meth:`written` would return, leaving the record in place."""
+        last = self._written.get(key)
+        return last[1] if last is not None and last[0] == _memory_of(target) else None
 
 
 def _memory_of(array: np.ndarray) -> tuple:

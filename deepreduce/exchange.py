@@ -270,7 +270,8 @@ class GradientExchange:
             raise ValueError(f"as_rows has {len(as_rows)} entries for {len(tensors)} tensors")
         if self._hierarchical is not None:
             return self._hierarchical.reduce_async(list(names), list(tensors), transport, op,
-                                                   as_rows, out, self._lock, self.stats)
+                                                   as_rows, out, self._lock, self.stats,
+                                                   reuse_out)
         if self._reducing is not None:
             return self._reducing_step(list(names), list(tensors), transport, op, as_rows, out)
         return self._allgather_step(names, tensors, transport, op, as_rows, out, reuse_out)

@@ -35,7 +35,7 @@ import numpy as np
 
 from deepreduce.allgather_exchange import AllgatherExchange
 from deepreduce.collectives import frames
-from deepreduce.collectives.base import check_peers, scale_at
+from deepreduce.collectives.base import SUM_IMPLEMENTATION, check_peers
 from deepreduce.collectives.hierarchical import (Failures, Topology, node_transports,
                                                  pack_shards, resolve_local_size, shard_bounds,
                                                  unpack_shards)
@@ -98,10 +98,14 @@ class HierarchicalExchange:
         # per transport: its topology and the two transports split from it, made at its
         # first step (creating groups is collective and slow)
         self._groups = weakref.WeakKeyDictionary()
+        self._segments = {}  # (layout, local rank) -> arrays the reduced shards are summed into
+        self._written_out = {}  # (layout, tensor) -> (its out array, positions written there)
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.pop("_groups")  # process groups stay with the process
+        # process groups, and arrays of the running process, stay with it
+        for runtime in ("_groups", "_segments", "_written_out"):
+            state.pop(runtime)
         return state
 
     def __setstate__(self, state):
@@ -115,22 +119,28 @@ class HierarchicalExchange:
         return f"exchange=hierarchical;inter={self.inter};inter_options={options}"
 
     # -- one step ----------------------------------------------------------------------
-    def reduce_async(self, names, tensors, transport, op, as_rows, out, lock, stats):
+    def reduce_async(self, names, tensors, transport, op, as_rows, out, lock, stats,
+                     reuse_out=False):
         """Start a step; a Future of ``(outputs, traffic)`` (see
-        :meth:`deepreduce.exchange.GradientExchange.reduce_async`).
+        :meth:`deepreduce.exchange.GradientExchange.reduce_async`; with ``reuse_out``
+        only the positions the last step wrote into each ``out`` array are reset).
 
-        The caller's thread copies this rank's shards out of ``tensors``; the
-        three stages run on ``transport``'s communication thread, the error
-        feedback and encoding under ``lock``, and ``stats`` records the step.
+        The caller's thread copies out of ``tensors`` the shards that go to the
+        other ranks of the node; the three stages run on ``transport``'s
+        communication thread, which reads this rank's own shard from ``tensors``
+        (they must stay as they are until the Future completes, as a DDP bucket
+        does), the error feedback and encoding under ``lock``; ``stats`` records
+        the step.
         """
         start = time.perf_counter()
         failures = Failures(self._rank_of, transport.rank)
-        layout = outgoing = None
+        layout = outgoing = flats = None
         try:
             flats = [_flat(x) for x in tensors]
             layout = _Layout(flats, [_shape(x) for x in tensors],
                              self._topology(transport).local_size)
-            outgoing = layout.scatter(flats)
+            outgoing = layout.scatter(flats, _layout_signature(layout.digest),
+                                      self._topology(transport).local_rank)
         except (ValueError, TypeError) as exc:
             failures.fail(exc)
         prepared = time.perf_counter() - start
@@ -138,40 +148,48 @@ class HierarchicalExchange:
         def finish():
             groups = self._groups_of(transport)
             topology, intra, inter = groups
-            return self._step(names, layout, outgoing, topology, intra, inter, op, as_rows,
-                              out, lock, stats, failures, prepared)
+            return self._step(names, layout, flats, outgoing, topology, intra, inter, op,
+                              as_rows, out, reuse_out, lock, stats, failures, prepared)
         return transport.submit(finish)
 
-    def _step(self, names, layout, outgoing, topology, intra, inter, op, as_rows, out, lock,
-              stats, failures, prepared):
+    def _step(self, names, layout, flats, outgoing, topology, intra, inter, op, as_rows, out,
+              reuse_out, lock, stats, failures, prepared):
         traffic, timing = Traffic(), {"exchange": 0.0, "encode": prepared, "decode": 0.0}
-        digest = "none" if layout is None else layout.digest
+        signature = _layout_signature("none" if layout is None else layout.digest)
         clock = time.perf_counter()
         # 1. inside the node: this rank's shard of every tensor, summed over the node
-        received = failures.alltoall(intra, f"exchange=hierarchical;layout={digest}",
-                                     outgoing or [b""] * intra.size, traffic,
-                                     "node reduce-scatter")
+        received = failures.alltoall(intra, signature, outgoing or [b""] * intra.size,
+                                     traffic, "node reduce-scatter", framed=True)
         shards = None
         if received is not None:
-            shards = layout.reduce(received, topology.local_rank)
+            shards = layout.reduce(received, topology.local_rank, flats)
         timing["exchange"] += time.perf_counter() - clock
         # 2. between nodes: the compressed exchange of the shard
-        reduced, encoded, decoded = self._between_nodes(
+        reduced, positions, encoded, decoded = self._between_nodes(
             names, layout, shards, topology, inter, lock, failures, traffic, timing)
         clock = time.perf_counter()
-        if reduced is not None and op == "average":
-            for segment in reduced:
-                scale_at(segment, np.flatnonzero(segment), 1.0 / topology.size)
         # 3. inside the node: every reduced shard to every rank of the node
-        body = b"" if reduced is None else pack_shards(reduced)
-        gathered = failures.allgather(intra, f"exchange=hierarchical;layout={digest}", body,
-                                      traffic, "node allgather")
+        body, own = b"", None
+        if reduced is not None:
+            body, own = pack_shards(reduced, 1.0 / topology.size if op == "average" else None,
+                                    positions)
+        gathered = failures.allgather(intra, signature, body, traffic, "node allgather")
         timing["exchange"] += time.perf_counter() - clock
         failures.raise_if_any()
         clock = time.perf_counter()
-        segments = [reduced if j == topology.local_rank else
+        segments = [own if j == topology.local_rank else
                     unpack_shards(frame, layout.segments(j)) for j, frame in enumerate(gathered)]
-        outputs = layout.assemble(segments, out, as_rows)
+        stale = None
+        if reuse_out and out is not None:
+            stale = [self._written_out.pop((layout.digest, t), (None, None)) for t in
+                     range(len(out))]
+            stale = [where if out[t] is not None and memory == _memory_of(out[t]) else None
+                     for t, (memory, where) in enumerate(stale)]
+        outputs, written = layout.assemble(segments, out, as_rows, stale)
+        if reuse_out and out is not None:
+            for t, where in enumerate(written):
+                if where is not None and out[t] is not None:
+                    self._written_out[layout.digest, t] = (_memory_of(out[t]), where)
         timing["decode"] += time.perf_counter() - clock
         stats.record_step(StepStats(
             steps=1, tensors=len(outputs), compressed_tensors=encoded.compressed_tensors,
@@ -183,9 +201,10 @@ class HierarchicalExchange:
 
     def _between_nodes(self, names, layout, shards, topology, inter, lock, failures, traffic,
                        timing):
-        """Stage 2: ``(reduced segments or None, encode stats, decode stats)``."""
+        """Stage 2: ``(reduced segments or None, where they may be non-zero or None,
+        encode stats, decode stats)``."""
         encoded, decoded = StepStats(), StepStats()
-        targets = None if shards is None else layout.empty_segments(topology.local_rank)
+        targets = None if shards is None else self._targets(layout, topology.local_rank)
         if self.inter == "allgather":
             bundle = b""
             clock = time.perf_counter()
@@ -201,23 +220,28 @@ class HierarchicalExchange:
                                           traffic, "between nodes")
             timing["exchange"] += time.perf_counter() - clock
             if gathered is None:
-                return None, encoded, decoded
+                return None, None, encoded, decoded
             clock = time.perf_counter()
             try:
-                _, decoded = self._inner.decode(
-                    [gathered], inter.size, inter.rank, False, None,
-                    layout.shard_views(targets, topology.local_rank), [sent])
+                # (the targets are last step's: only the positions it wrote are reset)
+                views = layout.shard_views(targets, topology.local_rank)
+                keys = [f"{layout.digest}/{t}" for t in range(len(shards))]
+                _, decoded = self._inner.decode([gathered], inter.size, inter.rank, False, None,
+                                                views, [sent], keys)
             except ValueError as exc:  # DecodeError included
                 failures.fail(exc)
-                return None, encoded, decoded
+                return None, None, encoded, decoded
+            # where the sums may be non-zero, as the decode knows it: no pass over the shards
+            written = [self._inner.written_positions(key, view) for key, view in zip(keys, views)]
             timing["decode"] += time.perf_counter() - clock
-            return targets, encoded, decoded
+            return targets, layout.segment_positions(targets, topology.local_rank, written), \
+                encoded, decoded
         # sparse_allreduce / block: the ranks learn first whether all of them can go on,
         # since each runs a sequence of collectives that a missing rank would leave waiting
         clock = time.perf_counter()
         if failures.allgather(inter, "exchange=hierarchical;stage=status", b"", traffic,
                               "between nodes: status") is None:
-            return None, encoded, decoded
+            return None, None, encoded, decoded
         try:
             with lock:
                 reduction = self._inner.start(names, shards, "sum", inter, [False] * len(shards))
@@ -225,12 +249,21 @@ class HierarchicalExchange:
                 outputs, inner_traffic, encoded = reduction()
         except ValueError as exc:
             failures.fail(exc)
-            return None, encoded, decoded
+            return None, None, encoded, decoded
         traffic += inner_traffic
         for view, output in zip(layout.shard_views(targets, topology.local_rank), outputs):
             np.copyto(view, np.asarray(output).reshape(-1))
         timing["exchange"] += time.perf_counter() - clock
-        return targets, encoded, decoded
+        return targets, None, encoded, decoded
+
+    def _targets(self, layout, j: int) -> list:
+        """The arrays this rank's reduced segments are summed into: kept from step to step
+        for the same tensors (the decode resets only what it wrote the step before)."""
+        key = (layout.digest, j)
+        targets = self._segments.get(key)
+        if targets is None:
+            targets = self._segments[key] = layout.empty_segments(j)
+        return targets
 
     # -- the groups ----------------------------------------------------------------------
     def _topology(self, transport) -> Topology:
@@ -288,6 +321,10 @@ class HierarchicalExchange:
             memory.pay(name, flat[bounds[topology.local_rank]:bounds[topology.local_rank + 1]])
 
 
+def _layout_signature(digest: str) -> str:
+    return f"exchange=hierarchical;layout={digest}"
+
+
 def _shape(x) -> tuple:
     return x.shape if isinstance(x, SparseTensor) else np.shape(x)
 
@@ -334,12 +371,17 @@ class _Layout:
     def empty_segments(self, j: int) -> list:
         return [np.empty(size, dtype) for size, dtype in self.segments(j)]
 
-    def scatter(self, flats) -> list:
-        """Per local rank, the bytes of its segments cut from this rank's ``flats``."""
+    def scatter(self, flats, signature: str, own: int) -> list:
+        """Per local rank, a frame (:meth:`Failures.frame_buffer`) of the bytes of its
+        segments cut from this rank's ``flats``; local rank ``own``'s (this rank's) is
+        left empty: :meth:`reduce` reads its shards from ``flats``."""
         out = []
         for j in range(self.local_size):
-            buffer = np.empty(sum(size * dtype.itemsize for size, dtype in self.segments(j)),
-                              np.uint8)
+            frame, buffer = Failures.frame_buffer(signature, 0 if j == own else sum(
+                size * dtype.itemsize for size, dtype in self.segments(j)))
+            if j == own:
+                out.append(frame)
+                continue
             pos = 0
             for dtype, ts in self.groups.items():
                 segment = buffer[pos:pos + int(self.offsets[dtype][-1, j]) * dtype.itemsize] \
@@ -348,21 +390,30 @@ class _Layout:
                     low, high = self.bounds[t, j], self.bounds[t, j + 1]
                     segment[start:start + high - low] = flats[t][low:high]
                 pos += segment.nbytes
-            out.append(memoryview(buffer))
+            out.append(frame)
         return out
 
-    def reduce(self, received, j: int) -> list:
-        """Per tensor, its shard ``j`` summed over the node's ranks in local-rank order,
-        from every rank's segment bytes ``received``."""
+    def reduce(self, received, j: int, flats) -> list:
+        """Per tensor, its shard ``j`` summed over the node's ranks in local-rank order
+        (in the tensor's dtype), from the other ranks' segment bytes ``received`` and this
+        rank's ``flats``; the shards of one dtype are views of one segment."""
         shards, pos = [None] * len(self.dtypes), 0
         for dtype, ts in self.groups.items():
             size = int(self.offsets[dtype][-1, j])
-            parts = [np.frombuffer(frame, dtype, size, pos) for frame in received]
-            total = parts[0].copy()
-            for part in parts[1:]:
-                total += part
+            segments = [None if r == j else np.frombuffer(frame, dtype, size, pos)
+                        for r, frame in enumerate(received)]
+            total = np.empty(size, dtype)
             for t, start in zip(ts, self.offsets[dtype][:-1, j].tolist()):
-                shards[t] = total[start:start + self.bounds[t, j + 1] - self.bounds[t, j]]
+                low, high = self.bounds[t, j], self.bounds[t, j + 1]
+                parts = [flats[t][low:high] if segment is None else
+                         segment[start:start + high - low] for segment in segments]
+                shard = shards[t] = total[start:start + high - low]
+                if len(parts) == 1:
+                    shard[...] = parts[0]
+                    continue
+                np.add(parts[0], parts[1], out=shard)
+                for part in parts[2:]:
+                    shard += part
             pos += size * dtype.itemsize
         return shards
 
@@ -374,26 +425,74 @@ class _Layout:
                 views[t] = segment[start:start + self.bounds[t, j + 1] - self.bounds[t, j]]
         return views
 
-    def assemble(self, segments, out, as_rows) -> list:
-        """The whole tensors from every local rank's reduced ``segments``, written into
-        ``out`` where given."""
-        results = []
-        for t, (size, dtype, shape) in enumerate(zip(self.sizes.tolist(), self.dtypes,
-                                                     self.shapes)):
+    def segment_positions(self, segments, j: int, written) -> list:
+        """Per segment of local rank ``j``, where it may be non-zero, increasing: each
+        tensor's ``written`` positions (None: found by a pass over its shard)."""
+        out = []
+        for segment, (dtype, ts) in zip(segments, self.groups.items()):
+            bits = segment.view(np.dtype(f"u{dtype.itemsize}"))
+            parts = []
+            for t, start in zip(ts, self.offsets[dtype][:-1, j].tolist()):
+                length = int(self.bounds[t, j + 1] - self.bounds[t, j])
+                where = written[t]
+                if where is None:
+                    where = np.flatnonzero(bits[start:start + length])
+                elif SUM_IMPLEMENTATION != "compiled":  # numpy's may repeat, unordered
+                    where = np.unique(where)
+                parts.append(where + start)
+            out.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+        return out
+
+    def assemble(self, segments, out, as_rows, stale=None) -> tuple[list, list]:
+        """``(tensors, written)``: the whole tensors from every local rank's reduced
+        ``segments`` (per local rank, a :class:`~deepreduce.collectives.hierarchical.Segment`
+        per dtype), written into ``out`` where given, and per tensor the positions written
+        (None: the whole tensor may be). ``stale``: per ``out`` array, the positions outside
+        which it is known to be zero (None: it is zeroed whole)."""
+        results, written = [], []
+        for t, (size, dtype) in enumerate(zip(self.sizes.tolist(), self.dtypes)):
             target = None if out is None or out[t] is None else out[t]
-            if target is not None and (not isinstance(target, np.ndarray) or target.size != size
-                                       or target.dtype != dtype
-                                       or not target.flags.c_contiguous):
+            written.append([])
+            if target is None:
+                results.append(np.zeros(size, dtype))
+                continue
+            if not isinstance(target, np.ndarray) or target.size != size \
+                    or target.dtype != dtype or not target.flags.c_contiguous:
                 raise ValueError(f"out must be a writable C-contiguous {dtype} array of "
                                  f"{size} elements")
-            flat = np.empty(size, dtype) if target is None else target.reshape(-1)
+            flat = target.reshape(-1)
+            where = None if stale is None else stale[t]
+            if where is None:
+                flat.fill(0)
+            else:
+                flat[where] = 0
             results.append(flat)
         for j, per_rank in enumerate(segments):
-            for t, view in enumerate(self.shard_views(per_rank, j)):
-                results[t][self.bounds[t, j]:self.bounds[t, j + 1]] = view
+            for entry, (dtype, ts) in zip(per_rank, self.groups.items()):
+                starts = self.offsets[dtype][:, j]
+                if entry.positions is None:  # dense: each tensor's piece
+                    for t, start in zip(ts, starts[:-1].tolist()):
+                        low, high = self.bounds[t, j], self.bounds[t, j + 1]
+                        results[t][low:high] = entry.values[start:start + high - low]
+                        written[t] = None
+                    continue
+                # sorted positions in the segment: each tensor's run of them
+                cuts = np.searchsorted(entry.positions, starts).tolist()
+                for t, start, low, high in zip(ts, starts[:-1].tolist(), cuts, cuts[1:]):
+                    where = entry.positions[low:high] - start + self.bounds[t, j]
+                    results[t][where] = entry.values[low:high]
+                    if written[t] is not None:
+                        written[t].append(where)
+        written = [None if parts is None else
+                   (np.concatenate(parts) if parts else np.zeros(0, np.int64))
+                   for parts in written]
         for t, flat in enumerate(results):
             whole = flat.reshape(self.shapes[t])
             target = None if out is None else out[t]
             results[t] = nonzero_rows(whole) if as_rows[t] else \
                 (target if target is not None else whole)
-        return results
+        return results, written
+
+
+def _memory_of(array) -> tuple:
+    return array.__array_interface__["data"][0], array.size, array.dtype.str

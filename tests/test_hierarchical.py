@@ -374,8 +374,8 @@ def test_split_orders_members_by_key():
 
 def test_shard_frames_are_read_strictly():
     layout = [(10, np.dtype(np.float32))]
-    good = hierarchical.pack_shards([np.zeros(10, np.float32)])
-    assert same_bits(unpack_shards(good, layout)[0], np.zeros(10, np.float32))
+    good, _ = hierarchical.pack_shards([np.zeros(10, np.float32)])
+    assert same_bits(unpack_shards(good, layout)[0].dense(10), np.zeros(10, np.float32))
     for bad in (good + b"x", good[:-1], b"\x07", b"\x01\x02\x09\x00\x00\x00\x00\x00\x00\x00"):
         with pytest.raises(DecodeError):
             unpack_shards(bad, layout)
@@ -390,3 +390,49 @@ def test_pickled_exchange_leaves_its_groups_behind():
     assert len(exchanges[0]._hierarchical._groups) == 1  # while its transport lives
     copy = pickle.loads(pickle.dumps(exchanges[0]))
     assert len(copy._hierarchical._groups) == 0
+
+
+@pytest.mark.parametrize("sums", ["compiled", "numpy"])
+def test_reused_outputs_and_either_sum_give_the_same_bits(monkeypatch, sums):
+    """With ``reuse_out`` only what the last step wrote into an ``out`` array is reset;
+    the sums' positions come from the decode (the compiled sum's, or numpy's, which may
+    repeat): every step's results equal those of fresh arrays."""
+    from deepreduce.collectives import base
+    if sums == "numpy":
+        monkeypatch.setattr(base, "_sparsesum", None)
+        monkeypatch.setattr(hierarchical_exchange, "SUM_IMPLEMENTATION", "numpy")
+    settings = dict(sparsifier="topk:0.02", value="fp16", min_size=0)
+    reused = [hierarchical_exchange_of(**settings) for _ in range(P)]
+    fresh = [hierarchical_exchange_of(**settings) for _ in range(P)]
+
+    def rank_main(member):
+        out = [np.full((37, 29), np.nan, np.float32), np.full(5001, np.nan)]
+        steps = []
+        for step in range(4):
+            grads = gradients(member.rank, step)[:2]
+            a, _ = reused[member.rank].reduce_async(["w", "v"], grads, member, "average",
+                                                    out=out, reuse_out=True).result()
+            b, _ = fresh[member.rank].reduce_async(["w", "v"], grads, member,
+                                                   "average").result()
+            steps.append(all(same_bits(x, y) for x, y in zip(a, b)) and a[0] is out[0])
+        return steps
+
+    for steps in run_ranks(rank_main):
+        assert steps == [True] * 4
+
+
+@pytest.mark.parametrize("local", [1, 4])
+def test_lossless_with_one_rank_per_node_and_one_node(local):
+    """local_size 1 (four nodes of one: the reduce-scatter is trivial) and 4 (one node:
+    nothing between nodes) sum as the node-first dense allreduce does."""
+    exchanges = [hierarchical_exchange_of(local_size=local, **LOSSLESS) for _ in range(P)]
+    names = ["w", "v", "one", "zero", "small"]
+
+    def rank_main(member):
+        return exchanges[member.rank].reduce_async(names, gradients(member.rank),
+                                                   member).result()[0]
+
+    expected = [node_first_sum([gradients(r)[t] for r in range(P)], local)
+                for t in range(len(names))]
+    for outputs in run_ranks(rank_main):
+        assert all(same_bits(a, b) for a, b in zip(outputs, expected))

@@ -174,35 +174,65 @@ def shard_bounds(n: int, parts: int) -> np.ndarray:
     return np.arange(parts + 1, dtype=np.int64) * int(n) // parts
 
 
-def pack_shards(segments) -> bytes:
-    """One frame of the flat arrays ``segments`` (a rank's reduced shards, one per
-    dtype): each dense, or as positions and values when that is smaller.
+@dataclass
+class Segment:
+    """A reduced segment as it travels: its non-zero ``positions`` and their ``values``,
+    or, when that is not smaller, every value (``positions`` None, ``values`` dense)."""
+
+    positions: np.ndarray | None
+    values: np.ndarray
+
+    def dense(self, size: int) -> np.ndarray:
+        if self.positions is None:
+            return self.values
+        out = np.zeros(size, self.values.dtype)
+        out[self.positions] = self.values
+        return out
+
+
+def pack_shards(segments, scale: float | None = None, positions=None) -> tuple[bytes, list]:
+    """``(frame, entries)``: one frame of the flat arrays ``segments`` (a rank's reduced
+    shards, one per dtype), each dense or as positions and values when that is smaller;
+    and the :class:`Segment` of each, as every receiver will read it.
 
     A position is kept when its value's bits are not all zero, so -0.0 travels
-    as itself and every rank assembles the same bits. The positions take 4
-    bytes each (8 from 2**32 elements on).
+    as itself and every rank assembles the same bits. ``scale`` (op "average")
+    multiplies the values in double precision first, rounding back to their
+    dtype (in place in ``segments``). ``positions``: per segment, increasing positions
+    outside which it is known to be zero (None: found by a pass over it). Positions
+    take 4 bytes each (8 from 2**32 elements on).
 
     >>> seg = np.zeros(1000, np.float32); seg[[3, 700]] = [1.5, -0.0]
-    >>> frame = pack_shards([seg])
-    >>> len(frame) < 40, np.array_equal(unpack_shards(frame, [(1000, seg.dtype)])[0].view(
-    ...     np.uint32), seg.view(np.uint32))
-    (True, True)
+    >>> frame, (entry,) = pack_shards([seg], scale=0.5)
+    >>> len(frame) < 40, entry.positions.tolist(), entry.values.tolist()
+    (True, [3, 700], [0.75, -0.0])
+    >>> unpack_shards(frame, [(1000, seg.dtype)])[0].values.tolist()
+    [0.75, -0.0]
     """
-    parts = []
-    for segment in segments:
-        bits = segment.view(np.dtype(f"u{segment.dtype.itemsize}"))
-        positions = np.flatnonzero(bits)
+    parts, entries = [], []
+    for i, segment in enumerate(segments):
+        where = None if positions is None else positions[i]
+        if where is None:
+            where = np.flatnonzero(segment.view(np.dtype(f"u{segment.dtype.itemsize}")))
         index = np.dtype("<u4") if segment.size < 2**32 else np.dtype("<u8")
-        if positions.size * (index.itemsize + segment.dtype.itemsize) < segment.nbytes:
-            parts += [bytes((_SPARSE,)), write_varint(positions.size),
-                      positions.astype(index).tobytes(), segment[positions].tobytes()]
+        if where.size * (index.itemsize + segment.dtype.itemsize) < segment.nbytes:
+            values = segment[where]
+            if scale is not None:
+                values = np.multiply(values, scale, dtype=np.float64).astype(segment.dtype)
+            parts += [bytes((_SPARSE,)), write_varint(where.size),
+                      where.astype(index).tobytes(), values.tobytes()]
+            entries.append(Segment(where, values))
         else:
+            if scale is not None:
+                segment[...] = np.multiply(segment, scale, dtype=np.float64)
             parts += [bytes((_DENSE,)), segment.tobytes()]
-    return b"".join(parts)
+            entries.append(Segment(None, segment))
+    return b"".join(parts), entries
 
 
 def unpack_shards(frame, layout) -> list:
-    """The segments of a :func:`pack_shards` frame; ``layout``: ``(size, dtype)`` of each.
+    """The :class:`Segment` of each segment of a :func:`pack_shards` frame; ``layout``:
+    ``(size, dtype)`` of each.
 
     Raises
     ------
@@ -219,7 +249,7 @@ def unpack_shards(frame, layout) -> list:
             end = pos + size * dtype.itemsize
             if end > len(view):
                 raise DecodeError("shard frame truncated in a dense segment")
-            segments.append(np.frombuffer(view[pos:end], dtype=dtype))
+            segments.append(Segment(None, np.frombuffer(view[pos:end], dtype=dtype)))
         elif kind == _SPARSE:
             count, pos = read_varint(view, pos, "shard entries", size)
             index = np.dtype("<u4") if size < 2**32 else np.dtype("<u8")
@@ -230,9 +260,7 @@ def unpack_shards(frame, layout) -> list:
             positions = np.frombuffer(view[pos:middle], dtype=index).astype(np.int64)
             if count and (positions[-1] >= size or (np.diff(positions) <= 0).any()):
                 raise DecodeError("shard positions are not increasing within the segment")
-            segment = np.zeros(size, dtype)
-            segment[positions] = np.frombuffer(view[middle:end], dtype=dtype)
-            segments.append(segment)
+            segments.append(Segment(positions, np.frombuffer(view[middle:end], dtype=dtype)))
         else:
             raise DecodeError(f"unknown shard segment kind {kind}")
         pos = end
@@ -272,6 +300,16 @@ class Failures:
             self.own = exc
             self.causes.add(f"rank {self.rank}: {type(exc).__name__}: {exc}")
 
+    @staticmethod
+    def frame_buffer(signature: str, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(frame, body)``: a data frame with room for ``size`` body bytes, to be filled
+        in place (``body`` is its view) and handed to :meth:`alltoall` with
+        ``framed=True``: megabytes then travel without a copy to put a header before them."""
+        head = np.frombuffer(frames.signed(signature, bytes((_DATA,))), np.uint8)
+        frame = np.empty(head.size + size, np.uint8)
+        frame[:head.size] = head
+        return frame, frame[head.size:]
+
     def _frame(self, signature: str, body) -> bytes:
         if self:
             return frames.signed(signature, frames.error_frame("\n".join(sorted(self.causes))))
@@ -282,14 +320,21 @@ class Failures:
         gathered = transport.allgather(self._frame(signature, body), traffic, stage)
         return self._read(transport, signature, gathered, body)
 
-    def alltoall(self, transport, signature: str, bodies, traffic, stage: str) -> list | None:
+    def alltoall(self, transport, signature: str, bodies, traffic, stage: str,
+                 framed: bool = False) -> list | None:
         """The bodies every member sent this one (its own slot: ``bodies[rank]``), or None
-        once anything failed."""
+        once anything failed. ``framed``: ``bodies`` are whole frames of
+        :meth:`frame_buffer` (this ``signature``), sent as they are."""
         mine = transport.rank
-        sent = [b"" if r == mine else self._frame(signature, body)
-                for r, body in enumerate(bodies)]
+        if framed and not self:
+            sent = [b"" if r == mine else frame for r, frame in enumerate(bodies)]
+            own = memoryview(bodies[mine])[len(frames.signed(signature, b"")) + 1:]
+        else:
+            sent = [b"" if r == mine else self._frame(signature, body)
+                    for r, body in enumerate(bodies)]
+            own = bodies[mine]
         received = transport.alltoall(sent, traffic, stage)
-        return self._read(transport, signature, received, bodies[mine])
+        return self._read(transport, signature, received, own)
 
     def _read(self, transport, signature, received, own) -> list | None:
         bodies = []

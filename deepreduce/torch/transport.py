@@ -123,10 +123,15 @@ class TorchTransport(Transport):
     def alltoall(self, frames, traffic, stage):
         sizes = np.array([0 if r == self.rank else len(f) for r, f in enumerate(frames)])
         incoming = self._lengths(sizes)[:, self.rank]
-        data = np.frombuffer(b"".join(f for r, f in enumerate(frames) if r != self.rank),
-                             dtype=np.uint8)
+        # one copy of the frames, into memory torch may own (a dense reduce-scatter moves
+        # megabytes here)
+        data, pos = np.empty(int(sizes.sum()), dtype=np.uint8), 0
+        for size, frame in zip(sizes.tolist(), frames):
+            if size:
+                data[pos:pos + size] = np.frombuffer(frame, dtype=np.uint8)
+                pos += size
         received = torch.empty(int(incoming.sum()), dtype=torch.uint8, device=self.device)
-        outgoing = self._to_device(data.copy())
+        outgoing = self._to_device(data)
         dist.all_to_all_single(received, outgoing, incoming.tolist(), sizes.tolist(),
                                group=self.group)
         self._held += [received, outgoing]
