@@ -58,6 +58,9 @@ from benchmarks.e2e import (BURST, COST_COLUMNS, cost_cells, loopback_tx_bytes, 
 NAMESPACE = "drtorch"
 RATIO = 0.01
 DEEPREDUCE = "deepreduce Top-k 1% + auto + fp16 (allgather)"
+#: The hierarchical scheme, in the schemes when ``args.local_size`` is set
+#: (``benchmarks/hierarchical.py``).
+HIERARCHICAL = "deepreduce Top-k 1% + auto + fp16 (hierarchical)"
 
 
 # -- the worker: one process per rank ---------------------------------------------------
@@ -164,20 +167,38 @@ def build_schemes(args, world):
          deepreduce(sparsifier=dr.BlockTopK(RATIO, block=256), value="fp16",
                     communicator="block")),
     ]
+    if getattr(args, "local_size", None):  # ranks numbered node by node, local_size per node
+        schemes.append((HIERARCHICAL, "deepreduce", {}, deepreduce(
+            sparsifier=dr.TopK(RATIO), value="fp16", communicator="hierarchical",
+            communicator_options={"local_size": args.local_size})))
     if args.schemes:
         schemes = [s for s in schemes if any(word in s[0] for word in args.schemes)]
     return schemes
 
 
 def worker(rank, args, port, out_path):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    results = train_schemes(rank, args, build_schemes(args, args.ranks), loopback_tx_bytes)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(dict(results=results, ranks=args.ranks)))
+    dist.destroy_process_group()
+
+
+def train_schemes(rank, args, schemes, wire_bytes):
+    """Train a copy of the model with each of ``schemes`` (see :func:`build_schemes`) and
+    without communication, in turns; per scheme, its step times, bytes and loss.
+    ``wire_bytes()``: the bytes the network has carried so far (or None), read around
+    each turn."""
     import numpy as np
     import torch
     import torch.distributed as dist
     from sklearn.datasets import load_digits
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     digits = load_digits()
     features = torch.tensor(digits.data / 16.0, dtype=torch.float32)
     labels = torch.tensor(digits.target, dtype=torch.long)
@@ -193,7 +214,7 @@ def worker(rank, args, port, out_path):
     runs = [dict(label="compute only (no communication)", kind="none", model=build_model(),
                  take=lambda steps: 0)]
     runs[0]["module"] = runs[0]["model"]
-    for label, kind, ddp_kwargs, register in build_schemes(args, args.ranks):
+    for label, kind, ddp_kwargs, register in schemes:
         model = build_model()
         ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
         runs.append(dict(label=label, kind=kind, model=ddp, module=model, take=register(ddp)))
@@ -231,10 +252,10 @@ def worker(rank, args, port, out_path):
         for position in np.random.default_rng([args.seed, turn]).permutation(len(runs)):
             run = runs[position]
             dist.all_reduce(barrier)  # the ranks start each turn together
-            tx = loopback_tx_bytes()
+            tx = wire_bytes()
             steps(run, per_round, timed=True)
             dist.all_reduce(barrier)
-            end = loopback_tx_bytes()
+            end = wire_bytes()
             run["wire"] = None if tx is None or end is None or run["wire"] is None \
                 else run["wire"] + end - tx
             run["sent"] += run["take"](per_round)
@@ -254,9 +275,7 @@ def worker(rank, args, port, out_path):
             final_loss=float(np.mean(run["losses"][-per_round:])),
             **{f"{key}_ms": float(np.median([step[key] for step in run["path"]]))
                for key in ("encode", "decode", "codec", "exchange") if run["path"]}))
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(dict(results=results, ranks=args.ranks)))
-    dist.destroy_process_group()
+    return results
 
 
 def spawn_workers(args):
