@@ -416,7 +416,7 @@ def megabytes(nbytes):
 def report(record) -> str:
     on_cpu = record["device"] == "cpu"
     lines = ["# The hooks' own work per step on real model shapes", "",
-             "`python -m benchmarks.device_step` " + " ".join(record["argv"]), "",
+             "`" + " ".join(["python -m benchmarks.device_step", *record["argv"]]) + "`", "",
              f"Device: {record['device_name']}; torch {record['torch']} with "
              f"{record['threads']} intra-op threads; {record['cpus']} CPU cores "
              f"({record['machine']}). Each figure is the median of the measured steps (their "
@@ -508,6 +508,18 @@ def paths_note(record) -> list[str]:
             f"{len(pairs)} cases: {cells}."]
 
 
+def cpu_model() -> str:
+    """The processor's name from /proc/cpuinfo where there is one."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS),
@@ -540,7 +552,7 @@ def main(argv=None):
     record = {"argv": list(argv if argv is not None else sys.argv[1:]),
               "device": device.type,
               "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                              else f"CPU ({platform.processor() or platform.machine()})"),
+                              else f"CPU ({cpu_model()})"),
               "torch": torch.__version__, "threads": torch.get_num_threads(),
               "cpus": os.cpu_count(), "machine": platform.platform(),
               "ranks": args.ranks, "warmup": args.warmup,
