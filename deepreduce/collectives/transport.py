@@ -182,6 +182,8 @@ class ThreadTransport(Transport):
         """The members of this member's ``color`` as a group of their own (see
         :meth:`Transport.split`).
 
+        Examples
+        --------
         >>> from concurrent.futures import ThreadPoolExecutor
         >>> members = ThreadTransport.group(4)
         >>> with ThreadPoolExecutor(4) as pool:
