@@ -374,10 +374,8 @@ class BloomFilter:
         # 4-byte ones about 33 bytes per position, so a chunk stays in L2):
         # ``wide`` holds h1 widened, then the word index, then the pattern;
         # ``pattern_index`` and ``word`` what their names say.
-        wide = np.empty(chunk, dtype=np.uint64)
-        pattern_index = np.empty(chunk, dtype=np.int64)
-        word = np.empty(chunk, dtype=np.uint64)
-        passed = np.empty(chunk, dtype=bool)
+        buffers = (np.empty(chunk, dtype=np.uint64), np.empty(chunk, dtype=np.int64),
+                   np.empty(chunk, dtype=np.uint64), np.empty(chunk, dtype=bool))
         nwords, shift = np.uint64(self.block_words), np.uint64(32)
         low_bits = np.uint64(PATTERNS - 1)
         words, masks = self.words, self.masks
@@ -388,9 +386,8 @@ class BloomFilter:
             # 8-byte keys share their high word within a run of the hasher.
             count = min(chunk, stop - first, (((first >> 32) + 1) << 32) - first)
             h1 = hasher.hash_range(first, count, self.seed, self.key_bytes)
-            if count < chunk:
-                wide, pattern_index = wide[:count], pattern_index[:count]
-                word, passed = word[:count], passed[:count]
+            # (a short chunk, at a run's end, takes the buffers' start: the next may be whole)
+            wide, pattern_index, word, passed = (buffer[:count] for buffer in buffers)
             # A plain widening copy then 8-byte arithmetic beats mixed-type
             # ufuncs, which cast through small buffers.
             np.copyto(wide, h1)
