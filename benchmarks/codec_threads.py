@@ -89,11 +89,15 @@ def machine_busy() -> float:
 
 def scheduling() -> str:
     """This process's nice value, and its scheduling group's where Linux groups them."""
+    grouped = ""
     try:
         with open("/proc/self/autogroup") as group:
-            grouped = f", its group's {group.read().split()[-1]}"
+            # "/autogroup-238 nice 0"; some kernels and containers leave it empty
+            fields = group.read().split()
     except OSError:
-        grouped = ""
+        fields = []
+    if fields:
+        grouped = f", its group's {fields[-1]}"
     return f"nice {os.nice(0)}{grouped}"
 
 
