@@ -5,8 +5,11 @@ over the :class:`~deepreduce.collectives.Transport` they are given. This module
 gives them Horovod's:
 
 * :class:`HorovodTransport`, ``hvd.alltoall`` and ``hvd.allgather`` on uint8
-  tensors of one process set, and :func:`horovod_transport`, the shared one of
-  a process set;
+  tensors of one process set, split into the process sets of sub-groups by
+  :meth:`HorovodTransport.split` (what ``communicator="hierarchical"`` needs),
+  and :func:`horovod_transport`, the shared one of a process set;
+  :func:`hierarchical_process_sets`, the sets to register at ``hvd.init`` when
+  dynamic process sets are off;
 * :class:`AllgatherReduce`, :class:`SparseAllreduce`, :class:`BlockReduce` and
   :func:`get_communicator`: the communicators of :mod:`deepreduce.collectives`
   (same parameters), over Horovod's transport of their ``process_set`` (the
@@ -37,7 +40,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import threading
+import zlib
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -46,10 +51,12 @@ import tensorflow as tf
 from deepreduce import collectives
 from deepreduce.collectives import Communicator, Handle, Reduction
 from deepreduce.collectives.base import op_name as _op_name
-from deepreduce.collectives.transport import Transport, split_frames
+from deepreduce.collectives.hierarchical import Topology
+from deepreduce.collectives.transport import Traffic, Transport, members_of, split_frames
 from deepreduce.sparse import SparseTensor
 
-__all__ = ["HorovodTransport", "horovod_transport", "op_name", "from_tensorflow",
+__all__ = ["HorovodTransport", "horovod_transport", "hierarchical_process_sets", "op_name",
+           "from_tensorflow",
            "AllgatherReduce", "SparseAllreduce", "BlockReduce", "get_communicator",
            "allreduce", "allreduce_async"]
 
@@ -63,9 +70,17 @@ class HorovodTransport(Transport):
     name ... is currently being processed"), whereas a traced operation keeps
     its name. Ours are therefore never confused with the user's own eager
     collectives, and the communication thread keeps ours to one at a time.
+
+    Parameters
+    ----------
+    process_set : hvd.ProcessSet, optional
+        The ranks to communicate among; the global process set by default.
+        This process must be one of them. Members are ranked as Horovod
+        ranks them, by global rank (a transport made by :meth:`split` may rank
+        them otherwise: by their keys).
     """
 
-    def __init__(self, process_set=None):
+    def __init__(self, process_set=None, _order=None):
         super().__init__()
         if not hvd.is_initialized():
             raise RuntimeError("Horovod is not initialised: call hvd.init() before "
@@ -73,8 +88,16 @@ class HorovodTransport(Transport):
         self.process_set = hvd.global_process_set if process_set is None else process_set
         if not self.process_set.included():
             raise ValueError(f"this process (rank {hvd.rank()}) is not in {self.process_set}")
-        self.rank, self.size = self.process_set.rank(), self.process_set.size()
+        self.size = self.process_set.size()
+        # _order[r]: the process set's rank of this transport's member r (split ranks the
+        # members by key; Horovod always by global rank)
+        self._order = None if _order is None or list(_order) == list(range(self.size)) \
+            else [int(r) for r in _order]
+        self.rank = self.process_set.rank() if self._order is None else \
+            self._order.index(self.process_set.rank())
         tag = f"deepreduce_collectives_ps{self.process_set.process_set_id}"
+        if self._order is not None:  # never the same names as the set's shared transport
+            tag += "_order" + "_".join(map(str, self._order))
         process_set = self.process_set
 
         @tf.function(input_signature=[tf.TensorSpec([None], tf.uint8),
@@ -89,15 +112,30 @@ class HorovodTransport(Transport):
 
         self._alltoall, self._allgather = alltoall, allgather
 
+    def _in_set_order(self, per_member: list) -> list:
+        """``per_member`` (this transport's rank order) in the process set's rank order."""
+        if self._order is None:
+            return list(per_member)
+        out = [None] * self.size
+        for member, position in enumerate(self._order):
+            out[position] = per_member[member]
+        return out
+
+    def _in_member_order(self, per_position: list) -> list:
+        """``per_position`` (the process set's rank order) in this transport's rank order."""
+        if self._order is None:
+            return per_position
+        return [per_position[position] for position in self._order]
+
     def alltoall(self, frames, traffic, stage):
-        lengths = [0 if r == self.rank else len(f) for r, f in enumerate(frames)]
-        data = np.frombuffer(b"".join(f for r, f in enumerate(frames) if r != self.rank),
-                             dtype=np.uint8)
+        frames = self._in_set_order([b"" if r == self.rank else f for r, f in enumerate(frames)])
+        lengths = [len(f) for f in frames]
+        data = np.frombuffer(b"".join(frames), dtype=np.uint8)
         received, splits = self._alltoall(tf.constant(data),
                                           tf.constant(lengths, dtype=tf.int32))
         received = received.numpy()
         traffic.add(stage, data.size, received.size)
-        return split_frames(received, splits.numpy())
+        return self._in_member_order(split_frames(received, splits.numpy()))
 
     def allgather(self, frame, traffic, stage):
         data = np.frombuffer(bytes(frame), dtype=np.uint8)
@@ -107,7 +145,150 @@ class HorovodTransport(Transport):
         gathered = self._allgather(tf.constant(np.concatenate([head, data]))).numpy()
         own = head.size + data.size
         traffic.add(stage, own, gathered.size - own)
-        return _split_prefixed(gathered, self.size)
+        return self._in_member_order(_split_prefixed(gathered, self.size))
+
+    def split(self, color, key=None):
+        """The members of this member's ``color`` as a transport over a Horovod process
+        set of their own (see :meth:`deepreduce.collectives.Transport.split`).
+
+        A collective: every member calls it, in the same order. The members
+        first allgather their ``(color, key, global rank)``; then each color's
+        ranks are looked up in Horovod's process set table, and a set already
+        registered (at ``hvd.init(process_sets=...)``, by ``hvd.add_process_set``
+        or by an earlier split) is reused. The missing ones are added with
+        ``hvd.add_process_set``, which every process of the world must call for
+        every new set, in the same order: so only a transport of the global
+        process set adds sets (each rank adds every color's set, in the order
+        of the colors); a smaller one must find them registered.
+
+        Horovod ranks a process set's members by global rank; the new transport
+        ranks them by ``key`` (ties by their rank here) and reorders the frames
+        of its collectives where the two differ.
+
+        Parameters
+        ----------
+        color : int
+            The members with the same color form one new transport.
+        key : int, optional
+            This member's place in it; its rank here by default.
+
+        Returns
+        -------
+        HorovodTransport
+            Over the process set of this member's color: the shared transport of
+            the set (:func:`horovod_transport`) where the key order is Horovod's.
+
+        Raises
+        ------
+        ValueError
+            On every member, when a set is missing and cannot be added: dynamic
+            process sets are off on some rank (run with
+            ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` or ``hvd.init(process_sets="dynamic")``,
+            or register the sets at ``hvd.init(process_sets=...)``, e.g.
+            :func:`hierarchical_process_sets`), or this transport is not the
+            global process set's.
+        RuntimeError
+            On every member, when the ranks' process set tables differ.
+        """
+        key = self.rank if key is None else key
+        table = _process_set_table()
+        mine = np.array([color, key, hvd.rank(), _dynamic_process_sets(), _table_digest(table)],
+                        dtype=np.int64)
+        rows = np.stack([np.frombuffer(f, dtype="<i8") for f in
+                         self.allgather(mine.astype("<i8").tobytes(), Traffic(), "split")])
+        if len(set(rows[:, 4].tolist())) > 1:
+            raise RuntimeError(
+                "HorovodTransport.split: the ranks' Horovod process set tables differ (ranks "
+                f"{rows[:, 2].tolist()} have digests {rows[:, 4].tolist()}): every process must "
+                "add and remove process sets in the same order")
+        colors = sorted(set(rows[:, 0].tolist()))
+        wanted = {c: sorted(rows[rows[:, 0] == c, 2].tolist()) for c in colors}
+        missing = [ranks for ranks in wanted.values() if tuple(ranks) not in table]
+        if missing:
+            whole_world = self.size == hvd.size()
+            if not whole_world:
+                raise ValueError(
+                    f"HorovodTransport.split: no Horovod process set holds the ranks "
+                    f"{missing}, and only a transport of the global process set can add one "
+                    "(hvd.add_process_set is called by every process of the world). Register "
+                    "them on every rank first: hvd.init(process_sets=[hvd.ProcessSet(ranks), "
+                    "...]) or hvd.add_process_set(ranks), in the same order")
+            off = rows[rows[:, 3] == 0, 2].tolist()
+            if off:
+                raise ValueError(
+                    f"HorovodTransport.split: no Horovod process set holds the ranks "
+                    f"{missing}, and dynamic process sets are off on ranks {off}, so it cannot "
+                    "be added. Run every rank with HOROVOD_DYNAMIC_PROCESS_SETS=1 (or "
+                    "hvd.init(process_sets='dynamic')), or register the sets at start: "
+                    "hvd.init(process_sets=[hvd.ProcessSet(ranks), ...]) (for the "
+                    "hierarchical communicator: deepreduce.horovod.collectives."
+                    "hierarchical_process_sets(size, local_size))")
+            for ranks in missing:  # every rank, every set, in the order of the colors
+                table[tuple(ranks)] = hvd.add_process_set(ranks).process_set_id
+        process_set = _process_set(wanted[int(color)], table[tuple(wanted[int(color)])])
+        members = members_of(rows[:, :2], self.rank)  # ranks here, in key order
+        order = [wanted[int(color)].index(int(rows[m, 2])) for m in members]
+        if order == list(range(len(order))):
+            return horovod_transport(process_set)
+        return HorovodTransport(process_set, _order=order)
+
+
+def _process_set_table() -> dict:
+    """Horovod's registered process sets: ``{tuple of global ranks: process_set_id}``."""
+    from horovod.tensorflow.mpi_ops import _basics  # the table has no public accessor
+    return {tuple(ranks): int(ps_id) for ps_id, ranks in
+            _basics._get_process_set_ids_and_ranks().items()}
+
+
+def _table_digest(table: dict) -> int:
+    return zlib.crc32(repr(sorted(table.items())).encode())
+
+
+def _dynamic_process_sets() -> bool:
+    """Whether Horovod was told it may add process sets after ``hvd.init``
+    (``HOROVOD_DYNAMIC_PROCESS_SETS``, which ``hvd.init(process_sets="dynamic")`` sets)."""
+    value = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").strip().lower()
+    if value in ("true", "yes", "on"):
+        return True
+    try:
+        return int(value) > 0
+    except ValueError:
+        return False
+
+
+def _process_set(ranks: list, process_set_id: int):
+    """A ProcessSet object for a registered set (the global one is Horovod's own)."""
+    if process_set_id == hvd.global_process_set.process_set_id:
+        return hvd.global_process_set
+    process_set = hvd.ProcessSet(list(ranks))
+    process_set.process_set_id = process_set_id
+    return process_set
+
+
+def hierarchical_process_sets(size: int, local_size: int) -> list:
+    """The process sets ``communicator="hierarchical"`` splits the global set into, to
+    register at ``hvd.init(process_sets=...)`` where dynamic process sets are off: the
+    ranks of each node, then the ranks with each local rank (one per node); a set of
+    every rank is left out (it is the global one).
+
+    Parameters
+    ----------
+    size : int
+        The number of ranks (horovodrun's ``HOROVOD_SIZE``, before ``hvd.init``).
+    local_size : int
+        Ranks per node, as given to the communicator.
+
+    Examples
+    --------
+    >>> [ps.ranks for ps in hierarchical_process_sets(4, 2)]
+    [[0, 1], [2, 3], [0, 2], [1, 3]]
+    """
+    topology = Topology(int(size), int(local_size), 0)
+    nodes = [[topology.global_rank(n, j) for j in range(topology.local_size)]
+             for n in range(topology.nodes)]
+    shards = [[topology.global_rank(n, j) for n in range(topology.nodes)]
+              for j in range(topology.local_size)]
+    return [hvd.ProcessSet(ranks) for ranks in nodes + shards if len(ranks) < topology.size]
 
 
 def _split_prefixed(buffer: np.ndarray, count: int) -> list:
