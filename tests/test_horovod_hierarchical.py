@@ -35,27 +35,33 @@ def test_hierarchical_process_sets_leave_out_the_global_one():
         hierarchical_process_sets(4, 3)
 
 
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    """Findings of tests/horovod_hierarchical_workers.py: ``{check: [rank 0, ..., 3]}``."""
+def launch(out, mode: str) -> dict:
+    """Run tests/horovod_hierarchical_workers.py on four Gloo ranks; ``{check: [rank 0,
+    ..., 3]}``. ``mode``: "dynamic" (HOROVOD_DYNAMIC_PROCESS_SETS=1) or "static"."""
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     if not os.path.exists(horovodrun):
         horovodrun = shutil.which("horovodrun")
     if horovodrun is None:
         pytest.skip("horovodrun not found")
-    out = tmp_path_factory.mktemp("horovod_hierarchical")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2",
            "HOROVOD_GLOO_TIMEOUT_SECONDS": "60", "PYTHONUNBUFFERED": "1",
-           "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
+           "HOROVOD_DYNAMIC_PROCESS_SETS": "1" if mode == "dynamic" else "0"}
     proc = subprocess.run([horovodrun, "-np", str(WORLD), "-H", f"localhost:{WORLD}", "--gloo",
                            sys.executable, os.path.join(HERE, "horovod_hierarchical_workers.py"),
-                           str(out)], env=env, capture_output=True, text=True, timeout=600)
+                           str(out), mode], env=env, capture_output=True, text=True,
+                          timeout=600)
     files = [out / f"rank{r}.json" for r in range(WORLD)]
     if proc.returncode or not all(f.exists() for f in files):
         pytest.fail(f"horovodrun failed ({proc.returncode}):\n{proc.stdout[-5000:]}\n"
                     f"{proc.stderr[-5000:]}")
     ranks = [json.loads(f.read_text()) for f in files]
     return {check: [found[check] for found in ranks] for check in ranks[0]}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """The findings of the launch with dynamic process sets."""
+    return launch(tmp_path_factory.mktemp("horovod_hierarchical"), "dynamic")
 
 
 def findings(four_ranks, check):
@@ -127,3 +133,11 @@ def test_ranks_configured_differently_fail_everywhere(four_ranks):
     for found in findings(four_ranks, "check_misconfigured"):
         assert found["raised"] == "ValueError"
         assert "local_size: 2 on ranks 0, 1, 2; 4 on rank 3" in found["message"]
+
+
+def test_sets_registered_at_init_serve_without_dynamic_process_sets(tmp_path):
+    found = findings(launch(tmp_path, "static"), "check_static")
+    for f in found:
+        assert f["equal"] == [True] * 6
+        assert f["before"] == f["after"] == {"0,1,2,3": 0, "0,1": 1, "2,3": 2, "0,2": 3,
+                                             "1,3": 4}

@@ -35,6 +35,16 @@ travel in one set of collectives::
     compression = drh.Compression(communicator="block",
                                   communicator_options={"block_size": 256})
 
+``Compression(communicator="hierarchical")`` sums each node's gradients densely
+and compresses only between nodes (:mod:`deepreduce.hierarchical_exchange`); its
+node and shard groups are Horovod process sets, found registered or added at the
+first step (:meth:`~deepreduce.horovod.collectives.HorovodTransport.split`: that
+needs ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, or the sets given to ``hvd.init``, see
+:func:`~deepreduce.horovod.collectives.hierarchical_process_sets`)::
+
+    compression = drh.Compression(dr.TopK(0.01), value="fp16", communicator="hierarchical",
+                                  communicator_options={"inter": "allgather"})
+
 ``tf.IndexedSlices`` gradients (embeddings) are encoded as sparse tensors of the
 variable's shape, never densified, and come back as ``tf.IndexedSlices`` of the
 rows any rank touched (unless ``sparse_as_dense=True``); with sparse allreduce
@@ -100,9 +110,17 @@ class Compression:
         or by name, with the same defaults as every deepreduce integration:
         ``sparsifier`` (Top-1%), ``index`` ("auto"), ``value`` ("fp16"),
         ``error_feedback`` (True, per variable), ``min_size`` (1024), ``seed``
-        (0), ``communicator`` ("allgather"; or "sparse_allreduce", "block")
-        and ``communicator_options``. ``Compression(None, value="raw")`` sends
-        every non-zero, losslessly.
+        (0), ``communicator`` ("allgather"; or "sparse_allreduce", "block",
+        "hierarchical") and ``communicator_options``. ``Compression(None,
+        value="raw")`` sends every non-zero, losslessly.
+
+        With "hierarchical", ``communicator_options`` take ``local_size``
+        (ranks per node; horovodrun's ``HOROVOD_LOCAL_SIZE`` by default),
+        ``inter`` and ``inter_options``. Its groups are Horovod process sets of
+        the wrappers' ``process_set`` (the global one), added at the first step
+        with dynamic process sets (``HOROVOD_DYNAMIC_PROCESS_SETS=1``) or
+        registered at ``hvd.init``; otherwise the first step raises ValueError
+        on every rank, saying so. It runs eagerly and inside ``tf.function``.
     config : ExchangeConfig, optional
         All of them at once, instead.
 
@@ -224,9 +242,10 @@ class _Reducer:
     """Reduces a list of gradients across ranks with the compression's communicator.
 
     Allgather: one bundle per rank through one ``hvd.allgather`` between two
-    host calls (encode, decode). Sparse allreduce and block: one host call runs
-    the whole reduction, its collectives included (they are Horovod
-    operations of :mod:`deepreduce.collectives`, issued from its thread).
+    host calls (encode, decode). Sparse allreduce, block and hierarchical: one
+    host call runs the whole reduction, its collectives included (Horovod
+    operations on :class:`~deepreduce.horovod.collectives.HorovodTransport`,
+    issued from its communication thread).
     """
 
     def __init__(self, compression, op, sparse_as_dense, gradient_predivide_factor,
