@@ -224,7 +224,14 @@ class HorovodTransport(Transport):
                     "hierarchical communicator: deepreduce.horovod.collectives."
                     "hierarchical_process_sets(size, local_size))")
             for ranks in missing:  # every rank, every set, in the order of the colors
-                table[tuple(ranks)] = hvd.add_process_set(ranks).process_set_id
+                try:
+                    table[tuple(ranks)] = hvd.add_process_set(ranks).process_set_id
+                except ValueError as exc:  # e.g. the variable was set after hvd.init
+                    raise ValueError(
+                        f"HorovodTransport.split: Horovod refused to add the process set "
+                        f"{ranks} ({exc}); run every rank with HOROVOD_DYNAMIC_PROCESS_SETS=1 "
+                        "set before hvd.init, or register the sets at hvd.init(process_sets="
+                        "...)") from exc
         process_set = _process_set(wanted[int(color)], table[tuple(wanted[int(color)])])
         members = members_of(rows[:, :2], self.rank)  # ranks here, in key order
         order = [wanted[int(color)].index(int(rows[m, 2])) for m in members]
