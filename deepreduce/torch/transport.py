@@ -26,9 +26,13 @@ class TorchTransport(Transport):
 
     Frames travel as byte tensors on ``device``: the CPU for gloo, the current
     CUDA device for NCCL (NCCL moves only GPU memory), so the same code serves
-    both. Variable-length frames are padded to the longest one after their
-    lengths are gathered (gloo and NCCL move equal-sized tensors only);
-    ``Traffic`` counts the bytes that really cross, padding included.
+    both. gloo and NCCL move equal-sized tensors only, so an allgather of
+    variable-length frames sends each in a slot of ``8 + capacity`` bytes,
+    its length first: one collective when every frame fits (the capacity
+    follows the longest frames of the same stage lately, which every rank
+    saw alike, so every rank picks the same), and a second one for what
+    overflows when one does not. ``Traffic`` counts the bytes that really
+    cross, padding included.
 
     Parameters
     ----------
@@ -74,6 +78,7 @@ class TorchTransport(Transport):
         # called without an active exception", pytorch/pytorch#179291).
         self._held = []
         _WITH_HELD_TENSORS.add(self)
+        self._longest = {}  # stage -> the longest frames of its last allgathers
 
     @property
     def group(self):
@@ -102,6 +107,14 @@ class TorchTransport(Transport):
         self._held += [local, *everyone]
         return everyone
 
+    def _gather_rows(self, local) -> np.ndarray:
+        """Every member's ``local`` (a uint8 vector), as the rows of one host array."""
+        everyone = torch.empty(self.size * local.numel(), dtype=local.dtype,
+                               device=local.device)
+        dist.all_gather_into_tensor(everyone, local, group=self.group)
+        self._held += [local, everyone]
+        return self._to_host(everyone).reshape(self.size, local.numel())
+
     def _lengths(self, mine: np.ndarray) -> np.ndarray:
         """Every member's ``mine`` (int64 vector), stacked in rank order."""
         self._held = []  # a new collective: the last one's tensors are free to go
@@ -110,15 +123,52 @@ class TorchTransport(Transport):
 
     def allgather(self, frame, traffic, stage):
         data = np.frombuffer(frame, dtype=np.uint8)
-        lengths = self._lengths(np.array([data.size]))[:, 0]
+        capacity = self._capacity(stage)
+        self._held = []  # a new collective: the last one's tensors are free to go
+        # one slot per rank: the frame's length (int64), then its first bytes
+        slot = np.zeros(8 + capacity, dtype=np.uint8)
+        slot[:8].view(np.int64)[0] = data.size
+        head = min(data.size, capacity)
+        slot[8:8 + head] = data[:head]
+        slots = self._gather_rows(self._to_device(slot))
+        lengths = slots[:, :8].copy().view(np.int64)[:, 0]
         longest = int(lengths.max())
-        padded = np.zeros(longest, dtype=np.uint8)
-        padded[:data.size] = data
-        everyone = self._all_gather(self._to_device(padded))
-        gathered = self._to_host(torch.cat(everyone)) if longest else padded
-        traffic.add(stage, 8 + longest, (self.size - 1) * (8 + longest))
-        view = memoryview(gathered).cast("B")
-        return [view[r * longest:r * longest + int(n)] for r, n in enumerate(lengths)]
+        traffic.add(stage, 8 + capacity, (self.size - 1) * (8 + capacity))
+        self._remember(stage, longest)
+        if longest <= capacity:
+            view = memoryview(slots.reshape(-1)).cast("B")
+            return [view[r * (8 + capacity) + 8:r * (8 + capacity) + 8 + int(n)]
+                    for r, n in enumerate(lengths)]
+        # a frame did not fit: the bytes past the capacity, padded to the longest overflow
+        extra = longest - capacity
+        padded = np.zeros(extra, dtype=np.uint8)
+        padded[:data.size - head] = data[head:]
+        tails = self._gather_rows(self._to_device(padded))
+        traffic.add(stage, extra, (self.size - 1) * extra)
+        return [memoryview(np.concatenate((slots[r, 8:8 + min(int(n), capacity)],
+                                           tails[r, :max(int(n) - capacity, 0)]))).cast("B")
+                for r, n in enumerate(lengths)]
+
+    #: Frames of the allgathers of one stage that :meth:`_capacity` looks back on, and
+    #: the largest capacity it picks: longer frames go in two collectives, as then the
+    #: second costs little beside moving them.
+    RECENT, MAX_CAPACITY = 8, 1 << 20
+
+    def _capacity(self, stage) -> int:
+        """The bytes of a frame the first collective of an allgather of ``stage`` carries:
+        the longest of the stage's recent frames and an eighth (every rank computes the
+        same from the lengths it gathered), rounded up to 64; 0 for a new stage."""
+        recent = self._longest.get(stage)
+        if not recent:
+            return 0
+        longest = max(recent)
+        capacity = -(-(longest + longest // 8) // 64) * 64
+        return capacity if capacity <= self.MAX_CAPACITY else 0
+
+    def _remember(self, stage, longest: int) -> None:
+        recent = self._longest.setdefault(stage, [])
+        recent.append(longest)
+        del recent[:-self.RECENT]
 
     def alltoall(self, frames, traffic, stage):
         sizes = np.array([0 if r == self.rank else len(f) for r, f in enumerate(frames)])

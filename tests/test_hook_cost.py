@@ -1,0 +1,98 @@
+"""The fixed cost of a DDP hook step (issue 31 item 10): collectives per allgather.
+
+The two-rank checks run on two gloo ranks spawned by this file itself
+(``python tests/test_hook_cost.py OUT PORT``, as tests/torch_workers.py does).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+
+import pytest
+
+HERE = os.path.abspath(__file__)
+
+#: Per allgather, the frame length of each of the two ranks: empty, the first (no
+#: history: two collectives), ones that fit what came before, one that overflows on
+#: one rank only, then shorter ones again.
+LENGTHS = [(0, 0), (5, 3), (5, 4), (100, 7), (90, 80), (2000, 10), (1900, 1800), (10, 0),
+           (0, 0)]
+
+
+def frame(rank, call, length) -> bytes:
+    return bytes((rank * 31 + call * 7 + i) % 256 for i in range(length))
+
+
+def check_allgather(rank):
+    import deepreduce.torch as drt
+    from deepreduce.collectives import Traffic
+
+    transport = drt.transport_of()
+    out = []
+    for call, lengths in enumerate(LENGTHS):
+        traffic = Traffic()
+        gathered = transport.allgather(frame(rank, call, lengths[rank]), traffic, "cost")
+        out.append({"frames": [bytes(f).hex() for f in gathered],
+                    "collectives": len(traffic.stages), "sent": traffic.sent})
+    # another stage keeps its own history
+    traffic = Traffic()
+    transport.allgather(b"x" * 50, traffic, "other")
+    return {"calls": out, "other_collectives": len(traffic.stages)}
+
+
+def worker(rank, out, port):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    found = {}
+    for check in (check_allgather,):
+        try:
+            found[check.__name__] = check(rank)
+        except Exception:  # noqa: BLE001 - reported to the pytest side
+            found[check.__name__] = {"error": traceback.format_exc()}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(found, f)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    pytest.importorskip("torch")
+    out = tmp_path_factory.mktemp("hook_cost")
+    subprocess.run([sys.executable, HERE, str(out), str(free_port())], check=True, timeout=300)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_allgather_takes_one_collective_when_the_frames_fit(two_ranks):
+    found = [rank["check_allgather"] for rank in two_ranks]
+    for rank, mine in enumerate(found):
+        assert "error" not in mine, f"rank {rank}:\n{mine['error']}"
+    assert found[0] == found[1]
+    calls = found[0]["calls"]
+    for call, (lengths, got) in enumerate(zip(LENGTHS, calls)):
+        assert got["frames"] == [frame(r, call, n).hex() for r, n in enumerate(lengths)], call
+    # a stage's first allgather gathers the lengths first; then frames that fit what
+    # the stage sent lately take one collective, and one that does not, two
+    assert [c["collectives"] for c in calls] == [1, 2, 1, 2, 1, 2, 1, 1, 1]
+    assert found[0]["other_collectives"] == 2
+    # the slot carries the length and the capacity: the longest recent frame and an
+    # eighth, rounded up to 64 bytes
+    assert calls[2]["sent"] == 8 + 64
+    assert calls[6]["sent"] == 8 + 2304
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+    mp.spawn(worker, args=(sys.argv[1], sys.argv[2]), nprocs=2)
