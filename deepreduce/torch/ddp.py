@@ -192,6 +192,7 @@ class DeepReduceState:
         self._failure = None     # an error every rank raised: no collective after it
         self._guarded = _GuardedTransport(self)
         self._results = {}       # bucket index -> the tensor its reductions are written into
+        self._layouts = {}       # bucket index -> its _Layout (see _layout)
 
     # -- checkpointing ------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -218,7 +219,7 @@ class DeepReduceState:
     def __getstate__(self):
         state = dict(self.__dict__)
         for runtime in ("process_group", "_transport", "_keys", "_estimates", "_agreed",
-                        "_failure", "_guarded", "_results"):
+                        "_failure", "_guarded", "_results", "_layouts"):
             state.pop(runtime)
         return state
 
@@ -275,22 +276,32 @@ class DeepReduceState:
             self._keys.setdefault(id(p), f"{bucket.index()}.{position}")
         return [self._keys[id(p)] for p in params], [tuple(p.shape) for p in params]
 
-    def _result_tensor(self, bucket, buffer):
-        """The tensor the reduction of ``bucket`` (on the CPU) is written into and handed
-        to DDP: with DDP's default gradient layout (``gradient_as_bucket_view=False``)
-        DDP copies the result into every ``.grad`` whichever tensor it is, so it is one
-        of our own, kept from step to step, and only the positions the last step made
-        non-zero are reset; when the gradients are views of the bucket, it is the bucket,
-        which then has to be zeroed whole."""
-        grad = bucket.parameters()[0].grad
-        if grad is not None and grad.untyped_storage().data_ptr() == \
-                buffer.untyped_storage().data_ptr():
+    def _layout(self, bucket, index: int, buffer) -> "_Layout":
+        """What the hook derives from the layout of bucket ``index`` once, not every
+        step: kept while DDP hands over the same buffer (DDP's rebuild after the first
+        iteration allocates new ones; the layout's views hold the old one's memory, so
+        a new buffer never reuses its address)."""
+        layout = self._layouts.get(index)
+        if layout is None or not layout.serves(buffer):
+            layout = self._layouts[index] = _Layout(self, bucket, index, buffer)
+        return layout
+
+    def _result_tensor(self, index, layout, buffer):
+        """``(tensor, reuse)``: the tensor the reduction of bucket ``index`` (on the CPU)
+        is written into and handed to DDP: with DDP's default gradient layout
+        (``gradient_as_bucket_view=False``) DDP copies the result into every ``.grad``
+        whichever tensor it is, so it is one of our own, kept from step to step, and only
+        the positions the last step made non-zero are reset (``reuse``); when the
+        gradients are views of the bucket, it is the bucket, which then has to be zeroed
+        whole."""
+        grad = layout.params[0].grad
+        if grad is not None and grad.untyped_storage().data_ptr() == layout.storage:
             return buffer, False
-        kept = self._results.get(bucket.index())
+        kept = self._results.get(index)
         if kept is None or kept.shape != buffer.shape or kept.dtype != buffer.dtype:
             # zeros: what the exchange remembers having written into a tensor this one
             # replaces (and whose memory it may reuse) is then still a safe thing to reset
-            kept = self._results[bucket.index()] = torch.zeros_like(buffer)
+            kept = self._results[index] = torch.zeros_like(buffer)
         return kept, True
 
     def _compresses(self, shapes, dtype) -> bool:
@@ -299,6 +310,14 @@ class DeepReduceState:
         dense = sum(math.prod(s) for s in shapes) * dtype.itemsize
         estimate = sum(self._estimate(s, dtype) for s in shapes)
         return dense >= self.min_compression_rate * estimate
+
+    def _compresses_layout(self, layout) -> bool:
+        """:meth:`_compresses` of a bucket's layout, its estimates worked out once."""
+        if self.iter < self.start_iter:
+            return False
+        if layout.compressible is None:
+            layout.compressible = self._compresses(layout.shapes, layout.numpy_dtype)
+        return layout.compressible
 
     def _estimate(self, shape, dtype) -> int:
         """Payload bytes of a synthetic Gaussian gradient of ``shape``: shapes decide."""
@@ -346,32 +365,29 @@ def deepreduce_hook(state: DeepReduceState,
     >>> dist.destroy_process_group()
     """
     buffer = bucket.buffer()
+    # (GradBucket's methods let go of the GIL: called before the communication thread
+    # has work, they do not wait for it)
+    index, last = bucket.index(), bucket.is_last()
     if not buffer.dtype.is_floating_point:
         raise TypeError(f"deepreduce_hook reduces floating-point gradients; bucket "
-                        f"{bucket.index()} holds {buffer.dtype}")
+                        f"{index} holds {buffer.dtype}")
     state._agree()
-    keys, shapes = state._parameters(bucket)
-    sizes = [math.prod(s) for s in shapes]
-    if sum(sizes) != buffer.numel():  # not a layout of whole parameters: one tensor
-        keys, shapes, sizes = [f"bucket{bucket.index()}"], [(buffer.numel(),)], [buffer.numel()]
-    ends = np.cumsum(sizes).tolist()
+    layout = state._layout(bucket, index, buffer)
     if state.device_path:
-        return _device_step(state, bucket, buffer, keys, shapes, sizes, ends)
+        return _device_step(state, last, buffer, layout)
+    keys = layout.keys
     # the codecs work on host memory: a CPU bucket is used in place, another is copied
-    on_host = buffer.device.type == "cpu"
-    host = buffer.detach() if on_host else buffer.detach().cpu()
-    array = host_array(host)
-    size = state.transport.size
-
-    def per_parameter(flat):
-        return [flat[end - n:end].reshape(shape) for end, n, shape in zip(ends, sizes, shapes)]
-
-    views = per_parameter(array)
-    compressed = state._compresses(shapes, array.dtype)
+    on_host = layout.on_host
+    if on_host:
+        host, views = buffer, layout.views
+    else:
+        host = buffer.detach().cpu()
+        views = layout.per_parameter(host_array(host))
+    compressed = state._compresses_layout(layout)
     result = torch.futures.Future()
     reduced, reuse = buffer, False
     if compressed and on_host:
-        reduced, reuse = state._result_tensor(bucket, buffer)
+        reduced, reuse = state._result_tensor(index, layout, buffer)
 
     def deliver(future):
         try:
@@ -383,24 +399,67 @@ def deepreduce_hook(state: DeepReduceState,
             result.set_exception(exc)
 
     if compressed:
-        out = views if reduced is buffer else per_parameter(host_array(reduced))
+        out = views if reduced is buffer else layout.views_of(reduced)
         started = state.exchange.reduce_async(keys, views, state._guarded, "average", out=out,
                                               reuse_out=reuse)
     else:
         # what error feedback still owes goes now
         state.exchange.pay(keys, views, state._guarded)
+        size = state.transport.size
         started = state._submit(lambda: _allreduce_average(state, buffer, host, on_host, size))
     started.add_done_callback(deliver)
-    if bucket.is_last():
+    if last:
         state.iter += 1
     return result
 
 
-def _device_step(state, bucket, buffer, keys, shapes, sizes, ends):
+class _Layout:
+    """What the hook derives once from the layout of a bucket, for every step it keeps:
+    the parameters' keys and shapes, where each lies in the buffer, views of it, and
+    whether the bucket is worth compressing (see :meth:`DeepReduceState._layout`)."""
+
+    def __init__(self, state, bucket, index, buffer):
+        self.buffer = buffer  # (held: its memory is not handed to another buffer)
+        self.storage = buffer.untyped_storage().data_ptr()
+        self.params = bucket.parameters()
+        keys, shapes = state._parameters(bucket)
+        sizes = [math.prod(s) for s in shapes]
+        if sum(sizes) != buffer.numel():  # not a layout of whole parameters: one tensor
+            keys, shapes, sizes = [f"bucket{index}"], [(buffer.numel(),)], [buffer.numel()]
+        self.keys, self.shapes, self.sizes = keys, shapes, sizes
+        self.ends = np.cumsum(sizes).tolist()
+        self.numpy_dtype = _numpy_dtype(buffer.dtype)
+        self.compressible = None  # worked out at the first step that may compress
+        self.on_host = buffer.device.type == "cpu"
+        self.views = self.per_parameter(host_array(buffer.detach())) if self.on_host else None
+        self._kept = None  # (tensor, its views): the last result tensor other than buffer
+
+    def serves(self, buffer) -> bool:
+        """Whether ``buffer`` is the one this layout was made for (the same memory)."""
+        return buffer is self.buffer or (
+            buffer.untyped_storage().data_ptr() == self.storage
+            and buffer.shape == self.buffer.shape and buffer.dtype == self.buffer.dtype
+            and buffer.device == self.buffer.device)
+
+    def per_parameter(self, flat) -> list:
+        """Each parameter's slice of ``flat`` (the buffer's elements), shaped."""
+        return [flat[end - n:end].reshape(shape)
+                for end, n, shape in zip(self.ends, self.sizes, self.shapes)]
+
+    def views_of(self, tensor) -> list:
+        """:meth:`per_parameter` of a CPU tensor's memory, kept for the same tensor."""
+        if self._kept is None or self._kept[0] is not tensor:
+            self._kept = (tensor, self.per_parameter(host_array(tensor)))
+        return self._kept[1]
+
+
+def _device_step(state, last, buffer, layout):
     """The hook's step with the dense work on the bucket's device (``state.device_path``):
     only the selected pairs and the small tensors cross to the host codecs, and the
     decoded pairs are summed into the bucket where it lives."""
-    views = [buffer[end - n:end].view(shape) for end, n, shape in zip(ends, sizes, shapes)]
+    keys = layout.keys
+    views = [buffer[end - n:end].view(shape)
+             for end, n, shape in zip(layout.ends, layout.sizes, layout.shapes)]
     # DDP's streams wait for what was recorded on the device when the result is set
     result = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else \
         torch.futures.Future()
@@ -413,7 +472,7 @@ def _device_step(state, bucket, buffer, keys, shapes, sizes, ends):
             result.set_exception(exc)
 
     exchange = state.exchange
-    if state._compresses(shapes, _numpy_dtype(buffer.dtype)):
+    if state._compresses_layout(layout):
         link = exchange.selector.link
         # small tensors travel losslessly from the host: they are small
         inputs = [view if view.numel() >= exchange.min_size else link.to_host(view)
@@ -427,7 +486,7 @@ def _device_step(state, bucket, buffer, keys, shapes, sizes, ends):
         size = state.transport.size
         started = state._submit(lambda: _allreduce_average(state, buffer, buffer, True, size))
     started.add_done_callback(deliver)
-    if bucket.is_last():
+    if last:
         state.iter += 1
     return result
 
