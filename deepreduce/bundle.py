@@ -72,21 +72,41 @@ def pack_bundle(payloads, slots=None, shapes=()) -> bytes:
     head = [BUNDLE_MAGIC, bytes((1 if slots is None else 3,)), write_varint(len(payloads)),
             varint_encode(lengths)]
     if slots is not None:
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-        if slots.size and (slots.min() < 0 or slots.max() >= len(payloads)) or \
-                np.unique(slots).size != len(payloads):
+        head.append(_table(len(payloads), slots, shapes))
+        head.append(_CRC.pack(zlib.crc32(b"".join(head))))
+    return b"".join([*head, *payloads])
+
+
+#: Tables of version-3 bundles already written, by their payload count, slots and
+#: shapes: a training step writes the same ones every time.
+_TABLES: dict = {}
+_MAX_TABLES = 256
+
+
+def _table(payloads: int, slots, shapes) -> bytes:
+    """The bytes of a version-3 bundle's table between its payload lengths and its CRC."""
+    key = (payloads, tuple(int(s) for s in np.asarray(slots).reshape(-1)),
+           tuple(tuple(int(d) for d in shape) for shape in shapes))
+    table = _TABLES.get(key)
+    if table is None:
+        slots = np.asarray(key[1], dtype=np.int64)
+        if slots.size and (slots.min() < 0 or slots.max() >= payloads) or \
+                np.unique(slots).size != payloads:
             raise ValueError(f"slots {slots.tolist()} must name each of the "
-                             f"{len(payloads)} payloads")
-        sharing = int(np.count_nonzero(np.bincount(slots, minlength=len(payloads))[slots] > 1))
-        shapes = [tuple(int(d) for d in shape) for shape in shapes]
+                             f"{payloads} payloads")
+        sharing = int(np.count_nonzero(np.bincount(slots, minlength=payloads)[slots] > 1))
+        shapes = key[2]
         if len(shapes) != sharing:
             raise ValueError(f"{len(shapes)} shapes for the {sharing} tensors that share a "
                              "payload")
-        head += [write_varint(slots.size), varint_encode(slots),
-                 varint_encode(np.array([len(s) for s in shapes], dtype=np.uint64)),
-                 varint_encode(np.array([d for s in shapes for d in s], dtype=np.uint64))]
-        head.append(_CRC.pack(zlib.crc32(b"".join(head))))
-    return b"".join([*head, *payloads])
+        table = b"".join([write_varint(slots.size), varint_encode(slots),
+                          varint_encode(np.array([len(s) for s in shapes], dtype=np.uint64)),
+                          varint_encode(np.array([d for s in shapes for d in s],
+                                                 dtype=np.uint64))])
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.clear()
+        _TABLES[key] = table
+    return table
 
 
 class Bundle:

@@ -111,7 +111,7 @@ class TorchTransport(Transport):
         """Every member's ``local`` (a uint8 vector), as the rows of one host array."""
         everyone = torch.empty(self.size * local.numel(), dtype=local.dtype,
                                device=local.device)
-        dist.all_gather_into_tensor(everyone, local, group=self.group)
+        _all_gather_single(everyone, local, group=self.group)
         self._held += [local, everyone]
         return self._to_host(everyone).reshape(self.size, local.numel())
 
@@ -221,6 +221,9 @@ class TorchTransport(Transport):
                                "than their keys")
         return transport
 
+
+#: One collective into one output tensor (torch 2.13 renamed all_gather_into_tensor).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _WITH_HELD_TENSORS = weakref.WeakSet()
 
