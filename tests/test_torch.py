@@ -297,3 +297,5 @@ def test_text_demo_runs_end_to_end(tmp_path):
                    timeout=600, capture_output=True)
     table = out.read_text()
     assert "| bytes fewer than dense | 1x |" in table and "Targets:" in table
+    # the hook's step, broken down (issue 31 item 10)
+    assert "hook's own work" in table and "| encode:" in table and "| the rest:" in table
