@@ -58,10 +58,15 @@ HUFFMAN_SAMPLE = 1 << 13
 #: layers, which no histogram shows. They are tried on the whole set only after
 #: two checks on slices of consecutive indices, each against the best estimated
 #: codec's closed-form size for the same slice: zstd on LZ_SLICES[0] indices
-#: within LZ_MARGIN of it, then the better LZ codec on LZ_SLICES[1] indices no
-#: larger. (LZ gains grow with the input, so slices understate them; uniform
-#: sets fail the checks.) With ``link_gbits`` they are looked for only when a
-#: stream of no bytes would pay for its coding and for the first check.
+#: within a margin of it, then the better LZ codec on LZ_SLICES[1] indices no
+#: larger. LZ gains grow with the input, so a slice understates them: the margin
+#: is LZ_MARGIN for a set much larger than the slice and shrinks to none as the
+#: slice becomes the whole set (a set of a few thousand indices no longer pays
+#: two LZ trials for a stream the slice already showed larger). A set no larger
+#: than the first slice is coded whole by zstd at once, that stream kept, and the
+#: other LZ codec tried when it comes within LZ_MARGIN of the best. Uniform sets
+#: fail the checks. With ``link_gbits`` they are looked for only when a stream of
+#: no bytes would pay for its coding and for the first check.
 LZ_SLICES = (2048, 8192)
 LZ_MARGIN = 1.08
 
@@ -346,12 +351,9 @@ class AutoIndices(IndexCodec):
             "zstd", min(indices.size, LZ_SLICES[0]), 0, 0)
         lz = [(tag, codec) for tag, codec in _lz_codecs()
               if cost(tag, 0) + check_ns < best_cost]
-        if lz and self._lz_worth_trying(indices, ranked[0], lz):
-            varints = _bits.varint_encode(_bits.gaps(indices))  # what every LZ codec packs
-            for tag, codec in lz:
-                data = codec.encode_varints(varints)
-                if cost(tag, len(data)) < best_cost:
-                    best, best_cost = (tag, data), cost(tag, len(data))
+        for tag, data in self._lz_streams(indices, ranked[0], lz, cost, best_cost):
+            if cost(tag, len(data)) < best_cost:
+                best, best_cost = (tag, data), cost(tag, len(data))
         for tag in ranked[1:]:
             if cost(tag, sizes[tag]) > (1 + CLOSE_CALL) * best_cost:
                 break
@@ -363,6 +365,26 @@ class AutoIndices(IndexCodec):
             if cost(tag | COMPLEMENT, len(data)) < best_cost:
                 best = (tag | COMPLEMENT, data)
         return best
+
+    def _lz_streams(self, indices, best_tag, candidates, cost, best_cost) -> list:
+        """``(tag, stream)`` of the LZ ``candidates`` (``(tag, codec)``) on the whole set
+        that are worth weighing against the best stream (of ``best_cost``): none where
+        the slice checks say they lose."""
+        if not candidates:
+            return []
+        if indices.size > LZ_SLICES[0]:
+            if not self._lz_worth_trying(indices, best_tag, candidates):
+                return []
+            varints = _bits.varint_encode(_bits.gaps(indices))  # what every LZ codec packs
+            return [(tag, codec.encode_varints(varints)) for tag, codec in candidates]
+        # the first slice would be the whole set: its stream is coded for real and
+        # kept, and the others are tried only when it comes within the margin
+        varints = _bits.varint_encode(_bits.gaps(indices))
+        *others, (tag, codec) = candidates
+        first = (tag, codec.encode_varints(varints))
+        if cost(tag, len(first[1])) > LZ_MARGIN * best_cost:
+            return [first]
+        return [first] + [(tag, codec.encode_varints(varints)) for tag, codec in others]
 
     def _lz_worth_trying(self, indices, best_tag, candidates) -> bool:
         """Whether the LZ ``candidates`` (``(tag, codec)``) beat the best estimated codec
@@ -382,7 +404,8 @@ class AutoIndices(IndexCodec):
                     cost(best_tag, _estimated_size(best_tag, members)))
 
         lz, best = lz_versus_best(piece(LZ_SLICES[0]), candidates[-1:])
-        if lz > LZ_MARGIN * best:
+        unseen = max(0.0, 1 - LZ_SLICES[0] / indices.size)  # of the set, outside the slice
+        if lz > (1 + (LZ_MARGIN - 1) * unseen) * best:
             return False  # the usual verdict on uniform sets, for the price of one slice
         if indices.size <= 4 * LZ_SLICES[1]:
             return True   # small enough to try the LZ codecs on the whole set
