@@ -97,22 +97,39 @@ class _Reader:
             raise DecodeError(f"{what} is not ASCII: {raw!r}") from None
 
 
+#: Each spec string's length-prefixed ASCII bytes, as :func:`pack` writes them: a
+#: training step packs the same few specs into every payload.
+_SPEC_BYTES: dict = {}
+_MAX_SPECS = 256
+
+
 def _encode_spec(spec: str, what: str) -> bytes:
+    if type(spec) is str:  # (a str subclass may encode differently: not remembered)
+        raw = _SPEC_BYTES.get(spec)
+        if raw is not None:
+            return raw
     raw = spec.encode("ascii")
     if len(raw) > MAX_SPEC_LENGTH:
         raise ValueError(f"{what} spec longer than {MAX_SPEC_LENGTH} bytes: {spec!r}")
-    return write_varint(len(raw)) + raw
+    raw = write_varint(len(raw)) + raw
+    if type(spec) is str:
+        if len(_SPEC_BYTES) >= _MAX_SPECS:
+            _SPEC_BYTES.clear()
+        _SPEC_BYTES[spec] = raw
+    return raw
 
 
 def pack(dtype, shape, nnz: int, index_spec: str, value_spec: str,
          index_stream: bytes, value_stream: bytes, flags: int = 0) -> bytes:
     """Assemble one payload from its parts (no validation of the streams)."""
-    parts = [MAGIC, bytes((VERSION, flags, DTYPE_CODES[dtype])), write_varint(len(shape))]
-    parts += [write_varint(d) for d in shape]
-    parts += [write_varint(nnz), _encode_spec(index_spec, "index"), _encode_spec(value_spec, "value"),
-              write_varint(len(index_stream)), write_varint(len(value_stream)), index_stream, value_stream]
-    body = b"".join(parts)
-    return body + _CRC.pack(zlib.crc32(body))
+    head = b"".join([MAGIC, bytes((VERSION, flags, DTYPE_CODES[dtype])),
+                     write_varint(len(shape)), *[write_varint(d) for d in shape],
+                     write_varint(nnz), _encode_spec(index_spec, "index"),
+                     _encode_spec(value_spec, "value"), write_varint(len(index_stream)),
+                     write_varint(len(value_stream))])
+    # the checksum runs over the parts: the streams are copied once, into the payload
+    crc = zlib.crc32(value_stream, zlib.crc32(index_stream, zlib.crc32(head)))
+    return b"".join((head, index_stream, value_stream, _CRC.pack(crc)))
 
 
 def read_header(payload) -> Header:
@@ -121,6 +138,85 @@ def read_header(payload) -> Header:
         data = memoryview(payload).cast("B")
     except TypeError:
         raise DecodeError(f"payload must be bytes-like, got {type(payload).__name__}") from None
+    header = _read_usual_header(data)
+    return _read_header(data) if header is None else header
+
+
+def _read_usual_header(data: memoryview) -> Header | None:
+    """:func:`_read_header` of ``data`` for the headers encoders write (every varint one
+    or two bytes, nothing out of bounds), in a third of its time; None for anything
+    else, which :func:`_read_header` then reads again, to accept it or to say what is
+    wrong with it.
+
+    Every check of :func:`_read_header` is made here too, so that what this returns
+    is what it would return (``tests/test_container.py`` compares the two).
+    """
+    end = len(data)
+    if end < 8 or data[0] != MAGIC[0] or data[1] != MAGIC[1] or data[2] != VERSION \
+            or data[3] & ~KNOWN_FLAGS or data[4] not in CODE_DTYPES:
+        return None
+    ndim = data[5]
+    if ndim > MAX_NDIM:
+        return None
+    # A varint of one byte is below 0x80; one of two is a byte from 0x80 on and a
+    # byte from 1 to 0x7f (0 would not be its shortest form). The header's fields
+    # are read left to right; ``pos`` stays within ``end`` before each read.
+    shape, pos = [], 6
+    for _ in range(ndim):
+        if pos + 1 >= end:
+            return None
+        low = data[pos]
+        if low < 0x80:
+            shape.append(low)
+            pos += 1
+            continue
+        high = data[pos + 1]
+        if not 0 < high < 0x80:
+            return None
+        shape.append((low & 0x7F) | high << 7)
+        pos += 2
+    fields = []
+    # nnz, the two specs' lengths and texts, the two streams' lengths
+    for text in (False, True, True, False, False):
+        if pos + 1 >= end:
+            return None
+        low = data[pos]
+        if low < 0x80:
+            value, pos = low, pos + 1
+        else:
+            high = data[pos + 1]
+            if not 0 < high < 0x80:
+                return None
+            value, pos = (low & 0x7F) | high << 7, pos + 2
+        if text:
+            if value > MAX_SPEC_LENGTH or pos + value > end:
+                return None
+            raw = bytes(data[pos:pos + value])
+            if not raw.isascii():
+                return None
+            value, pos = raw.decode("ascii"), pos + value
+        fields.append(value)
+    nnz, index_spec, value_spec, index_length, value_length = fields
+    shape = tuple(shape)
+    size = math.prod(shape)
+    if size > MAX_SIZE or nnz > size:
+        return None
+    # (the fields straight into the instance: the frozen dataclass's __init__ sets them
+    # one object.__setattr__ at a time, and took a third of this function's time)
+    header = _new(Header)
+    _setattr(header, "__dict__", {
+        "version": VERSION, "flags": data[3], "dtype": CODE_DTYPES[data[4]], "shape": shape,
+        "nnz": nnz, "index_spec": index_spec, "value_spec": value_spec,
+        "index_length": index_length, "value_length": value_length, "header_length": pos})
+    return header
+
+
+_new, _setattr = object.__new__, object.__setattr__
+
+
+def _read_header(data: memoryview) -> Header:
+    """:func:`read_header` of any bytes, field by field, with a DecodeError naming the
+    first thing wrong."""
     if len(data) < len(MAGIC) or bytes(data[:2]) != MAGIC:
         raise DecodeError(f"not a deepreduce payload: starts with {bytes(data[:2])!r}, "
                           f"expected magic {MAGIC!r}")

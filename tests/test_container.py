@@ -162,3 +162,69 @@ def test_bit_flips_of_resealed_payloads_only_raise_decode_error(data):
         return
     # A flip that still decodes must give a well-formed tensor.
     assert st_.nnz <= st_.size and np.all(np.diff(st_.indices) > 0)
+
+
+def _header_or_error(read, data):
+    try:
+        return read(memoryview(data).cast("B"))
+    except dr.DecodeError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"shape": (300, 200)}, {"shape": (2**40,), "nnz": 2**20}, {"shape": (2**14, 2**14)},
+    {"shape": (2,) * 32}, {"shape": (2,) * 33}, {"shape": (2**13,) * 5},
+    {"index_spec": "x" * 200}, {"index_spec": "x" * 256}, {"value_spec": "\xe9"},
+    {"shape": ()}, {"nnz": 0, "shape": (0,)}, {"flags": 1}, {"flags": 2}, {"dtype": 9}])
+def test_usual_header_reader_agrees_with_the_field_by_field_one(kwargs):
+    # read_header's fast path must accept exactly what the careful reader accepts, with
+    # the same result, and leave everything else to it: every cut and every byte value
+    # of the header of payloads with one-, two- and longer-byte fields
+    from deepreduce import container
+    value_spec = kwargs.pop("value_spec", "raw")
+    try:
+        payload = hand_made(**kwargs, value_spec=value_spec.encode("latin-1").decode("ascii"))
+    except UnicodeDecodeError:
+        body = hand_made(**kwargs)[:-4].replace(b"\x03raw", b"\x01" + value_spec.encode("latin-1"))
+        payload = reseal(body)
+    slow = _header_or_error(container._read_header, payload)
+    usual = container._read_usual_header(memoryview(payload).cast("B"))
+    assert usual is None or usual == slow
+    header_end = slow.header_length if isinstance(slow, container.Header) else 40
+    for cut in range(min(len(payload), header_end + 2)):
+        assert _header_or_error(container.read_header, payload[:cut]) == \
+            _header_or_error(container._read_header, payload[:cut])
+    for position in range(min(len(payload), header_end + 1)):
+        for byte in (0, 1, 2, 3, 0x7F, 0x80, 0x81, 0xFF):
+            edited = bytearray(payload)
+            edited[position] = byte
+            assert _header_or_error(container.read_header, edited) == \
+                _header_or_error(container._read_header, edited)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=60))
+def test_usual_header_reader_agrees_on_any_bytes(tail):
+    from deepreduce import container
+    for data in (tail, b"DR\x01\x00\x02" + tail):
+        assert _header_or_error(container.read_header, data) == \
+            _header_or_error(container._read_header, data)
+
+
+def test_pack_writes_the_same_bytes_as_field_by_field():
+    # pack remembers spec bytes and checksums its parts: the payload must be the
+    # one written field by field
+    from deepreduce import container
+    for shape, nnz in [((100,), 3), ((300, 200), 1311), ((2**40,), 2**33)]:
+        expected = hand_made(shape=shape, nnz=nnz, index_spec="golomb", value_spec="fp16",
+                             index_stream=b"abc", value_stream=b"\x01" * 6)
+        usual = container._read_usual_header(memoryview(expected))
+        assert (usual is None) == (nnz > 2**14)  # (two-byte fields at most: the fast path)
+        assert usual is None or usual == container._read_header(memoryview(expected))
+        for _ in range(2):
+            assert container.pack(np.dtype(np.float32), shape, nnz, "golomb", "fp16", b"abc",
+                                  b"\x01" * 6) == expected
+    with pytest.raises(ValueError, match="longer"):
+        container.pack(np.dtype(np.float32), (3,), 1, "x" * 256, "raw", b"", b"")
+    with pytest.raises(ValueError):
+        container.pack(np.dtype(np.float32), (3,), 1, "\xe9", "raw", b"", b"")
