@@ -195,9 +195,10 @@ def split_bundles(data, ranks: int) -> list[Bundle]:
             raise DecodeError(f"{what}: unsupported bundle version {version}")
         count, pos = read_varint(view, header_end, what)
         lengths, pos = _read_varints(view, pos, count, f"{what} payload lengths")
-        slots, shapes = list(range(count)), {}
         if version >= 2:
             slots, shapes, pos = _read_table(view, pos, count, what)
+        else:
+            slots, shapes = list(range(count)), {}
         if version == 3:
             # the payloads' own checksums do not cover which tensor is where
             if pos + _CRC.size > len(view):
@@ -206,53 +207,94 @@ def split_bundles(data, ranks: int) -> list[Bundle]:
                 raise DecodeError(f"{what}: CRC32 mismatch in its table")
             pos += _CRC.size
         remaining = len(view) - pos
-        if count and (int(lengths.max()) > remaining or float(lengths.sum(dtype=np.float64))
-                      > remaining):
+        if sum(lengths) > remaining:  # (Python's integers: an exact sum)
             raise DecodeError(f"{what}: payload lengths add up to more than the {remaining} "
                               "bytes that follow")
-        ends = pos + np.cumsum(lengths.astype(np.int64))
-        starts = np.concatenate(([pos], ends[:-1])) if count else ends
-        payloads = [view[s:e] for s, e in zip(starts.tolist(), ends.tolist())]
-        pos = int(ends[-1]) if count else pos
+        payloads = []
+        for length in lengths:
+            payloads.append(view[pos:pos + length])
+            pos += length
         bundles.append(Bundle(view[start:pos], payloads, slots, shapes, what))
     if pos != len(view):
         raise DecodeError(f"{len(view) - pos} bytes after the {ranks} bundles")
     return bundles
 
 
-def _read_varints(view, pos: int, count: int, what: str) -> tuple[np.ndarray, int]:
-    """``count`` varints at ``pos``, refused before anything is sized from ``count`` when
-    fewer bytes follow."""
-    if count > len(view) - pos:
-        raise DecodeError(f"{what}: declares {count} values but only {len(view) - pos} "
+def _read_varints(view, pos: int, count: int, what: str) -> tuple[list, int]:
+    """``count`` varints at ``pos`` (a list of ints), refused before anything is sized
+    from ``count`` when fewer bytes follow."""
+    end = len(view)
+    if count > end - pos:
+        raise DecodeError(f"{what}: declares {count} values but only {end - pos} "
                           "bytes follow")
-    if count <= _FEW_VARINTS:  # a loop costs 0.3 us a varint, numpy's passes 20 us a call
-        values = np.empty(count, dtype=np.uint64)
-        for i in range(count):
-            values[i], pos = read_varint(view, pos, what)
+    if count <= _FEW_VARINTS:  # a loop costs 0.1-0.3 us a varint, numpy's passes 20 us a call
+        values = []
+        for _ in range(count):
+            byte = view[pos] if pos < end else 0x80
+            if byte < 0x80:  # one byte: inline, what most of these are
+                values.append(byte)
+                pos += 1
+            else:  # (read_varint also says what is wrong with it)
+                value, pos = read_varint(view, pos, what)
+                values.append(value)
         return values, pos
     # varint_decode_prefix scans its whole input: give it only the bytes these can
     # occupy, not the payloads behind them
     values, used = varint_decode_prefix(view[pos:pos + _MAX_VARINT_BYTES * count], count, what)
-    return values, pos + used
+    return values.tolist(), pos + used
+
+
+#: Tables of versions 2 and 3 read before, by their payload count and bytes: a training
+#: step receives the same ones every time (see :func:`_read_table`).
+_READ_TABLES: dict = {}
+#: The lengths of those tables, by payload count, to look them up by.
+_READ_TABLE_LENGTHS: dict = {}
+_MAX_READ_TABLES = 256
+#: Most lengths a lookup tries (tables of other lengths are read afresh).
+_MAX_LENGTHS_TRIED = 8
 
 
 def _read_table(view, pos: int, payloads: int, what: str):
-    """The table of versions 2 and 3: ``(slots, shapes, pos)`` (see :class:`Bundle`)."""
+    """The table of versions 2 and 3: ``(slots, shapes, pos)`` (see :class:`Bundle`).
+
+    What a table reads is a function of ``payloads`` and of the bytes it consumed
+    alone, and every check it makes passes or fails on those alone: the same bytes
+    read again give the same result, which is therefore kept (a bundle's payload
+    lengths and checksum change from step to step, its table does not). A
+    table never read before is read field by field.
+    """
+    for length in _READ_TABLE_LENGTHS.get(payloads, ()):
+        known = _READ_TABLES.get((payloads, bytes(view[pos:pos + length])))
+        if known is not None:
+            slots, shapes = known
+            # (copies: a caller may change what a Bundle holds)
+            return list(slots), dict(shapes), pos + length
+    slots, shapes, end = _parse_table(view, pos, payloads, what)
+    if len(_READ_TABLES) >= _MAX_READ_TABLES:
+        _READ_TABLES.clear()
+        _READ_TABLE_LENGTHS.clear()
+    _READ_TABLES[(payloads, bytes(view[pos:end]))] = (tuple(slots), dict(shapes))
+    lengths = _READ_TABLE_LENGTHS.setdefault(payloads, [])
+    if end - pos not in lengths and len(lengths) < _MAX_LENGTHS_TRIED:
+        lengths.append(end - pos)
+    return slots, shapes, end
+
+
+def _parse_table(view, pos: int, payloads: int, what: str):
+    """:func:`_read_table`, field by field."""
     tensors, pos = read_varint(view, pos, what)
     slots, pos = _read_varints(view, pos, tensors, f"{what} slots")
-    if tensors and int(slots.max()) >= payloads:
-        raise DecodeError(f"{what}: a tensor is in payload {int(slots.max())} of {payloads}")
-    slots = slots.astype(np.int64)  # (each below payloads)
-    references = np.bincount(slots, minlength=payloads)
+    if tensors and max(slots) >= payloads:
+        raise DecodeError(f"{what}: a tensor is in payload {max(slots)} of {payloads}")
+    references = np.bincount(np.array(slots, dtype=np.int64), minlength=payloads)
     if (references == 0).any():
         raise DecodeError(f"{what}: payload {int(np.argmin(references))} holds no tensor")
-    shared = np.flatnonzero(references[slots] > 1)
-    ranks, pos = _read_varints(view, pos, shared.size, f"{what} shared tensors' ranks")
-    if shared.size and int(ranks.max()) > _MAX_DIMS:
-        raise DecodeError(f"{what}: a tensor of {int(ranks.max())} dimensions "
+    shared = np.flatnonzero(references[slots] > 1).tolist() if tensors else []
+    ranks, pos = _read_varints(view, pos, len(shared), f"{what} shared tensors' ranks")
+    if shared and max(ranks) > _MAX_DIMS:
+        raise DecodeError(f"{what}: a tensor of {max(ranks)} dimensions "
                           f"(at most {_MAX_DIMS})")
-    dims, pos = _read_varints(view, pos, int(ranks.sum()), f"{what} shared tensors' shapes")
-    dims, bounds = dims.tolist(), [0, *itertools.accumulate(ranks.tolist())]
-    shapes = {t: tuple(dims[lo:hi]) for t, lo, hi in zip(shared.tolist(), bounds, bounds[1:])}
-    return slots.tolist(), shapes, pos
+    dims, pos = _read_varints(view, pos, sum(ranks), f"{what} shared tensors' shapes")
+    bounds = [0, *itertools.accumulate(ranks)]
+    shapes = {t: tuple(dims[lo:hi]) for t, lo, hi in zip(shared, bounds, bounds[1:])}
+    return slots, shapes, pos

@@ -169,6 +169,42 @@ def test_long_and_short_fields_read_alike(payloads):
         split_bundles(truncated, 1)
 
 
+def _read_or_error(data, ranks):
+    try:
+        return [([bytes(p) for p in b.payloads], b.slots, b.shapes, bytes(b.data))
+                for b in split_bundles(data, ranks)]
+    except dr.DecodeError as error:
+        return str(error)
+
+
+@settings(max_examples=50, deadline=None)
+@given(shared_bundles(), st.data())
+def test_remembered_tables_read_as_fresh_ones(bundle, data):
+    # a table read before is looked up by its bytes: what the lookup gives, and what
+    # every changed or cut bundle gives, must be what reading it afresh gives
+    packed = pack_bundle(*bundle)
+    bundle_format._READ_TABLES.clear()
+    bundle_format._READ_TABLE_LENGTHS.clear()
+    fresh = _read_or_error(packed, 1)
+    assert bundle_format._READ_TABLES  # (remembered)
+    remembered = split_bundles(packed, 1)[0]
+    assert _read_or_error(packed, 1) == fresh
+    remembered.slots.append(7)  # a caller's change reaches no later read
+    remembered.shapes[99] = (1,)
+    assert _read_or_error(packed, 1) == fresh
+    edits = [packed[:cut] for cut in range(len(packed))]
+    for _ in range(20):
+        edited = bytearray(packed)
+        edited[data.draw(st.integers(4, len(packed) - 1))] = data.draw(st.integers(0, 255))
+        edits.append(bytes(edited))
+    for edited in edits:
+        outcome = _read_or_error(edited, 1)
+        bundle_format._READ_TABLES.clear()
+        bundle_format._READ_TABLE_LENGTHS.clear()
+        assert _read_or_error(edited, 1) == outcome
+        split_bundles(packed, 1)  # (remembered again for the next one)
+
+
 def test_pack_bundle_refuses_inconsistent_tables():
     with pytest.raises(ValueError, match="must name each"):
         pack_bundle([b"a", b"b"], [0, 0])
