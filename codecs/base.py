@@ -17,6 +17,10 @@ import numpy as np
 from deepreduce.errors import DecodeError
 
 
+#: Types of the parameter values whose spec strings a codec keeps (see :meth:`Codec._spec`).
+_IMMUTABLE = frozenset((str, int, float, bool, type(None)))
+
+
 class Codec:
     """Common part of index and value codecs.
 
@@ -74,6 +78,27 @@ class Codec:
         return self._spec(self.encoder_options)
 
     def _spec(self, leave_out) -> str:
+        # Every payload's header names its codecs: the string is kept, with the very
+        # objects it was made from, and made again once a parameter is another object.
+        # (Only for immutable values, which nobody can change in place; by identity,
+        # since equal values may be written differently: 1, 1.0 and True.)
+        values = [getattr(self, p.name) for p in self._parameters()]
+        memo = self.__dict__.get("_spec_memo") if hasattr(self, "__dict__") else None
+        known = None if memo is None else memo.get(leave_out)
+        if known is not None and len(known[0]) == len(values) and all(
+                a is b for a, b in zip(known[0], values)):
+            return known[1]
+        spec = self._format_spec(leave_out)
+        if all(type(value) in _IMMUTABLE for value in values):
+            try:
+                if memo is None:
+                    memo = self._spec_memo = {}
+                memo[leave_out] = (values, spec)
+            except AttributeError:  # (no __dict__: nothing kept)
+                pass
+        return spec
+
+    def _format_spec(self, leave_out) -> str:
         from deepreduce.registry import format_spec
 
         changed = {p.name: getattr(self, p.name) for p in self._parameters()

@@ -46,7 +46,9 @@ class AllgatherExchange:
         The exchange's per-tensor step (pipelines, error feedback).
     codec_threads : int or None, default None
         Threads that code the payloads of a bundle and decode the ranks'
-        (see :class:`~deepreduce.config.ExchangeConfig`).
+        (see :class:`~deepreduce.config.ExchangeConfig`); None: worked out from
+        the cores and ranks of the host at the first step
+        (:func:`~deepreduce.parallel.codec_threads`).
 
     Notes
     -----
@@ -57,6 +59,8 @@ class AllgatherExchange:
 
     #: (what an exchange pickled before the setting existed reads: automatic)
     codec_threads = None
+    #: The automatic setting's threads, once worked out (see :meth:`_codec_threads`).
+    _automatic_threads = None
 
     def __init__(self, selector, codec_threads: int | None = None):
         self.selector = selector
@@ -71,6 +75,24 @@ class AllgatherExchange:
                     for codec in (pipeline.index_codec, pipeline.value_codec)))
         self._sums = _ReusedSums()
         self._codec_seconds = 0.0
+
+    def __getstate__(self):
+        # the automatic setting is worked out again where the exchange is loaded
+        state = dict(self.__dict__)
+        state.pop("_automatic_threads", None)
+        return state
+
+    def _codec_threads(self) -> int:
+        """``codec_threads(self.codec_threads)``; the automatic setting's worked out once
+        (it reads the process's CPU affinity, the machine's cores and the environment:
+        10 us, every encode and every decode)."""
+        setting = self.codec_threads
+        if setting is not None:
+            return setting
+        threads = self._automatic_threads
+        if threads is None:
+            threads = self._automatic_threads = codec_threads(None)
+        return threads
 
     def _encode_timed(self, pipeline, selected, dense):
         """``pipeline.encode_sparse(selected, dense)``, adding the time of its codecs to
@@ -218,7 +240,7 @@ class AllgatherExchange:
         """The threads for ``codings`` (``(pipeline, ...)``): :attr:`codec_threads`, or one
         when two of them would draw from the same random stream (a codec with a
         ``step`` or an ``_rng`` in two pipelines), whose draws depend on the order."""
-        threads = codec_threads(self.codec_threads)
+        threads = self._codec_threads()
         if threads == 1:
             return 1
         seen = set()
@@ -275,7 +297,7 @@ class AllgatherExchange:
         payloads = [p for per_rank, own_reused in zip(read, reused)
                     for r, bundle in enumerate(per_rank) if r != rank or not own_reused
                     for p in bundle.payloads]
-        decodes = iter(run_in_order(decode, payloads, codec_threads(self.codec_threads),
+        decodes = iter(run_in_order(decode, payloads, self._codec_threads(),
                                     cost=len, least=PARALLEL_BYTES))
         units, first = [], 0
         for per_rank, own, own_reused in zip(read, sent, reused):

@@ -25,6 +25,8 @@ MAX_SIZE = 2**63 - 1
 
 def check_dtype(dtype) -> np.dtype:
     """Return ``dtype`` as a supported floating point ``np.dtype`` or raise ValueError."""
+    if isinstance(dtype, np.dtype) and dtype in DTYPE_CODES:  # (native: every payload's)
+        return dtype
     try:
         dtype = np.dtype(dtype)
     except TypeError:

@@ -3,7 +3,7 @@ import pytest
 
 import deepreduce as dr
 from deepreduce.codecs.base import IndexCodec
-from deepreduce.registry import _REGISTRY, format_spec, parse_spec
+from deepreduce.registry import _REGISTRY, format_spec, get_codec, parse_spec
 
 
 def test_parse_and_format_spec():
@@ -84,3 +84,21 @@ def test_decoding_uses_the_codec_registered_now():
         dr.register_codec(VarintIndices, replace=True)
     dr.decompress(payload)
     assert Counting.calls == 1
+
+
+def test_kept_spec_strings_follow_the_parameters():
+    # a codec keeps its spec string while its parameters are the very objects it was
+    # made from: a parameter set after construction gives the spec of the new value
+    codec = get_codec("zstd:level=9", family="index")
+    assert codec.spec() == codec.header_spec() == "zstd:level=9"
+    codec.level = 5
+    assert codec.spec() == codec.header_spec() == "zstd:level=5"
+    codec.level = 3  # (the default)
+    assert codec.spec() == "zstd"
+    codec.level = True  # equal to 1, written otherwise: the spec follows the object
+    assert codec.spec() == codec._format_spec(())
+    auto = get_codec("auto:link_gbits=10", family="index")
+    assert auto.spec() == "auto:link_gbits=10" and auto.header_spec() == "auto"
+    auto.link_gbits = 1
+    assert auto.spec() == "auto:link_gbits=1" and auto.header_spec() == "auto"
+
