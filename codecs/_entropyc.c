@@ -12,6 +12,13 @@
  *
  *   bucket_symbols(values, precision, symbols, offset_bits, counts) -> None
  *       _entropy.bucket_symbols into uint8 arrays, and the symbols' histogram.
+ *   huffman_encode(indices, precision, block) -> bytes
+ *   huffman_decode(data, n, precision, block, out) -> None, str or int
+ *       huffman.HuffmanIndices.encode and decode in one call each: the gaps, their
+ *       symbols and histogram, the length-limited code, the tables and both streams;
+ *       the tables parsed and checked in the numpy path's order (a malformed stream
+ *       gets its message), the lanes, the offsets and the running sum. For small sets
+ *       the dozens of numpy calls of the building blocks below cost more than the passes.
  *   huffman_depths(weights, depths) -> None
  *       _entropy._huffman_depths: the Huffman tree, equal weights merged alike.
  *   pack_buckets(values, symbols, counts, codes, code_lengths, base, offset_bits, block,
@@ -54,6 +61,8 @@
 #include <Python.h>
 #include "_buffer.h"
 #include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -69,6 +78,11 @@
 /* Fewer indices than this keep the GIL in the Golomb and Huffman loops (see
  * RELEASED_BEGIN): a few nanoseconds an index. */
 #define RELEASE_INDICES (1 << 13)
+/* Largest block of huffman_encode and huffman_decode (HuffmanIndices takes 8 to 4096):
+ * a block's code bits (at most 15 each) fit in 32 bits. */
+#define MAX_BLOCK (1 << 24)
+/* deepreduce.bits.MAX_VARINT_BYTES: a varint of 64 bits takes at most 10 bytes. */
+#define MAX_VARINT_GROUPS 10
 
 /* ------------------------------------------------------------ bit access */
 
@@ -713,6 +727,21 @@ static PyObject *field_bits(PyObject *module, PyObject *args)
 
 /* ------------------------------------------------------------ read_indices */
 
+/* The Python int high * 2**64 + low. */
+static PyObject *sum_of(uint64_t high, uint64_t low)
+{
+    PyObject *high_part = PyLong_FromUnsignedLongLong(high);
+    PyObject *shift = PyLong_FromLong(64);
+    PyObject *shifted = high_part && shift ? PyNumber_Lshift(high_part, shift) : NULL;
+    PyObject *low_part = shifted ? PyLong_FromUnsignedLongLong(low) : NULL;
+    PyObject *result = low_part ? PyNumber_Or(shifted, low_part) : NULL;
+    Py_XDECREF(high_part);
+    Py_XDECREF(shift);
+    Py_XDECREF(shifted);
+    Py_XDECREF(low_part);
+    return result;
+}
+
 /* Gaps base[s] + offset, summed into indices (the sum minus one) as they are read.
  * Stores the exact sum of the gaps (128 bits) in *total_high:*total_low and returns the
  * bit position after the last offset; sets *outside for symbols past the alphabet. */
@@ -784,15 +813,7 @@ static PyObject *read_indices(PyObject *module, PyObject *args)
             PyErr_Format(PyExc_ValueError, "offsets end at bit %llu, past the %zd bytes of "
                          "data", (unsigned long long)end, data->len);
         else {
-            PyObject *high_part = PyLong_FromUnsignedLongLong(high);
-            PyObject *shift = PyLong_FromLong(64);
-            PyObject *shifted = high_part && shift ? PyNumber_Lshift(high_part, shift) : NULL;
-            PyObject *low_part = shifted ? PyLong_FromUnsignedLongLong(low) : NULL;
-            result = low_part ? PyNumber_Or(shifted, low_part) : NULL;
-            Py_XDECREF(high_part);
-            Py_XDECREF(shift);
-            Py_XDECREF(shifted);
-            Py_XDECREF(low_part);
+            result = sum_of(high, low);
         }
     }
     release_all(views, 5);
@@ -924,6 +945,43 @@ static PyObject *huffman_depths(PyObject *module, PyObject *args)
 
 /* ------------------------------------------------------------ huffman_estimate */
 
+/* deepreduce.codecs._entropy.huffman_lengths of a histogram of MAX_ALPHABET symbols with
+ * at least one used and a total below 2**63: the Huffman code of the used symbols, in
+ * symbol order, flattened (every weight halved, used ones kept at 1 or more) and
+ * rebuilt until no code passes MAX_CODE_LENGTH; tree_depths merges ties as
+ * _entropy._huffman_depths does, so the lengths are the numpy path's. Writes every
+ * symbol's length (0 if unused) and the first and last used symbols. */
+static void limited_lengths(const int64_t *counts, int64_t *lengths, unsigned *first,
+                            unsigned *last)
+{
+    int64_t weights[MAX_ALPHABET], depths[MAX_ALPHABET];
+    Py_ssize_t parent[2 * MAX_ALPHABET], used = 0, symbol[MAX_ALPHABET];
+    heap_entry_t heap[2 * MAX_ALPHABET];
+    memset(lengths, 0, MAX_ALPHABET * sizeof *lengths);
+    for (int s = 0; s < MAX_ALPHABET; s++)
+        if (counts[s]) {
+            symbol[used] = s;
+            weights[used++] = counts[s];
+        }
+    *first = (unsigned)symbol[0];
+    *last = (unsigned)symbol[used - 1];
+    if (used == 1)
+        lengths[symbol[0]] = 1;
+    while (used > 1) {
+        int64_t deepest = 0;
+        tree_depths(weights, used, heap, parent, depths);
+        for (Py_ssize_t i = 0; i < used; i++)
+            deepest = depths[i] > deepest ? depths[i] : deepest;
+        if (deepest <= MAX_CODE_LENGTH) {
+            for (Py_ssize_t i = 0; i < used; i++)
+                lengths[symbol[i]] = depths[i];
+            return;
+        }
+        for (Py_ssize_t i = 0; i < used; i++)
+            weights[i] = weights[i] >> 1 ? weights[i] >> 1 : 1;
+    }
+}
+
 /* deepreduce.codecs.huffman.estimate_bits of the gaps at every step-th position of
  * strictly increasing indices (the gap before the first index counts from -1), in one
  * call: auto weighs it on every large set, where its dozen numpy calls on small arrays
@@ -943,35 +1001,13 @@ static int estimate_gap_bits(const int64_t *indices, Py_ssize_t count, Py_ssize_
         counts[(v >> shift) + ((uint64_t)shift << precision)]++;
         samples++;
     }
-    /* the Huffman code of the used symbols, flattened until no code passes the limit,
-     * as deepreduce.codecs._entropy.huffman_lengths builds it */
-    int64_t weights[MAX_ALPHABET], depths[MAX_ALPHABET], lengths[MAX_ALPHABET] = {0};
-    Py_ssize_t parent[2 * MAX_ALPHABET], used = 0, symbol[MAX_ALPHABET];
-    heap_entry_t heap[2 * MAX_ALPHABET];
-    for (int s = 0; s < MAX_ALPHABET; s++)
-        if (counts[s]) {
-            symbol[used] = s;
-            weights[used++] = counts[s];
-        }
-    if (used == 1)
-        lengths[symbol[0]] = 1;
-    while (used > 1) {
-        int64_t deepest = 0;
-        tree_depths(weights, used, heap, parent, depths);
-        for (Py_ssize_t i = 0; i < used; i++)
-            deepest = depths[i] > deepest ? depths[i] : deepest;
-        if (deepest <= MAX_CODE_LENGTH) {
-            for (Py_ssize_t i = 0; i < used; i++)
-                lengths[symbol[i]] = depths[i];
-            break;
-        }
-        for (Py_ssize_t i = 0; i < used; i++)
-            weights[i] = weights[i] >> 1 ? weights[i] >> 1 : 1;
-    }
+    int64_t lengths[MAX_ALPHABET];
+    unsigned first, last;
+    limited_lengths(counts, lengths, &first, &last);
     /* codes and offsets; the table; the block lengths from the spread of the code
      * lengths, in exact integers: floor(8 sqrt(block * variance)) */
     int small = 1 << (precision + 1);
-    uint64_t payload = 0, first = symbol[0], last = symbol[used - 1];
+    uint64_t payload = 0;
     unsigned __int128 sum = 0, squares = 0;
     for (int s = 0; s < MAX_ALPHABET; s++) {
         uint64_t offset_bits = s < small ? 0 : (uint64_t)((s - small) >> precision) + 1;
@@ -1737,6 +1773,505 @@ static PyObject *blockpack_decode(PyObject *module, PyObject *args)
     return result;
 }
 
+/* ------------------------------------------------------------ huffman_encode */
+
+/* deepreduce.codecs._entropy.bucket_count: the bucket alphabet of values in [1, 2**63). */
+static unsigned bucket_count(int precision)
+{
+    return (2u << precision) + (62u - (unsigned)precision) * (1u << precision);
+}
+
+/* Symbol s's smallest value and offset bits (deepreduce.codecs._entropy.bucket_base). */
+static void bucket_entry(int precision, unsigned s, uint64_t *base, uint8_t *width)
+{
+    unsigned small = 2u << precision;
+    if (s < small) {
+        *base = s;
+        *width = 0;
+        return;
+    }
+    unsigned bits = ((s - small) >> precision) + 1;
+    uint64_t mantissa = (s - small) & ((1u << precision) - 1);
+    *base = ((1ull << precision) + mantissa) << bits;
+    *width = (uint8_t)bits;
+}
+
+/* The bucket symbols of the gaps of indices (the first counted from -1) and their
+ * histogram, as bucket_loop finds them; inlined once per precision. Returns non-zero
+ * unless the indices increase strictly from 0 (with every gap below 2**63, so that every
+ * symbol lies in the alphabet); what the outputs then hold is unspecified. */
+static ALWAYS_INLINE int gap_symbols(const int64_t *restrict index, Py_ssize_t count,
+                                     const int precision, uint8_t *restrict symbol,
+                                     int64_t *restrict counts)
+{
+    int64_t previous = -1;
+    uint64_t bad = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t current = index[i];
+        uint64_t v = (uint64_t)current - (uint64_t)previous;
+        bad |= (uint64_t)(current <= previous) | v >> 63;
+        previous = current;
+        int exponent = LOG2_64(v | 1);
+        int bits = exponent > precision ? exponent - precision : 0;
+        uint8_t s = (uint8_t)((v >> bits) + ((uint64_t)bits << precision));
+        symbol[i] = s;
+        counts[s]++;
+    }
+    return bad != 0;
+}
+
+/* Everything the encoder decides before it writes: the code, the tables' fields and
+ * the size of every part of the stream. */
+typedef struct {
+    pack_tables_t t;                /* per symbol: code, base, code length, offset bits */
+    int64_t counts[MAX_ALPHABET];
+    unsigned first, last;           /* the used symbols' range: the code-length table */
+    uint64_t low;                   /* the shortest block but the last, in bits */
+    unsigned width;                 /* bits of each block's excess over it */
+    uint64_t header, block_table, code_bytes, offset_bytes;
+} huffman_plan_t;
+
+static unsigned varint_size(uint64_t value)
+{
+    unsigned size = 1;
+    while (value >>= 7)
+        size++;
+    return size;
+}
+
+/* The first passes of huffman_encode: the symbols of the indices' gaps (into symbols),
+ * their Huffman code, the code bits of every block but the last (into block_bits, one
+ * entry per block) and the sizes. Returns -1 for indices that do not increase. */
+static int huffman_plan(const int64_t *indices, Py_ssize_t count, int precision,
+                        Py_ssize_t block, uint8_t *symbols, uint32_t *block_bits,
+                        huffman_plan_t *p)
+{
+    memset(p->counts, 0, sizeof p->counts);
+    int bad = precision == 0 ? gap_symbols(indices, count, 0, symbols, p->counts)
+            : precision == 1 ? gap_symbols(indices, count, 1, symbols, p->counts)
+                             : gap_symbols(indices, count, 2, symbols, p->counts);
+    if (bad)
+        return -1;
+    int64_t lengths[MAX_ALPHABET];
+    limited_lengths(p->counts, lengths, &p->first, &p->last);
+    /* canonical codes (_entropy.canonical_codes): by length, then by symbol */
+    pack_tables_t *t = &p->t;
+    memset(t->code_length, 0, sizeof t->code_length);
+    memset(t->offset_bits, 0, sizeof t->offset_bits);
+    uint64_t code = 0, code_bits = 0, offset_bits = 0;
+    unsigned previous = 0;
+    for (unsigned length = 1; length <= MAX_CODE_LENGTH; length++)
+        for (unsigned s = p->first; s <= p->last; s++)
+            if (lengths[s] == (int64_t)length) {
+                code <<= length - previous;
+                t->code[s] = code++;
+                previous = length;
+            }
+    for (unsigned s = p->first; s <= p->last; s++) {
+        t->code_length[s] = (uint8_t)lengths[s];
+        bucket_entry(precision, s, &t->base[s], &t->offset_bits[s]);
+        code_bits += (uint64_t)p->counts[s] * t->code_length[s];
+        offset_bits += (uint64_t)p->counts[s] * t->offset_bits[s];
+    }
+    /* the block-length table (huffman._pack_block_lengths): all blocks but the last */
+    Py_ssize_t blocks = count / block + (count % block != 0);
+    uint64_t low = UINT64_MAX, high = 0;
+    for (Py_ssize_t b = 0; b + 1 < blocks; b++) {
+        uint32_t bits = 0;
+        for (Py_ssize_t i = b * block; i < (b + 1) * block; i++)
+            bits += t->code_length[symbols[i]];
+        block_bits[b] = bits;
+        low = bits < low ? bits : low;
+        high = bits > high ? bits : high;
+    }
+    p->low = low;
+    p->width = blocks > 1 ? (high - low ? (unsigned)LOG2_64(high - low) + 1 : 0) : 0;
+    p->header = 2 + (4 * (uint64_t)(p->last - p->first + 1) + 7) / 8;
+    p->block_table = blocks > 1 ? varint_size(low) + 1
+                                  + ((uint64_t)(blocks - 1) * p->width + 7) / 8 : 0;
+    p->code_bytes = (code_bits + 7) / 8;
+    p->offset_bytes = (offset_bits + 7) / 8;
+    return 0;
+}
+
+/* The stream of huffman_plan's plan into out (exactly its size): the code-length table
+ * (_entropy.pack_code_lengths), the block-length table, the codes, the offsets. Returns
+ * -1 if the parts did not fill their places exactly (which a right plan rules out). */
+static int huffman_write(const int64_t *indices, Py_ssize_t count, Py_ssize_t block,
+                         const uint8_t *symbols, const uint32_t *block_bits,
+                         const huffman_plan_t *p, uint8_t *out)
+{
+    const pack_tables_t *t = &p->t;
+    uint8_t *at = out;
+    /* first symbol, span - 1, then the lengths as 4-bit fields, MSB first */
+    at[0] = (uint8_t)p->first;
+    at[1] = (uint8_t)(p->last - p->first);
+    memset(at + 2, 0, (size_t)(p->header - 2));
+    for (unsigned s = p->first; s <= p->last; s++) {
+        unsigned j = s - p->first;
+        at[2 + j / 2] |= (uint8_t)(t->code_length[s] << (j & 1 ? 0 : 4));
+    }
+    at += p->header;
+    int ok = 1;
+    Py_ssize_t blocks = count / block + (count % block != 0);
+    if (blocks > 1) {
+        /* varint minimum (LEB128), width byte, excesses as deepreduce.bits.pack_fixed */
+        uint64_t value = p->low;
+        for (; value >= 0x80; value >>= 7)
+            *at++ = (uint8_t)(value | 0x80);
+        *at++ = (uint8_t)value;
+        *at++ = (uint8_t)p->width;
+        uint8_t *table_end = out + p->header + p->block_table;
+        writer_t excess = {at, table_end, 0, 0, 0};
+        for (Py_ssize_t b = 0; b + 1 < blocks; b++)
+            put_bits(&excess, block_bits[b] - p->low, p->width);
+        ok = flush_bits(&excess);
+        at = table_end;
+    }
+    writer_t code = {at, at + p->code_bytes, 0, 0, 0};
+    writer_t offset = {at + p->code_bytes, at + p->code_bytes + p->offset_bytes, 0, 0, 0};
+    int64_t previous = -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        unsigned s = symbols[i], width = t->offset_bits[s];
+        uint64_t gap = (uint64_t)indices[i] - (uint64_t)previous;
+        previous = indices[i];
+        put_bits(&code, t->code[s], t->code_length[s]);
+        put_bits(&offset, low_bits(gap - t->base[s], width), width);
+    }
+    int code_ok = flush_bits(&code), offset_ok = flush_bits(&offset);
+    return ok && code_ok && offset_ok ? 0 : -1;
+}
+
+/* huffman.HuffmanIndices.encode of a non-empty set, in one call: about twenty numpy
+ * calls on small arrays cost more than the passes themselves. */
+static PyObject *huffman_encode(PyObject *module, PyObject *args)
+{
+    PyObject *object;
+    int precision;
+    Py_ssize_t block;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "Oin:huffman_encode", &object, &precision, &block))
+        return NULL;
+    if (precision < 0 || precision > MAX_PRECISION || block < 1 || block > MAX_BLOCK)
+        return PyErr_Format(PyExc_ValueError, "huffman_encode needs precision in [0, %d] and "
+                            "block in [1, %d]", MAX_PRECISION, MAX_BLOCK);
+    Py_buffer view;
+    if (get_array(object, &view, "indices", INT64, 0) < 0)
+        return NULL;
+    Py_ssize_t count = view.len / 8, blocks = count / block + (count % block != 0);
+    const int64_t *indices = view.buf;
+    PyObject *data = NULL;
+    huffman_plan_t plan;
+    uint8_t *scratch = NULL;
+    int bad = 0;
+    if (count < 1) {
+        PyErr_SetString(PyExc_ValueError, "huffman_encode needs 1 or more indices");
+        goto done;
+    }
+    scratch = PyMem_Malloc((size_t)blocks * sizeof(uint32_t) + (size_t)count);
+    if (scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint32_t *block_bits = (uint32_t *)scratch;
+    uint8_t *symbols = scratch + (size_t)blocks * sizeof(uint32_t);
+    /* the view holds the array's memory while other threads run */
+    RELEASED_BEGIN(count, RELEASE_INDICES)
+    bad = huffman_plan(indices, count, precision, block, symbols, block_bits, &plan);
+    RELEASED_END
+    if (bad) {
+        /* deepreduce.bits.check_order_of's error: the Python caller leaves the order to us */
+        PyErr_SetString(PyExc_ValueError, "indices must be strictly increasing (sorted, unique)");
+        goto done;
+    }
+    uint64_t size = plan.header + plan.block_table + plan.code_bytes + plan.offset_bytes;
+    data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+    if (data == NULL)
+        goto done;
+    /* The bytes object is not shared yet: filling it without the GIL is safe. */
+    RELEASED_BEGIN(count, RELEASE_INDICES)
+    bad = huffman_write(indices, count, block, symbols, block_bits, &plan,
+                        (uint8_t *)PyBytes_AS_STRING(data));
+    RELEASED_END
+    if (bad) {
+        Py_CLEAR(data);
+        PyErr_SetString(PyExc_SystemError, "huffman_encode: the stream does not fill its plan");
+    }
+done:
+    PyMem_Free(scratch);
+    PyBuffer_Release(&view);
+    return data;
+}
+
+/* ------------------------------------------------------------ huffman_decode */
+
+/* How huffman_read ended. */
+enum { READ_OK, READ_PROBLEM, READ_PAST_N, READ_NO_MEMORY };
+
+typedef struct {
+    char message[128];              /* READ_PROBLEM: what is wrong, worded as in Python */
+    uint64_t high, low;             /* READ_PAST_N: the exact sum of the gaps */
+} read_result_t;
+
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((format(printf, 2, 3)))
+#endif
+static int read_problem(read_result_t *r, const char *format, ...)
+{
+    va_list arguments;
+    va_start(arguments, format);
+    vsnprintf(r->message, sizeof r->message, format, arguments);
+    va_end(arguments);
+    return READ_PROBLEM;
+}
+
+/* _entropy.kraft_ok: the lengths (0..15) form a complete prefix code, or one 1-bit code. */
+static int kraft_complete(const uint8_t *lengths, unsigned alphabet)
+{
+    unsigned used = 0, top = 0, single = 0;
+    for (unsigned s = 0; s < alphabet; s++)
+        if (lengths[s]) {
+            used++;
+            single = lengths[s];
+            top = lengths[s] > top ? lengths[s] : top;
+        }
+    if (used <= 1)
+        return used == 1 && single == 1;
+    uint64_t sum = 0;
+    for (unsigned s = 0; s < alphabet; s++)
+        if (lengths[s])
+            sum += 1ull << (top - lengths[s]);
+    return sum == 1ull << top;
+}
+
+/* Lanes 0 .. lanes-1 of `steps` symbols each, from starts[lane] on, as decode_all_lanes
+ * decodes them. Returns whether a lane met bits that start no code or ended anywhere
+ * but at starts[lane + 1] (starts holds lanes + 1 entries). */
+static int decode_blocks(const uint8_t *data, uint64_t size, const int64_t *starts,
+                         Py_ssize_t lanes, Py_ssize_t steps, unsigned peek,
+                         const uint16_t *table, uint8_t *symbols)
+{
+    unsigned drop = 64 - peek;
+    uint64_t wrong = 0;
+    Py_ssize_t lane = 0;
+    for (; lane + LANE_GROUP <= lanes; lane += LANE_GROUP) {
+        uint64_t position[LANE_GROUP];
+        uint8_t lane_bad[LANE_GROUP] = {0};
+        for (int j = 0; j < LANE_GROUP; j++)
+            position[j] = (uint64_t)starts[lane + j];
+        for (Py_ssize_t step = 0; step < steps; step += 3) {
+            Py_ssize_t count = steps - step < 3 ? steps - step : 3;
+            for (int j = 0; j < LANE_GROUP; j++)
+                position[j] = decode_window(data, size, table, drop, position[j],
+                                            symbols + (lane + j) * steps + step, count,
+                                            &lane_bad[j]);
+        }
+        for (int j = 0; j < LANE_GROUP; j++)
+            wrong |= (position[j] != (uint64_t)starts[lane + j + 1]) | lane_bad[j];
+    }
+    for (; lane < lanes; lane++) {
+        uint64_t position = (uint64_t)starts[lane];
+        uint8_t lane_bad = 0;
+        for (Py_ssize_t step = 0; step < steps; step += 3)
+            position = decode_window(data, size, table, drop, position,
+                                     symbols + lane * steps + step,
+                                     steps - step < 3 ? steps - step : 3, &lane_bad);
+        wrong |= (position != (uint64_t)starts[lane + 1]) | lane_bad;
+    }
+    return wrong != 0;
+}
+
+/* huffman.HuffmanIndices.decode (numpy path) of nnz >= 1 indices below n into out,
+ * with its checks in its order, so that a malformed stream gets its message. Scratch
+ * (the block starts, the decode table and the symbols) is sized from the stream, which
+ * must hold a bit per index before anything is allocated. */
+static int huffman_read(const uint8_t *data, uint64_t size, Py_ssize_t nnz, int precision,
+                        Py_ssize_t block, uint64_t n, int64_t *out, read_result_t *r)
+{
+    if (8 * size < (uint64_t)nnz)
+        return read_problem(r, "%llu bytes cannot hold %lld codes", (unsigned long long)size,
+                       (long long)nnz);
+    /* the code lengths (_entropy.unpack_code_lengths) */
+    unsigned alphabet = bucket_count(precision);
+    if (size < 2)
+        return read_problem(r, "code table truncated");
+    unsigned first = data[0], span = data[1] + 1u;
+    if (first + span > alphabet)
+        return read_problem(r, "code table names symbols up to %u, the alphabet has %u",
+                       first + span - 1, alphabet);
+    uint64_t offset = 2 + (4 * span + 7) / 8;
+    if (size < offset)
+        return read_problem(r, "code table truncated");
+    if ((span & 1) && (data[offset - 1] & 0x0F))
+        return read_problem(r, "padding bits of the last byte are not zero");
+    uint8_t lengths[MAX_ALPHABET] = {0}, offset_bits[MAX_ALPHABET] = {0};
+    uint64_t base[MAX_ALPHABET] = {0};
+    unsigned peek = 0;
+    for (unsigned j = 0; j < span; j++) {
+        unsigned length = (data[2 + j / 2] >> (j & 1 ? 0 : 4)) & 0x0F;
+        lengths[first + j] = (uint8_t)length;
+        peek = length > peek ? length : peek;
+        bucket_entry(precision, first + j, &base[first + j], &offset_bits[first + j]);
+    }
+    if (!lengths[first] || !lengths[first + span - 1] || !kraft_complete(lengths, alphabet))
+        return read_problem(r, "code lengths do not form a complete prefix code");
+    if (lengths[0])
+        return read_problem(r, "code table gives a code to symbol 0 (a zero gap)");
+    /* the block lengths (huffman._unpack_block_lengths) */
+    Py_ssize_t blocks = nnz / block + (nnz % block != 0);
+    uint64_t limit = (uint64_t)block * MAX_CODE_LENGTH, low = 0;
+    unsigned width = 0;
+    const uint8_t *table_bytes = NULL;
+    uint64_t table_size = 0;
+    if (blocks > 1) {
+        /* deepreduce.bits.read_varint, with its checks in its order */
+        int overflow = 0, group = 0;
+        for (;; group++) {
+            if (group == MAX_VARINT_GROUPS)
+                return read_problem(r, "varint longer than %d bytes", MAX_VARINT_GROUPS);
+            if (offset + group >= size)
+                return read_problem(r, "varint truncated at the end of the stream");
+            uint64_t byte = data[offset + group], bits = byte & 0x7F;
+            overflow |= group == MAX_VARINT_GROUPS - 1 && bits > 1;
+            low |= bits << (7 * group);
+            if (byte < 0x80) {
+                if (group && byte == 0)
+                    return read_problem(r, "varint not in its shortest form");
+                if (overflow)
+                    return read_problem(r, "varint overflows 64 bits");
+                break;
+            }
+        }
+        offset += group + 1;
+        if (offset >= size)
+            return read_problem(r, "block length table truncated");
+        width = data[offset++];
+        if (low > limit || width > (unsigned)LOG2_64(limit) + 1)
+            return read_problem(r, "block lengths exceed %llu bits", (unsigned long long)limit);
+        table_size = ((uint64_t)(blocks - 1) * width + 7) / 8;
+        if (size - offset < table_size)
+            return read_problem(r, "block length table truncated");
+        table_bytes = data + offset;
+        unsigned padding = (unsigned)(8 * table_size - (uint64_t)(blocks - 1) * width);
+        if (padding && (table_bytes[table_size - 1] & ((1u << padding) - 1)))
+            return read_problem(r, "padding bits of the last byte are not zero");
+        offset += table_size;
+    }
+    /* Every index has a code of a bit at least: nnz bounds the scratch by the stream. */
+    size_t table_entries = (size_t)1 << peek;
+    uint8_t *scratch = PyMem_RawMalloc((size_t)blocks * sizeof(int64_t)
+                                       + table_entries * sizeof(uint16_t) + (size_t)nnz);
+    if (scratch == NULL)
+        return READ_NO_MEMORY;
+    int64_t *starts = (int64_t *)scratch;
+    uint16_t *table = (uint16_t *)(starts + blocks);
+    uint8_t *symbols = (uint8_t *)(table + table_entries);
+    int status = READ_OK;
+    uint64_t longest = 0;
+    starts[0] = 0;
+    for (Py_ssize_t b = 1; b < blocks; b++) {
+        uint64_t bits = low + read_bits(table_bytes, table_size, (uint64_t)(b - 1) * width,
+                                        width);
+        longest = bits > longest ? bits : longest;
+        starts[b] = starts[b - 1] + (int64_t)bits;
+    }
+    const uint8_t *stream = data + offset;
+    uint64_t stream_size = size - offset;
+    if (longest > limit)
+        status = read_problem(r, "block lengths exceed %llu bits", (unsigned long long)limit);
+    else if (8 * stream_size < (uint64_t)nnz)
+        status = read_problem(r, "%llu bytes cannot hold %lld codes",
+                         (unsigned long long)stream_size, (long long)nnz);
+    else if ((uint64_t)starts[blocks - 1] > 8 * stream_size)
+        status = read_problem(r, "block lengths run past the end of the stream");
+    if (status != READ_OK)
+        goto done;
+    /* The lengths form a complete code (checked above): the table fills exactly. */
+    fill_table(lengths, alphabet, peek, table);
+    int wrong = decode_blocks(stream, stream_size, starts, blocks - 1, block, peek, table,
+                              symbols);
+    /* The last lane decodes only its own symbols; it is checked through them. */
+    Py_ssize_t tail_start = (blocks - 1) * block;
+    uint8_t tail_bad = 0;
+    uint64_t code_end = (uint64_t)starts[blocks - 1];
+    for (Py_ssize_t i = tail_start; i < nnz; i += 3)
+        code_end = decode_window(stream, stream_size, table, 64 - peek, code_end, symbols + i,
+                                 nnz - i < 3 ? nnz - i : 3, &tail_bad);
+    uint64_t code_bytes = (code_end + 7) / 8;
+    if (wrong)
+        status = read_problem(r, "a block does not decode to its stored length");
+    else if (tail_bad)
+        status = read_problem(r, "bits that start no code in the last block");
+    else if (code_bytes > stream_size)
+        status = read_problem(r, "stream ends inside the codes");
+    else if (code_end % 8 && (stream[code_bytes - 1] & ((1u << (8 - code_end % 8)) - 1)))
+        status = read_problem(r, "padding bits after the codes are not zero");
+    if (status != READ_OK)
+        goto done;
+    /* The offsets, read and summed into indices at once; reads past the end of the stream
+     * see zeros, and the length check below refuses such streams. */
+    int outside;
+    uint64_t end = read_gaps(stream, stream_size, 8 * code_bytes, symbols, nnz, base,
+                             offset_bits, (Py_ssize_t)alphabet, out, &r->high, &r->low,
+                             &outside);
+    uint64_t total = end - 8 * code_bytes, expected = code_bytes + (total + 7) / 8;
+    if (stream_size != expected)
+        status = read_problem(r, "stream holds %llu bytes after the tables, the codes and offsets "
+                         "take %llu", (unsigned long long)stream_size,
+                         (unsigned long long)expected);
+    else if (total % 8 && (stream[stream_size - 1] & ((1u << (8 - total % 8)) - 1)))
+        status = read_problem(r, "padding bits after the offsets are not zero");
+    else if (r->high || r->low > n)
+        status = READ_PAST_N;
+done:
+    PyMem_RawFree(scratch);
+    return status;
+}
+
+static PyObject *huffman_decode(PyObject *module, PyObject *args)
+{
+    PyObject *objects[2];
+    unsigned long long n;
+    int precision;
+    Py_ssize_t block;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OKinO:huffman_decode", &objects[0], &n, &precision, &block,
+                          &objects[1]))
+        return NULL;
+    if (precision < 0 || precision > MAX_PRECISION || block < 1 || block > MAX_BLOCK
+            || n > (1ull << 62))
+        return PyErr_Format(PyExc_ValueError, "huffman_decode needs precision in [0, %d], "
+                            "block in [1, %d] and n <= 2**62", MAX_PRECISION, MAX_BLOCK);
+    Py_buffer storage[2], *views[2] = {&storage[0], &storage[1]};
+    if (get_stream_and_out(objects, views) < 0)
+        return NULL;
+    Py_ssize_t nnz = views[1]->len / 8;
+    PyObject *result = NULL;
+    read_result_t outcome;
+    int status = READ_OK;
+    if (nnz < 1)
+        PyErr_SetString(PyExc_ValueError, "huffman_decode needs room for 1 or more indices");
+    else {
+        RELEASED_BEGIN(nnz, RELEASE_INDICES)
+        status = huffman_read(views[0]->buf, (uint64_t)views[0]->len, nnz, precision, block,
+                              n, views[1]->buf, &outcome);
+        RELEASED_END
+        if (status == READ_OK)
+            {
+            result = Py_None;
+            Py_INCREF(result);
+        }
+        else if (status == READ_PROBLEM)
+            result = PyUnicode_FromString(outcome.message);
+        else if (status == READ_PAST_N)
+            result = sum_of(outcome.high, outcome.low);
+        else
+            PyErr_NoMemory();
+    }
+    release_all(views, 2);
+    return result;
+}
+
 /* ------------------------------------------------------------ runs */
 
 static uint64_t gcd64(uint64_t a, uint64_t b)
@@ -1881,6 +2416,17 @@ static PyMethodDef methods[] = {
      "deepreduce.codecs.huffman.estimate_bits of the gaps of every step-th index of\n"
      "1 or more strictly increasing int64 indices from 0 (the first counted from -1),\n"
      "and the number of those gaps; ValueError if they do not increase."},
+    {"huffman_encode", huffman_encode, METH_VARARGS,
+     "huffman_encode(indices, precision, block) -> bytes\n\n"
+     "deepreduce.codecs.huffman.HuffmanIndices(precision, block).encode of 1 or more\n"
+     "strictly increasing int64 indices from 0 (precision 0..2, block 1..2**24): the\n"
+     "numpy path's bytes. ValueError if the indices do not increase."},
+    {"huffman_decode", huffman_decode, METH_VARARGS,
+     "huffman_decode(data, n, precision, block, out) -> None, str or int\n\n"
+     "The inverse of huffman_encode into out (int64, one entry per index, at least one):\n"
+     "None; or what is wrong with the stream, worded as the numpy path's DecodeError; or,\n"
+     "when the gaps add up past n (<= 2**62), their exact sum, with out holding their\n"
+     "running sums less one, modulo 2**64. out is unspecified unless None is returned."},
     {"field_bits", field_bits, METH_VARARGS,
      "field_bits(symbols, widths) -> int\n\n"
      "The sum of widths[s] (uint8 table) over symbols (uint8)."},

@@ -15,10 +15,13 @@ block, three symbols per 64-bit window read.
 
 Two implementations write and read the same bytes and raise the same
 errors: whole-array numpy, and the optional C extension
-``deepreduce.codecs._entropyc`` (compiled by ``pip install``), which encodes in two
-passes over the gaps (symbols and their histogram, then both streams) and
-decodes lane after lane, then the offsets straight into indices: several
-times faster (figures in ``benchmarks/results/index_codecs.md``).
+``deepreduce.codecs._entropyc`` (compiled by ``pip install``), which encodes in
+one call (the symbols and their histogram, the code, the tables, both streams)
+and decodes in one (the tables and their checks, lane after lane, then the
+offsets straight into indices), without the GIL on large sets. The numpy path
+makes some twenty calls each way, which cost about 0.1 ms even on a few dozen
+indices; the compiled one takes a few microseconds there and is several times
+faster on large sets too (figures in ``benchmarks/results/index_codecs.md``).
 :data:`deepreduce.codecs._entropy.IMPLEMENTATION` says which one runs.
 """
 
@@ -249,11 +252,13 @@ class HuffmanIndices(IndexCodec):
         return estimate_gap_bits(indices, 1, self.precision, self.block)[0]
 
     def encode(self, indices, n):
-        indices = _bits.check_indices(indices, n)
+        compiled = _entropy._entropyc
+        # The compiled encoder checks the order on its way (with check_order_of's error).
+        indices = _bits.check_indices(indices, n, check_order=compiled is None)
         if indices.size == 0:
             return b""
-        if _entropy._entropyc is not None:  # same bytes, several times faster
-            return self._encode_compiled(gap_values(indices))
+        if compiled is not None:  # the same bytes in one call: no numpy call per step
+            return compiled.huffman_encode(indices, self.precision, self.block)
         symbols, offset_bits, offsets, lengths = code_layout(gap_values(indices),
                                                              self.precision)
         symbol_lengths = np.take(lengths.astype(np.uint8), symbols)
@@ -262,18 +267,6 @@ class HuffmanIndices(IndexCodec):
         codes, _ = _entropy.pack_varlen(np.take(_entropy.canonical_codes(lengths), symbols),
                                         symbol_lengths)
         offsets, _ = _entropy.pack_varlen(offsets, offset_bits)
-        return (_entropy.pack_code_lengths(lengths) + _pack_block_lengths(block_bits)
-                + codes + offsets)
-
-    def _encode_compiled(self, values: np.ndarray) -> bytes:
-        """:meth:`encode`'s streams from the gaps by the C extension: two passes, no gathers."""
-        symbols, counts = _entropy.bucket_histogram(values, self.precision)
-        lengths = _entropy.huffman_lengths(counts)
-        base, offset_bits = bucket_tables(self.precision)
-        block_bits = np.empty(-(-symbols.size // self.block), dtype=np.int64)
-        codes, offsets = _entropy._entropyc.pack_buckets(
-            values, symbols, counts, _entropy.canonical_codes(lengths),
-            lengths.astype(np.uint8), base, offset_bits, self.block, block_bits)
         return (_entropy.pack_code_lengths(lengths) + _pack_block_lengths(block_bits)
                 + codes + offsets)
 
@@ -290,6 +283,8 @@ class HuffmanIndices(IndexCodec):
         # before reading tables whose size follows from them.
         if 8 * len(data) < nnz:
             raise DecodeError(f"{what}: {len(data)} bytes cannot hold {nnz} codes")
+        if _entropy._entropyc is not None:  # the same checks and results in one call
+            return self._decode_compiled(data, n, nnz, what)
         alphabet = _entropy.bucket_count(self.precision)
         lengths, offset = _entropy.unpack_code_lengths(data, 0, alphabet, what)
         if lengths[0]:
@@ -306,17 +301,13 @@ class HuffmanIndices(IndexCodec):
         np.cumsum(block_bits, out=starts[1:])
         if int(starts[-1]) > 8 * len(stream):
             raise DecodeError(f"{what}: block lengths run past the end of the stream")
-        compiled = _entropy._entropyc is not None  # same results, several times faster
-        if compiled:
-            symbols, ends, bad = decode_lanes_compiled(stream, starts, self.block, lengths)
-        else:
-            peek, symbol_of, length_of = _entropy.decode_table(lengths)
-            # Lanes that overrun (the last block is short, or the data is bad)
-            # read zero padding instead of leaving the array.
-            pad = -(-self.block * _entropy.MAX_CODE_LENGTH // 8) + 8
-            windows = _entropy.byte_windows(stream, extra=pad).astype(np.uint64)
-            symbols, ends, bad = decode_lanes(windows, starts, self.block, peek,
-                                              symbol_of, length_of)
+        peek, symbol_of, length_of = _entropy.decode_table(lengths)
+        # Lanes that overrun (the last block is short, or the data is bad)
+        # read zero padding instead of leaving the array.
+        pad = -(-self.block * _entropy.MAX_CODE_LENGTH // 8) + 8
+        windows = _entropy.byte_windows(stream, extra=pad).astype(np.uint64)
+        symbols, ends, bad = decode_lanes(windows, starts, self.block, peek, symbol_of,
+                                          length_of)
         symbols = symbols.reshape(-1)[:nnz]
         # A lane must end where the next one starts; the last lane, whose
         # excess steps decoded padding, is checked through its symbols.
@@ -332,31 +323,47 @@ class HuffmanIndices(IndexCodec):
             raise DecodeError(f"{what}: stream ends inside the codes")
         if code_end % 8 and stream[code_bytes - 1] & ((1 << (8 - code_end % 8)) - 1):
             raise DecodeError(f"{what}: padding bits after the codes are not zero")
-        base, symbol_offset_bits = bucket_tables(self.precision)
-        if compiled:
-            total = _entropy._entropyc.field_bits(symbols, symbol_offset_bits)
-        else:
-            offset_bits = np.take(symbol_offset_bits, symbols)
-            total = int(offset_bits.sum())
+        _, symbol_offset_bits = bucket_tables(self.precision)
+        offset_bits = np.take(symbol_offset_bits, symbols)
+        total = int(offset_bits.sum())
         expected = code_bytes + _bits.packed_bytes(total)
         if len(stream) != expected:
             raise DecodeError(f"{what}: stream holds {len(stream)} bytes after the tables, "
                               f"the codes and offsets take {expected}")
         if total % 8 and stream[-1] & ((1 << (8 - total % 8)) - 1):
             raise DecodeError(f"{what}: padding bits after the offsets are not zero")
-        if compiled:
-            indices = np.empty(nnz, dtype=np.int64)
-            gap_sum = _entropy._entropyc.read_indices(stream, 8 * code_bytes, symbols, base,
-                                                      symbol_offset_bits, indices)
-            if gap_sum > n:
-                # The gaps (each below 2**63) are recovered exactly, and the numpy
-                # checks raise the numpy path's error.
-                _cumulate(np.diff(indices, prepend=np.int64(-1)), n, what)
-            return indices
         offsets = _entropy.unpack_varlen(stream, offset_bits, what, bit_offset=8 * code_bytes,
                                          windows=windows)
         values = _entropy.bucket_values(symbols, offsets, self.precision)
         return _cumulate(values, n, what)
+
+    def _decode_compiled(self, data, n: int, nnz: int, what: str) -> np.ndarray:
+        """:meth:`decode` of ``nnz >= 1`` indices by the C extension, in one call.
+
+        The caller has checked that the stream holds a bit per index, which
+        bounds the array allocated here by the stream's size.
+
+        Returns
+        -------
+        numpy.ndarray
+            The indices, int64, as the numpy path returns them.
+
+        Raises
+        ------
+        DecodeError
+            Where the numpy path raises it, with its message.
+        """
+        indices = np.empty(nnz, dtype=np.int64)
+        problem = _entropy._entropyc.huffman_decode(data, n, self.precision, self.block,
+                                                    indices)
+        if problem is None:
+            return indices
+        if isinstance(problem, str):
+            raise DecodeError(f"{what}: {problem}")
+        # The gaps add up past n. They (each below 2**63) are recovered exactly from
+        # the running sums, and the numpy checks raise the numpy path's error.
+        _cumulate(np.diff(indices, prepend=np.int64(-1)), n, what)
+        raise DecodeError(f"{what}: gaps add up to {problem}, past n={n}")  # not reached
 
 
 def _cumulate(values: np.ndarray, n: int, what: str) -> np.ndarray:

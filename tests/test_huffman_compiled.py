@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from deepreduce import bits as _bits
 from deepreduce.codecs import _entropy, huffman
 from deepreduce.codecs.huffman import HuffmanIndices
 import extensions
@@ -157,6 +158,186 @@ def test_sampled_estimate_is_the_estimate_of_the_sample(implementation):
         huffman.estimate_bits(sample, 2, 128), sample.size)
 
 
+# ------------------------------------------------------------------ the one-call codec
+
+def fibonacci_gaps(rng, symbols: int, precision: int) -> np.ndarray:
+    """Gaps whose bucket symbols are counted like Fibonacci numbers (1, 1, 2, 3, 5, ...),
+    shuffled: a Huffman tree ``symbols - 1`` deep, which the codec flattens to 15."""
+    counts = [1, 1]
+    while len(counts) < symbols:
+        counts.append(counts[-1] + counts[-2])
+    # one value per bucket: 1, then powers of two times a mantissa the precision keeps
+    mantissa = int(rng.integers(0, 1 << precision))
+    values = [1] + [((1 << precision) + mantissa) << j for j in range(1, symbols)]
+    gaps = np.repeat(np.array(values, np.int64), counts)
+    return rng.permutation(gaps)
+
+
+def one_call_sets(rng, kind: str):
+    """``(indices, n)`` of the shapes the one-call encoder must code as numpy does."""
+    if kind == "empty":
+        return np.zeros(0, np.int64), int(rng.integers(1, 2**62))
+    if kind == "one":
+        n = int(rng.choice([1, 2, 1000, 2**32, 2**62]))
+        return np.array([int(rng.choice([0, n - 1, int(rng.integers(0, n))]))]), n
+    if kind == "ends":  # index 0 and n - 1, a few between
+        n = int(rng.integers(2, 2**62))
+        middle = rng.integers(1, n - 1, size=int(rng.integers(0, 30))) if n > 2 else []
+        return np.unique(np.concatenate([[0, n - 1], middle]).astype(np.int64)), n
+    if kind == "dense":
+        n = int(rng.integers(1, 20_000))
+        return np.flatnonzero(rng.random(n) < rng.choice([0.5, 0.9, 1.0])), n
+    if kind == "runs":
+        return random_set(rng, int(rng.integers(1, 20_000)), "runs"), 20_000
+    if kind == "huge":  # gaps near 2**62
+        n = 2**62
+        chosen = {0, 1, 2**61, 2**62 - 2, 2**62 - 1}
+        chosen |= set(rng.integers(0, n, size=int(rng.integers(0, 40))).tolist())
+        keep = rng.random(len(chosen)) < 0.6
+        return np.array(sorted(c for c, k in zip(sorted(chosen), keep) if k), np.int64), n
+    if kind == "skewed":  # deep codes, flattened
+        precision = int(rng.integers(0, 3))
+        gaps = fibonacci_gaps(rng, int(rng.integers(17, 24)), precision)
+        indices = np.cumsum(gaps) - 1
+        return indices, int(indices[-1]) + 1 + int(rng.integers(0, 1000))
+    n = int(rng.integers(1, 200_000))
+    return random_set(rng, n, str(rng.choice(["uniform", "sparse", "blocks"]))), n
+
+
+ONE_CALL_KINDS = ["empty", "one", "ends", "dense", "runs", "huge", "skewed", "random"]
+
+
+@compiled_only
+@pytest.mark.parametrize("precision", PRECISIONS)
+@COMPILED_SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(ONE_CALL_KINDS),
+       block=st.integers(8, 4096) | st.sampled_from([8, 9, 127, 128, 129, 4095, 4096]))
+def test_one_call_encode_gives_the_numpy_bytes(precision, seed, kind, block):
+    """_entropyc.huffman_encode (the whole encoder in C) writes numpy's stream bit for
+    bit, and _entropyc.huffman_decode reads it back as numpy does."""
+    indices, n = one_call_sets(np.random.default_rng(seed), kind)
+    codec = HuffmanIndices(precision, block)
+    data = same(both_outcomes(codec.encode, indices, n))
+    assert isinstance(data, bytes)
+    decoded = same(both_outcomes(codec.decode, data, n, indices.size))
+    np.testing.assert_array_equal(decoded, indices)
+
+
+@compiled_only
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("symbols", [17, 20, 25])
+def test_skewed_sets_are_flattened_alike(precision, symbols):
+    """Fibonacci-like histograms: codes deeper than 15 bits, flattened by halving."""
+    gaps = fibonacci_gaps(np.random.default_rng(symbols), symbols, precision)
+    _, counts = _entropy.bucket_histogram(gaps, precision)
+    used = counts[counts > 0]
+    assert max(_entropy._huffman_depths(used.tolist())) > _entropy.MAX_CODE_LENGTH
+    assert _entropy.huffman_lengths(counts).max() <= _entropy.MAX_CODE_LENGTH
+    indices = np.cumsum(gaps) - 1
+    n = int(indices[-1]) + 1
+    for block in (8, 128, 4096):
+        codec = HuffmanIndices(precision, block)
+        data = same(both_outcomes(codec.encode, indices, n))
+        np.testing.assert_array_equal(same(both_outcomes(codec.decode, data, n, indices.size)),
+                                      indices)
+
+
+@compiled_only
+@pytest.mark.parametrize("indices", [[5, 3], [1, 1], [0, 7, 7, 9], [3, 9, 2, 10]])
+def test_one_call_encode_refuses_unordered_sets_alike(indices):
+    def outcome():
+        try:
+            return HuffmanIndices().encode(np.array(indices), 100)
+        except ValueError as error:
+            return str(error)
+    assert same(extensions.both(_entropy, "_entropyc", outcome)).startswith("indices must be")
+
+
+def table_bytes(codec, data, nnz):
+    """The length of the code-length and block-length tables at the head of a stream."""
+    lengths, offset = _entropy.unpack_code_lengths(data, 0, _entropy.bucket_count(
+        codec.precision), "t")
+    blocks = -(-nnz // codec.block)
+    return huffman._unpack_block_lengths(data, offset, blocks,
+                                         codec.block * _entropy.MAX_CODE_LENGTH, "t")[1]
+
+
+@compiled_only
+@pytest.mark.parametrize("precision,block", [(2, 8), (0, 9), (1, 128)])
+def test_every_value_of_every_table_byte_fails_alike(precision, block):
+    """Each byte of the tables (and the first of the codes) set to each of its 256 values:
+    the same indices or the same DecodeError, message included."""
+    rng = np.random.default_rng(precision)
+    n = 5000
+    indices = np.sort(rng.choice(n, 300, replace=False))
+    codec = HuffmanIndices(precision, block)
+    data = codec.encode(indices, n)
+    for at in range(min(table_bytes(codec, data, indices.size) + 1, len(data))):
+        for value in range(256):
+            changed = data[:at] + bytes([value]) + data[at + 1:]
+            same(both_outcomes(codec.decode, changed, n, indices.size))
+
+
+@compiled_only
+@pytest.mark.parametrize("varint", [b"\x80\x00", b"\x81\x80\x00", b"\xff" * 9 + b"\x02",
+                                    b"\xff" * 9 + b"\x01", b"\xff" * 10 + b"\x01", b"\x80" * 12,
+                                    b"\xff", b"", b"\x00", b"\x7f", b"\x80\x01"])
+def test_block_table_varints_fail_alike(varint):
+    """The block-length minimum: not shortest, overflowing, too long, truncated, too big."""
+    indices = np.arange(0, 3000, 7)
+    codec = HuffmanIndices(2, 8)
+    data = codec.encode(indices, 3000)
+    table = 2 + -(-4 * (data[1] + 1) // 8)
+    _, after = _bits.read_varint(data, table)
+    for rest in (data[after:], data[after:after + 1], b""):
+        outcome = same(both_outcomes(codec.decode, data[:table] + varint + rest, 3000,
+                                     indices.size))
+        assert isinstance(outcome, (str, np.ndarray))
+
+
+@compiled_only
+@pytest.mark.parametrize("nnz", [1, 5, 130])
+def test_gaps_past_n_fail_alike(nnz):
+    """Gaps adding up past n, and past 2**64: the exact sum comes back, numpy's error is raised."""
+    codec = HuffmanIndices(2, 128)
+    n = 2**62
+    indices = np.array([2**62 - nnz + i for i in range(nnz)], np.int64)
+    data = codec.encode(indices, n)
+    for smaller in (2**62 - 1, 2**62 - nnz, nnz):
+        assert same(both_outcomes(codec.decode, data, smaller, nnz)).startswith("DecodeError")
+    # nnz gaps of 2**63 - 1 each, past 2**64 from 3 on: the largest bucket (247) with all
+    # 60 offset bits set, its code a single 1-bit code; block lengths of nnz bits
+    lengths = np.zeros(_entropy.bucket_count(2), np.int64)
+    lengths[247] = 1
+    blocks = -(-nnz // 128)
+    table = bytes([128, 1, 0]) if blocks > 1 else b""  # minimum 128 (a varint), width 0
+    stream = (_entropy.pack_code_lengths(lengths) + table + bytes(-(-nnz // 8))
+              + _bits.pack_fixed(np.full(nnz, 2**60 - 1, np.uint64), 60))
+    out = np.empty(nnz, np.int64)
+    assert _entropy._entropyc.huffman_decode(stream, n, 2, 128, out) == nnz * (2**63 - 1)
+    assert same(both_outcomes(codec.decode, stream, n, nnz)).startswith("DecodeError")
+
+
+@compiled_only
+def test_one_call_codec_is_thread_safe():
+    """Other threads encode and decode other payloads while the loops run without the GIL."""
+    from concurrent.futures import ThreadPoolExecutor
+    rng = np.random.default_rng(5)
+    sets = [(np.sort(rng.choice(n, n // 50, replace=False)), n)
+            for n in rng.integers(1 << 18, 1 << 21, 12)]
+    codec = HuffmanIndices()
+    expected = [codec.encode(indices, n) for indices, n in sets]
+
+    def round_trip(item):
+        (indices, n), data = item
+        encoded = codec.encode(indices, n)
+        return encoded == data and np.array_equal(codec.decode(encoded, n, indices.size),
+                                                  indices)
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(round_trip, list(zip(sets, expected)) * 3))
+
+
 # ------------------------------------------------------------------ building blocks
 
 @compiled_only
@@ -288,7 +469,23 @@ def estimate_arguments(**changes):
     return arguments
 
 
-ARGUMENTS = {"huffman_estimate": estimate_arguments, "decode_lanes": lane_arguments,
+def encode_arguments(**changes):
+    """Valid arguments of _entropyc.huffman_encode (3 indices), with ``changes``."""
+    arguments = dict(indices=np.array([0, 8, 99]), precision=2, block=8)
+    arguments.update(changes)
+    return arguments
+
+
+def decode_arguments(**changes):
+    """Valid arguments of _entropyc.huffman_decode (the stream of 3 indices), with ``changes``."""
+    arguments = dict(data=HuffmanIndices(2, 8).encode(np.array([0, 8, 99]), 100), n=100,
+                     precision=2, block=8, out=np.empty(3, np.int64))
+    arguments.update(changes)
+    return arguments
+
+
+ARGUMENTS = {"huffman_encode": encode_arguments, "huffman_decode": decode_arguments,
+             "huffman_estimate": estimate_arguments, "decode_lanes": lane_arguments,
              "read_indices": read_arguments, "pack_buckets": pack_arguments,
              "bucket_symbols": symbol_arguments, "field_bits": table_arguments,
              "huffman_depths": depth_arguments}
@@ -337,6 +534,15 @@ def test_entry_points_accept_their_valid_arguments():
     bits, gaps = call("huffman_estimate", {})
     assert gaps == 3 and bits == huffman.estimate_bits(np.array([1, 8, 91]), 2, 128)
 
+    data = call("huffman_encode", {})
+    assert data == decode_arguments()["data"]
+    arguments = decode_arguments()
+    assert _entropy._entropyc.huffman_decode(*arguments.values()) is None
+    assert arguments["out"].tolist() == [0, 8, 99]
+    # a malformed stream: what is wrong, as the numpy path words it
+    assert call("huffman_decode", {"data": data[:-1]}).startswith("stream holds")
+    assert call("huffman_decode", {"n": 99}) == 100  # the gaps' sum, past n
+
 
 @compiled_only
 def test_read_indices_gives_the_exact_sum_past_64_bits():
@@ -368,6 +574,13 @@ def test_read_indices_gives_the_exact_sum_past_64_bits():
     ("pack_buckets", {"block_bits": np.empty(2, np.int64)[::-1]}),
     ("bucket_symbols", {"symbols": np.empty(3, np.int64)}),
     ("huffman_estimate", {"indices": np.array([0.0, 8.0])}),
+    ("huffman_encode", {"indices": np.array([0.0, 8.0, 99.0])}),
+    ("huffman_encode", {"indices": np.array([0, 8, 99], np.int32)}),
+    ("huffman_encode", {"indices": np.array([[0, 8, 99]])}),
+    ("huffman_decode", {"out": np.empty(3, np.uint64)}),
+    ("huffman_decode", {"out": np.empty(6, np.int64)[::2]}),
+    ("huffman_decode", {"data": 7}),
+    ("huffman_decode", {"data": np.zeros(4, np.uint16)}),
 ])
 def test_bad_buffers_raise_type_error(name, changes):
     with pytest.raises(TypeError):
@@ -423,6 +636,19 @@ def test_bad_buffers_raise_type_error(name, changes):
     ("bucket_symbols", {"precision": 3}),
     ("bucket_symbols", {"offset_bits": np.empty(2, np.uint8)}),
     ("bucket_symbols", {"counts": np.empty(255, np.int64)}),
+    ("huffman_encode", {"indices": np.zeros(0, np.int64)}),
+    ("huffman_encode", {"indices": np.array([0, 8, 8])}),
+    ("huffman_encode", {"indices": np.array([-1, 8, 99])}),
+    ("huffman_encode", {"indices": np.array([0, 99, 8])}),
+    ("huffman_encode", {"indices": np.array([2**63 - 1])}),  # a first gap of 2**63
+    ("huffman_encode", {"precision": 3}),
+    ("huffman_encode", {"precision": -1}),
+    ("huffman_encode", {"block": 0}),
+    ("huffman_encode", {"block": 2**24 + 1}),
+    ("huffman_decode", {"out": np.empty(0, np.int64)}),
+    ("huffman_decode", {"precision": 3}),
+    ("huffman_decode", {"block": 0}),
+    ("huffman_decode", {"n": 2**62 + 1}),
 ])
 def test_bad_arguments_raise_value_error(name, changes):
     with pytest.raises(ValueError):
