@@ -112,6 +112,8 @@ def check_counts(n: int, nnz: int, what: str) -> tuple[int, int]:
     Returns ``(n, nnz)`` as Python ints; raises DecodeError unless
     ``0 <= nnz <= n <= MAX_UNIVERSE``.
     """
+    if type(n) is int and type(nnz) is int and 0 <= nnz <= n <= MAX_UNIVERSE:
+        return n, nnz  # (what the pipeline passes: the checks below pass, unformatted)
     n = _as_int(n, f"{what}: n", DecodeError)
     nnz = _as_int(nnz, f"{what}: nnz", DecodeError)
     if not 0 <= n <= MAX_UNIVERSE:
@@ -280,6 +282,10 @@ def read_varint(data, offset: int, what: str = "varint",
     A value above ``limit`` raises DecodeError too (header fields bound
     themselves this way before anything is sized from them).
     """
+    if 0 <= offset < len(data):
+        value = data[offset]
+        if value < 0x80 and value <= limit:  # one byte: most of them
+            return value, offset + 1
     value = 0
     for group in range(MAX_VARINT_BYTES):
         if offset + group >= len(data):

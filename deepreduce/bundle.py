@@ -230,11 +230,19 @@ def _read_varints(view, pos: int, count: int, what: str) -> tuple[list, int]:
     if count <= _FEW_VARINTS:  # a loop costs 0.1-0.3 us a varint, numpy's passes 20 us a call
         values = []
         for _ in range(count):
+            # one or two bytes (what tables and most payload lengths take) inline: a byte
+            # below 0x80, or one from 0x80 on and one from 1 to 0x7f (0 would not be
+            # the shortest form); read_varint reads the rest, and says what is wrong
             byte = view[pos] if pos < end else 0x80
-            if byte < 0x80:  # one byte: inline, what most of these are
+            if byte < 0x80:
                 values.append(byte)
                 pos += 1
-            else:  # (read_varint also says what is wrong with it)
+                continue
+            high = view[pos + 1] if pos + 1 < end else 0
+            if 0 < high < 0x80:
+                values.append((byte & 0x7F) | high << 7)
+                pos += 2
+            else:
                 value, pos = read_varint(view, pos, what)
                 values.append(value)
         return values, pos

@@ -255,12 +255,13 @@ def unpack(payload, header: Header | None = None) -> tuple[Header, memoryview, m
     if header is None:
         header = read_header(payload)
     data = memoryview(payload).cast("B")
-    if len(data) < header.payload_length:
+    length = header.payload_length
+    if len(data) < length:
         raise DecodeError(f"payload truncated: {len(data)} bytes, the header declares "
-                          f"{header.payload_length}")
-    if len(data) > header.payload_length:
-        raise DecodeError(f"{len(data) - header.payload_length} trailing bytes after the "
-                          f"payload's {header.payload_length}")
+                          f"{length}")
+    if len(data) > length:
+        raise DecodeError(f"{len(data) - length} trailing bytes after the "
+                          f"payload's {length}")
     body = data[:-_CRC.size]
     (stored,) = _CRC.unpack(data[-_CRC.size:])
     if zlib.crc32(body) != stored:

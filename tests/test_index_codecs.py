@@ -407,6 +407,32 @@ def test_read_varint_errors(data, message):
         _bits.read_varint(data, 0)
 
 
+def test_read_varint_limits_and_offsets_on_its_one_byte_path():
+    # one-byte values take a shortcut: it must keep the limit and the offset rules
+    assert _bits.read_varint(b"\x05\x07", 1) == (7, 2)
+    assert _bits.read_varint(b"\x03", 0, limit=3) == (3, 1)
+    with pytest.raises(DecodeError, match="exceeds its limit 3"):
+        _bits.read_varint(b"\x04", 0, "field", limit=3)
+    with pytest.raises(DecodeError, match="truncated"):
+        _bits.read_varint(b"\x05", 1)
+
+
+@pytest.mark.parametrize("n, nnz", [(10, 3), (True, 1), (np.int64(10), 3), (10, np.int64(3)),
+                                    (3, 4), (-1, 0), (2**62 + 1, 0), (10, -1), (10.0, 3)])
+def test_check_counts_of_python_ints_as_of_any(n, nnz):
+    # plain ints in range return at once: whatever else is checked as before
+    try:
+        expected = (int(n), int(nnz))
+        ok = not isinstance(n, (bool, float)) and 0 <= nnz <= n <= _bits.MAX_UNIVERSE
+    except TypeError:
+        ok = False
+    if ok:
+        assert _bits.check_counts(n, nnz, "t") == expected
+    else:
+        with pytest.raises(DecodeError):
+            _bits.check_counts(n, nnz, "t")
+
+
 def test_largest_varint():
     data = _bits.varint_encode(np.array([2**64 - 1], dtype=np.uint64))
     assert data == b"\xff" * 9 + b"\x01"
