@@ -1839,19 +1839,68 @@ static unsigned varint_size(uint64_t value)
     return size;
 }
 
-/* The first passes of huffman_encode: the symbols of the indices' gaps (into symbols),
- * their Huffman code, the code bits of every block but the last (into block_bits, one
- * entry per block) and the sizes. Returns -1 for indices that do not increase. */
-static int huffman_plan(const int64_t *indices, Py_ssize_t count, int precision,
-                        Py_ssize_t block, uint8_t *symbols, uint32_t *block_bits,
-                        huffman_plan_t *p)
+/* A bit writer without branches, for fields of up to 56 bits: `acc` holds the `held`
+ * (0..7) bits of the byte not yet complete at its top; each field stores the whole
+ * word and moves on by the bytes it completed. The branches of put_bits, taken at
+ * random with fields of a few bits, cost more than the stores. The output needs 8
+ * bytes of slack past its end; a partial last byte is stored zero-padded. */
+typedef struct {
+    uint8_t *out;
+    uint64_t acc;
+    unsigned held;
+} fast_writer_t;
+
+static ALWAYS_INLINE void fast_put(fast_writer_t *w, uint64_t value, unsigned width)
 {
+    /* held + width <= 63 keeps the shift defined; a width of 0 adds nothing */
+    w->acc |= (value << 1) << (63 - w->held - width);
+    w->held += width;
+    store_be64(w->out, w->acc);
+    w->out += w->held >> 3;
+    w->acc <<= w->held & ~7u;
+    w->held &= 7;
+}
+
+/* Fields of up to 64 bits: the offsets of gaps from 2**57 on come in two parts. */
+static ALWAYS_INLINE void fast_put_wide(fast_writer_t *w, uint64_t value, unsigned width)
+{
+    if (width > 56) {
+        fast_put(w, value >> 32, width - 32);
+        value &= 0xFFFFFFFFu;
+        width = 32;
+    }
+    fast_put(w, value, width);
+}
+
+/* The bytes a fast writer has written, from `start`. */
+static inline uint64_t fast_size(const fast_writer_t *w, const uint8_t *start)
+{
+    return (uint64_t)(w->out - start) + (w->held != 0);
+}
+
+/* The first passes of huffman_encode, into scratch it allocates (*scratch, to be freed
+ * with PyMem_RawFree: it runs without the GIL): the symbols of the indices' gaps and
+ * their histogram, their Huffman code, then the codes and offsets streams (each after
+ * 8 bytes of slack, at *codes and *offsets) with the code bits of every block, and the
+ * plan of the tables. Returns 0, -1 for indices that do not increase, -2 when out of
+ * memory or -3 when the streams do not come out at the sizes the histogram gives. */
+static int huffman_plan(const int64_t *indices, Py_ssize_t count, int precision,
+                        Py_ssize_t block, huffman_plan_t *p, uint8_t **scratch,
+                        uint8_t **codes, uint8_t **offsets)
+{
+    Py_ssize_t blocks = count / block + (count % block != 0);
+    uint8_t *symbols = PyMem_RawMalloc((size_t)count);
+    *scratch = NULL;
+    if (symbols == NULL)
+        return -2;
     memset(p->counts, 0, sizeof p->counts);
     int bad = precision == 0 ? gap_symbols(indices, count, 0, symbols, p->counts)
             : precision == 1 ? gap_symbols(indices, count, 1, symbols, p->counts)
                              : gap_symbols(indices, count, 2, symbols, p->counts);
-    if (bad)
+    if (bad) {
+        PyMem_RawFree(symbols);
         return -1;
+    }
     int64_t lengths[MAX_ALPHABET];
     limited_lengths(p->counts, lengths, &p->first, &p->last);
     /* canonical codes (_entropy.canonical_codes): by length, then by symbol */
@@ -1859,13 +1908,13 @@ static int huffman_plan(const int64_t *indices, Py_ssize_t count, int precision,
     memset(t->code_length, 0, sizeof t->code_length);
     memset(t->offset_bits, 0, sizeof t->offset_bits);
     uint64_t code = 0, code_bits = 0, offset_bits = 0;
-    unsigned previous = 0;
+    unsigned previous_length = 0;
     for (unsigned length = 1; length <= MAX_CODE_LENGTH; length++)
         for (unsigned s = p->first; s <= p->last; s++)
             if (lengths[s] == (int64_t)length) {
-                code <<= length - previous;
+                code <<= length - previous_length;
                 t->code[s] = code++;
-                previous = length;
+                previous_length = length;
             }
     for (unsigned s = p->first; s <= p->last; s++) {
         t->code_length[s] = (uint8_t)lengths[s];
@@ -1873,35 +1922,61 @@ static int huffman_plan(const int64_t *indices, Py_ssize_t count, int precision,
         code_bits += (uint64_t)p->counts[s] * t->code_length[s];
         offset_bits += (uint64_t)p->counts[s] * t->offset_bits[s];
     }
+    p->code_bytes = (code_bits + 7) / 8;
+    p->offset_bytes = (offset_bits + 7) / 8;
+    /* block bits, then both streams, each with 8 bytes of slack */
+    size_t size = (size_t)blocks * sizeof(uint32_t) + (size_t)p->code_bytes + 8
+                  + (size_t)p->offset_bytes + 8;
+    uint8_t *streams = PyMem_RawMalloc(size);
+    if (streams == NULL) {
+        PyMem_RawFree(symbols);
+        return -2;
+    }
+    *scratch = streams;
+    uint32_t *block_bits = (uint32_t *)streams;
+    *codes = streams + (size_t)blocks * sizeof(uint32_t);
+    *offsets = *codes + p->code_bytes + 8;
+    fast_writer_t code_writer = {*codes, 0, 0}, offset_writer = {*offsets, 0, 0};
+    int64_t previous = -1;
+    for (Py_ssize_t first = 0; first < count; first += block) {
+        Py_ssize_t stop = count - first < block ? count : first + block;
+        uint32_t bits = 0;
+        for (Py_ssize_t i = first; i < stop; i++) {
+            unsigned s = symbols[i], length = t->code_length[s];
+            uint64_t gap = (uint64_t)indices[i] - (uint64_t)previous;
+            previous = indices[i];
+            bits += length;
+            fast_put(&code_writer, t->code[s], length);
+            fast_put_wide(&offset_writer, gap - t->base[s], t->offset_bits[s]);
+        }
+        block_bits[first / block] = bits;
+    }
+    PyMem_RawFree(symbols);
+    if (fast_size(&code_writer, *codes) != p->code_bytes
+            || fast_size(&offset_writer, *offsets) != p->offset_bytes)
+        return -3;
     /* the block-length table (huffman._pack_block_lengths): all blocks but the last */
-    Py_ssize_t blocks = count / block + (count % block != 0);
     uint64_t low = UINT64_MAX, high = 0;
     for (Py_ssize_t b = 0; b + 1 < blocks; b++) {
-        uint32_t bits = 0;
-        for (Py_ssize_t i = b * block; i < (b + 1) * block; i++)
-            bits += t->code_length[symbols[i]];
-        block_bits[b] = bits;
-        low = bits < low ? bits : low;
-        high = bits > high ? bits : high;
+        low = block_bits[b] < low ? block_bits[b] : low;
+        high = block_bits[b] > high ? block_bits[b] : high;
     }
     p->low = low;
-    p->width = blocks > 1 ? (high - low ? (unsigned)LOG2_64(high - low) + 1 : 0) : 0;
+    p->width = blocks > 1 && high > low ? (unsigned)LOG2_64(high - low) + 1 : 0;
     p->header = 2 + (4 * (uint64_t)(p->last - p->first + 1) + 7) / 8;
     p->block_table = blocks > 1 ? varint_size(low) + 1
                                   + ((uint64_t)(blocks - 1) * p->width + 7) / 8 : 0;
-    p->code_bytes = (code_bits + 7) / 8;
-    p->offset_bytes = (offset_bits + 7) / 8;
     return 0;
 }
 
 /* The stream of huffman_plan's plan into out (exactly its size): the code-length table
  * (_entropy.pack_code_lengths), the block-length table, the codes, the offsets. Returns
- * -1 if the parts did not fill their places exactly (which a right plan rules out). */
-static int huffman_write(const int64_t *indices, Py_ssize_t count, Py_ssize_t block,
-                         const uint8_t *symbols, const uint32_t *block_bits,
+ * -3 if the block-length table did not fill its place exactly (which a right plan rules
+ * out). */
+static int huffman_write(Py_ssize_t count, Py_ssize_t block, const uint32_t *block_bits,
+                         const uint8_t *codes, const uint8_t *offsets,
                          const huffman_plan_t *p, uint8_t *out)
 {
-    const pack_tables_t *t = &p->t;
     uint8_t *at = out;
     /* first symbol, span - 1, then the lengths as 4-bit fields, MSB first */
     at[0] = (uint8_t)p->first;
@@ -1909,7 +1984,7 @@ static int huffman_write(const int64_t *indices, Py_ssize_t count, Py_ssize_t bl
     memset(at + 2, 0, (size_t)(p->header - 2));
     for (unsigned s = p->first; s <= p->last; s++) {
         unsigned j = s - p->first;
-        at[2 + j / 2] |= (uint8_t)(t->code_length[s] << (j & 1 ? 0 : 4));
+        at[2 + j / 2] |= (uint8_t)(p->t.code_length[s] << (j & 1 ? 0 : 4));
     }
     at += p->header;
     int ok = 1;
@@ -1928,18 +2003,9 @@ static int huffman_write(const int64_t *indices, Py_ssize_t count, Py_ssize_t bl
         ok = flush_bits(&excess);
         at = table_end;
     }
-    writer_t code = {at, at + p->code_bytes, 0, 0, 0};
-    writer_t offset = {at + p->code_bytes, at + p->code_bytes + p->offset_bytes, 0, 0, 0};
-    int64_t previous = -1;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        unsigned s = symbols[i], width = t->offset_bits[s];
-        uint64_t gap = (uint64_t)indices[i] - (uint64_t)previous;
-        previous = indices[i];
-        put_bits(&code, t->code[s], t->code_length[s]);
-        put_bits(&offset, low_bits(gap - t->base[s], width), width);
-    }
-    int code_ok = flush_bits(&code), offset_ok = flush_bits(&offset);
-    return ok && code_ok && offset_ok ? 0 : -1;
+    memcpy(at, codes, (size_t)p->code_bytes);
+    memcpy(at + p->code_bytes, offsets, (size_t)p->offset_bytes);
+    return ok ? 0 : -3;
 }
 
 /* huffman.HuffmanIndices.encode of a non-empty set, in one call: about twenty numpy
@@ -1958,47 +2024,42 @@ static PyObject *huffman_encode(PyObject *module, PyObject *args)
     Py_buffer view;
     if (get_array(object, &view, "indices", INT64, 0) < 0)
         return NULL;
-    Py_ssize_t count = view.len / 8, blocks = count / block + (count % block != 0);
-    const int64_t *indices = view.buf;
+    Py_ssize_t count = view.len / 8;
     PyObject *data = NULL;
     huffman_plan_t plan;
-    uint8_t *scratch = NULL;
-    int bad = 0;
+    uint8_t *scratch = NULL, *codes = NULL, *offsets = NULL;
+    int status = 0;
     if (count < 1) {
         PyErr_SetString(PyExc_ValueError, "huffman_encode needs 1 or more indices");
         goto done;
     }
-    scratch = PyMem_Malloc((size_t)blocks * sizeof(uint32_t) + (size_t)count);
-    if (scratch == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    uint32_t *block_bits = (uint32_t *)scratch;
-    uint8_t *symbols = scratch + (size_t)blocks * sizeof(uint32_t);
     /* the view holds the array's memory while other threads run */
     RELEASED_BEGIN(count, RELEASE_INDICES)
-    bad = huffman_plan(indices, count, precision, block, symbols, block_bits, &plan);
+    status = huffman_plan(view.buf, count, precision, block, &plan, &scratch, &codes,
+                          &offsets);
     RELEASED_END
-    if (bad) {
+    if (status == -1)
         /* deepreduce.bits.check_order_of's error: the Python caller leaves the order to us */
         PyErr_SetString(PyExc_ValueError, "indices must be strictly increasing (sorted, unique)");
-        goto done;
+    else if (status == -2)
+        PyErr_NoMemory();
+    else if (status == 0) {
+        uint64_t size = plan.header + plan.block_table + plan.code_bytes + plan.offset_bytes;
+        data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+        if (data == NULL)
+            goto done;
+        /* The bytes object is not shared yet: filling it without the GIL is safe. */
+        RELEASED_BEGIN(count, RELEASE_INDICES)
+        status = huffman_write(count, block, (const uint32_t *)scratch, codes, offsets, &plan,
+                               (uint8_t *)PyBytes_AS_STRING(data));
+        RELEASED_END
     }
-    uint64_t size = plan.header + plan.block_table + plan.code_bytes + plan.offset_bytes;
-    data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
-    if (data == NULL)
-        goto done;
-    /* The bytes object is not shared yet: filling it without the GIL is safe. */
-    RELEASED_BEGIN(count, RELEASE_INDICES)
-    bad = huffman_write(indices, count, block, symbols, block_bits, &plan,
-                        (uint8_t *)PyBytes_AS_STRING(data));
-    RELEASED_END
-    if (bad) {
+    if (status == -3) {
         Py_CLEAR(data);
-        PyErr_SetString(PyExc_SystemError, "huffman_encode: the stream does not fill its plan");
+        PyErr_SetString(PyExc_SystemError, "huffman_encode: the streams do not fill their plan");
     }
 done:
-    PyMem_Free(scratch);
+    PyMem_RawFree(scratch);
     PyBuffer_Release(&view);
     return data;
 }
