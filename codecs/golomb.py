@@ -15,6 +15,8 @@ The module also exposes the field-level coder (:func:`encode_fields`,
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from deepreduce import bits as _bits
@@ -32,6 +34,21 @@ MODES = ("auto", "rice", "golomb")
 
 def choose_parameter(mean: float, mode: str = "auto") -> int:
     """Golomb parameter ``m`` for values of the given mean (geometric model)."""
+    if type(mean) is float and type(mode) is str:
+        return _choose_parameter(mean, mode)
+    return _parameter_of(mean, mode)
+
+
+# A tensor's Top-k sets have the same count every step and, in a large tensor, a last
+# index near its end: their means repeat, and the three code lengths weighed for each
+# cost several microseconds of Python. (Keyed on exact floats and strings: a pure
+# function of them.)
+@functools.lru_cache(maxsize=1024)
+def _choose_parameter(mean: float, mode: str) -> int:
+    return _parameter_of(mean, mode)
+
+
+def _parameter_of(mean, mode: str) -> int:
     golomb = _entropy.golomb_parameter(mean)
     low = 1 << (golomb.bit_length() - 1)
     if mode == "golomb" or low == golomb:

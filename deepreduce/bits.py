@@ -72,6 +72,9 @@ _BE64 = np.dtype(">u8")
 
 # ----------------------------------------------------------------- checks
 
+_INT64 = np.dtype(np.int64)
+
+
 def check_indices(indices, n: int, check_order: bool = True) -> np.ndarray:
     """Validate encoder input; return it as a contiguous int64 array.
 
@@ -81,6 +84,16 @@ def check_indices(indices, n: int, check_order: bool = True) -> np.ndarray:
     the pass that checks the order, for encoders that check it on their
     way (with :func:`check_order_of` or as the compiled Golomb loop does).
     """
+    if type(n) is int and 0 <= n <= MAX_UNIVERSE and type(indices) is np.ndarray \
+            and indices.dtype == _INT64 and indices.ndim == 1 and indices.flags.c_contiguous:
+        # what the pipeline passes: the checks below, on Python ints
+        if indices.size:
+            first, last = int(indices[0]), int(indices[-1])
+            if first < 0 or last >= n:
+                raise ValueError(f"indices must lie in [0, {n}), got range [{first}, {last}]")
+            if check_order:
+                check_order_of(indices)
+        return indices
     n = _as_int(n, "n", ValueError)
     if not 0 <= n <= MAX_UNIVERSE:
         raise ValueError(f"n must be in [0, 2**62], got {n}")
@@ -264,6 +277,8 @@ def write_varint(value: int) -> bytes:
     """LEB128 bytes of one non-negative integer below 2**64 (for small headers)."""
     if 0 <= value < 0x80:  # one byte: most header fields
         return bytes((value,))
+    if 0x80 <= value < 0x4000:  # two: most of the others (shapes, lengths, counts)
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     if not 0 <= value < 2**64:
         raise ValueError(f"varint value must be in [0, 2**64), got {value}")
     out = bytearray()

@@ -66,10 +66,15 @@ def _largest(mag: np.ndarray, k: int) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
+#: The dtypes of the compiled scan, native byte order (a set: comparing a dtype with
+#: numpy's scalar types converts them first, a microsecond a test).
+_SCANNED_DTYPES = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
+
+
 def _compiled_scan(values: np.ndarray, addend=None) -> bool:
     """Whether the compiled scan and sample take ``values`` (and ``addend``): built, and
     C-contiguous float32 or float64 in native byte order, the addend of the same dtype."""
-    return (_topkscan is not None and values.dtype in (np.float32, np.float64)
+    return (_topkscan is not None and values.dtype in _SCANNED_DTYPES
             and values.flags.c_contiguous
             and (addend is None or (addend.dtype == values.dtype
                                     and addend.flags.c_contiguous)))
@@ -255,7 +260,7 @@ class TopK(Sparsifier):
             k = _count(self.ratio, self.k, target.size, "TopK")
         except ValueError:  # raised again by the selection, after the addition as documented
             return super().accumulate(target, addend)
-        if (self._exact_for(target, k) or target.dtype not in (np.float32, np.float64)
+        if (self._exact_for(target, k) or target.dtype not in _SCANNED_DTYPES
                 or addend.dtype != target.dtype or addend.shape != target.shape
                 or not target.flags.c_contiguous or np.may_share_memory(target, addend)):
             return super().accumulate(target, addend)
@@ -300,7 +305,7 @@ class TopK(Sparsifier):
         ``values += addend``), chosen among those that reach ``low`` when they are
         enough, else among all, and the values there when the compiled scan kept them
         (else None)."""
-        if np.isfinite(low) and _compiled_scan(values, addend):
+        if math.isfinite(low) and _compiled_scan(values, addend):
             found = _topkscan.largest_at_least(values, low, k, addend)
             if found is not None:
                 return found

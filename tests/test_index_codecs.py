@@ -519,3 +519,26 @@ def test_varint_gap_bytes_bound_is_tight_enough():
             size = len(_bits.varint_encode(_bits.gaps(np.unique(indices))))
             assert size <= _bits.varint_gap_bytes_bound(n, nnz)
         assert _bits.varint_gap_bytes_bound(n, nnz) <= nnz + n // 128
+
+
+def test_remembered_golomb_parameters_are_the_computed_ones():
+    from deepreduce.codecs import golomb
+    for mean in [0.0, -0.0, 0.5, 1.0, 3.7, 99.0, 99.0, 1e6, 12345.678]:
+        for mode in golomb.MODES:
+            assert golomb.choose_parameter(mean, mode) == golomb._parameter_of(mean, mode)
+            assert golomb.choose_parameter(np.float64(mean), mode) == \
+                golomb._parameter_of(mean, mode)
+
+
+def test_check_indices_of_int64_arrays_as_of_any():
+    # contiguous int64 arrays and int n take a shortcut: the same checks, the same errors
+    indices = np.array([2, 5, 9], dtype=np.int64)
+    assert _bits.check_indices(indices, 10) is indices
+    for bad, n, message in [([2, 5, 10], 10, "lie in"), ([-1, 5], 10, "lie in"),
+                            ([5, 5], 10, "strictly increasing")]:
+        for array in (np.array(bad, dtype=np.int64), np.array(bad, dtype=np.int32), bad):
+            with pytest.raises(ValueError, match=message):
+                _bits.check_indices(array, n)
+    _bits.check_indices(np.array([5, 5], dtype=np.int64), 10, check_order=False)
+    with pytest.raises(ValueError, match="n must be"):
+        _bits.check_indices(indices, -1)
