@@ -2142,6 +2142,70 @@ static int decode_blocks(const uint8_t *data, uint64_t size, const int64_t *star
     return wrong != 0;
 }
 
+/* The gaps of symbols i.. from the offsets at *position on, summed into out (*low and
+ * *high: the running sum in 128 bits), while 9 bytes of data lie from the position on:
+ * the window is read without a bounds check or a branch on the width (an empty field
+ * shifts its window out), which leaves the loop a chain of adds. Offsets are at most 62
+ * bits wide. Returns the first symbol not read. */
+static ALWAYS_INLINE Py_ssize_t offsets_loop(const uint8_t *data, uint64_t size,
+                                             uint64_t *position, Py_ssize_t i,
+                                             Py_ssize_t count, const uint8_t *symbols,
+                                             const uint64_t *base, const uint8_t *width,
+                                             int64_t *out, uint64_t *low, uint64_t *high)
+{
+    uint64_t at = *position, sum = *low, carry = *high;
+    for (; i < count && (at >> 3) + 9 <= size; i++) {
+        unsigned s = symbols[i], w = width[s], shift = (unsigned)(at & 7);
+        const uint8_t *bytes = data + (at >> 3);
+        /* 64 bits from the position: the ninth byte fills the shifted-out end */
+        uint64_t word = load_be64(bytes) << shift | (uint64_t)bytes[8] >> (8 - shift);
+        uint64_t gap = base[s] + ((word >> 1) >> (63 - w));
+        at += w;
+        sum += gap;
+        carry += sum < gap;
+        out[i] = (int64_t)(sum - 1);
+    }
+    *position = at;
+    *low = sum;
+    *high = carry;
+    return i;
+}
+
+/* read_gaps for huffman_read: offsets_loop on the data, then on a zero-padded copy of its
+ * last bytes (dense sets have few offset bits: their whole stream may lie there), then
+ * bit by bit for fields past that (only in malformed streams). Returns the position
+ * after the last offset. */
+static uint64_t read_offsets(const uint8_t *data, uint64_t size, uint64_t position,
+                             const uint8_t *symbols, Py_ssize_t count, const uint64_t *base,
+                             const uint8_t *width, int64_t *out, uint64_t *total_high,
+                             uint64_t *total_low)
+{
+    uint64_t low = 0, high = 0;
+    Py_ssize_t i = offsets_loop(data, size, &position, 0, count, symbols, base, width, out,
+                                &low, &high);
+    if (i < count) {
+        /* fewer than 9 bytes are left from the position's byte (or none, past the end) */
+        uint8_t tail[24] = {0};
+        uint64_t first = position >> 3, relative = position & 7;
+        if (first < size)
+            memcpy(tail, data + first, (size_t)(size - first));
+        i = offsets_loop(tail, sizeof tail, &relative, i, count, symbols, base, width, out,
+                         &low, &high);
+        position = 8 * first + relative;
+    }
+    for (; i < count; i++) {
+        unsigned s = symbols[i];
+        uint64_t gap = base[s] + read_bits(data, size, position, width[s]);
+        position += width[s];
+        low += gap;
+        high += low < gap;
+        out[i] = (int64_t)(low - 1);
+    }
+    *total_high = high;
+    *total_low = low;
+    return position;
+}
+
 /* huffman.HuffmanIndices.decode (numpy path) of nnz >= 1 indices below n into out,
  * with its checks in its order, so that a malformed stream gets its message. Scratch
  * (the block starts, the decode table and the symbols) is sized from the stream, which
@@ -2271,10 +2335,8 @@ static int huffman_read(const uint8_t *data, uint64_t size, Py_ssize_t nnz, int 
         goto done;
     /* The offsets, read and summed into indices at once; reads past the end of the stream
      * see zeros, and the length check below refuses such streams. */
-    int outside;
-    uint64_t end = read_gaps(stream, stream_size, 8 * code_bytes, symbols, nnz, base,
-                             offset_bits, (Py_ssize_t)alphabet, out, &r->high, &r->low,
-                             &outside);
+    uint64_t end = read_offsets(stream, stream_size, 8 * code_bytes, symbols, nnz, base,
+                                offset_bits, out, &r->high, &r->low);
     uint64_t total = end - 8 * code_bytes, expected = code_bytes + (total + 7) / 8;
     if (stream_size != expected)
         status = read_problem(r, "stream holds %llu bytes after the tables, the codes and offsets "
