@@ -85,7 +85,7 @@ _LZ = ("deflate", "zstd")
 CODING_NS = {
     #           call    index  run   element
     "golomb":  (8.3e3,  3.4,   1.1,  0),
-    "huffman": (130e3,  9.1,   1.8,  0),
+    "huffman": (10e3,   9.1,   1.8,  0),
     "runs":    (140e3,  3.4,   44,   0),
     "bitmap":  (22e3,   11.4,  42,   0.18),
     "zstd":    (78e3,   18,    4.1,  0),
