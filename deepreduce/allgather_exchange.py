@@ -336,9 +336,12 @@ class AllgatherExchange:
             accumulator = _accumulator(reference.dtype)
             target = None if out is None or out[i] is None else \
                 _writable_flat(out[i], reference.size, reference.dtype)
+            memory = None
             if target is not None and target.dtype == accumulator:
                 total = target
-                stale = None if out_keys is None else self._sums.written(out_keys[i], target)
+                if out_keys is not None:  # (the same memory below: looked up once)
+                    memory = _memory_of(target)
+                stale = None if memory is None else self._sums.written(out_keys[i], memory)
                 if stale is None:
                     total.fill(0)
             else:
@@ -347,8 +350,8 @@ class AllgatherExchange:
             result = total.astype(reference.dtype, copy=False)
             if target is None:
                 self._sums.keep(i, total, touched)
-            elif out_keys is not None and total is target:
-                self._sums.keep_written(out_keys[i], target, touched)
+            elif memory is not None:  # (total is target)
+                self._sums.keep_written(out_keys[i], memory, touched)
             elif result is not target:
                 np.copyto(target, result)
                 result = target
@@ -385,7 +388,7 @@ class AllgatherExchange:
                 target = _writable_flat(out[t], size, reference.dtype)
                 np.copyto(target, result.reshape(-1))
                 if out_keys is not None:  # written whole: no record of positions holds
-                    self._sums.written(out_keys[t], target)
+                    self._sums.forget_written(out_keys[t])
                 result = out[t]
             results[t] = result
 
@@ -484,17 +487,23 @@ class _ReusedSums:
         """Remember ``total`` (from :meth:`zeros`), non-zero at most at ``touched``."""
         self._last[key] = (total, touched)
 
-    def written(self, key, target: np.ndarray) -> np.ndarray | None:
-        """The positions :meth:`keep_written` recorded under ``key`` when ``target`` is the
-        same memory as then (else None: the whole array must be reset)."""
+    def written(self, key, memory: tuple) -> np.ndarray | None:
+        """The positions :meth:`keep_written` recorded under ``key`` when the target array
+        is the same ``memory`` (its :func:`_memory_of`) as then (else None: the whole
+        array must be reset); the record is dropped."""
         last = self._written.pop(key, None)
-        if last is not None and last[0] == _memory_of(target):
+        if last is not None and last[0] == memory:
             return last[1]
         return None
 
-    def keep_written(self, key, target: np.ndarray, touched: np.ndarray) -> None:
-        """Remember that ``target`` is zero but perhaps at ``touched``."""
-        self._written[key] = (_memory_of(target), touched)
+    def forget_written(self, key) -> None:
+        """Drop the record under ``key`` (its array was written whole)."""
+        self._written.pop(key, None)
+
+    def keep_written(self, key, memory: tuple, touched: np.ndarray) -> None:
+        """Remember that the array of ``memory`` (its :func:`_memory_of`) is zero but
+        perhaps at ``touched``."""
+        self._written[key] = (memory, touched)
 
     def peek_written(self, key, target: np.ndarray) -> np.ndarray | None:
         """What :meth:`written` would return, leaving the record in place."""

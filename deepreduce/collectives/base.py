@@ -436,6 +436,11 @@ def sum_into(totals: np.ndarray, parts) -> None:
         np.add.at(totals, part.indices, part.values)
 
 
+#: The dtypes of the compiled sum, native byte order (a set: comparing a dtype with
+#: numpy's scalar types converts them first, a microsecond a test).
+_SUMMED_DTYPES = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
+
+
 def sum_sorted_into(total: np.ndarray, parts, scale=None, stale=None) -> np.ndarray:
     """Make the flat ``total`` the sum of ``parts`` times ``scale``; return where it is
     not zero.
@@ -454,8 +459,7 @@ def sum_sorted_into(total: np.ndarray, parts, scale=None, stale=None) -> np.ndar
     the positions returned are increasing and distinct from the compiled one,
     and may repeat from numpy's.
     """
-    if _sparsesum is not None and total.dtype in (np.float32, np.float64) \
-            and total.flags.c_contiguous:
+    if _sparsesum is not None and total.dtype in _SUMMED_DTYPES and total.flags.c_contiguous:
         return _sparsesum.sum_sorted(
             total.reshape(-1), [part.indices for part in parts],
             [part.values.astype(total.dtype, copy=False) for part in parts],
