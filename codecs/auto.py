@@ -105,9 +105,16 @@ def coding_ns(codec_id: str, count: int, run_count: int, n: int, calls: int = 1)
     return per_call * calls + per_index * count + per_run * run_count + per_element * n
 
 
+#: The default-configured codec of each tag, built once: a codec holds nothing but
+#: its configuration, so every call and thread may share it (building one checks its
+#: parameters, which costs more than estimating a small set's size).
+_DEFAULT_CODECS = tuple(cls() for cls in TAG_CODECS)
+_HUFFMAN = _DEFAULT_CODECS[TAGS.index("huffman")]
+
+
 def _sub_codec(tag: int):
     """The default-configured codec of a tag."""
-    return TAG_CODECS[tag]()
+    return _DEFAULT_CODECS[tag]
 
 
 def _size_floor(codec_id: str, indices: np.ndarray, n: int, run_count: int) -> int:
@@ -134,8 +141,7 @@ def _size_floor(codec_id: str, indices: np.ndarray, n: int, run_count: int) -> i
         return 5 + 2 * (run_count // 8)
     if codec_id == "huffman":
         # Table, codes and offsets without the block lengths: one block.
-        precision = huffman.HuffmanIndices().precision
-        return huffman.estimate_gap_bits(indices, 1, precision, k)[0] // 8
+        return huffman.estimate_gap_bits(indices, 1, _HUFFMAN.precision, k)[0] // 8
     return 0
 
 
@@ -154,8 +160,8 @@ def _estimated_size(tag: int, indices: np.ndarray) -> int:
     if name == "runs":
         return runs.stream_size(indices)
     if name == "huffman":
-        return huffman.HuffmanIndices().encoded_bits(indices) // 8
-    return golomb.GolombIndices().encoded_size(indices)
+        return _HUFFMAN.encoded_bits(indices) // 8
+    return _sub_codec(TAGS.index("golomb")).encoded_size(indices)
 
 
 def _golomb_stream(indices: np.ndarray) -> golomb.IndexStream:
@@ -338,9 +344,8 @@ class AutoIndices(IndexCodec):
             sizes[TAGS.index("runs")] = runs.stream_size(indices)
         huffman_tag = TAGS.index("huffman")
         if may_win(huffman_tag):
-            codec = huffman.HuffmanIndices()
             sample_bits, gaps = huffman.estimate_gap_bits(
-                indices, -(-indices.size // HUFFMAN_SAMPLE), codec.precision, codec.block)
+                indices, -(-indices.size // HUFFMAN_SAMPLE), _HUFFMAN.precision, _HUFFMAN.block)
             sizes[huffman_tag] = int(sample_bits * indices.size / gaps) // 8
         ranked = sorted(sizes, key=lambda tag: cost(tag, sizes[tag]))
         best = (ranked[0], self._encode_with(ranked[0], indices, n, coded))

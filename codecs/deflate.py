@@ -29,8 +29,7 @@ MAX_EXPANSION = 1032
 
 def deflate(data: bytes, level: int) -> bytes:
     """Raw DEFLATE stream of ``data``."""
-    compressor = zlib.compressobj(level, zlib.DEFLATED, -15)
-    return compressor.compress(data) + compressor.flush()
+    return zlib.compress(data, level, wbits=-15)
 
 
 def inflate(data, limit: int, what: str) -> bytes:

@@ -10,6 +10,8 @@ values is an empty stream.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import zstandard
 
@@ -26,11 +28,28 @@ def _check_level(level) -> int:
     return int(level)
 
 
+#: Each thread's compressors (a compressor serves one thread at a time), by the
+#: parameters zstd derives from the level and the input's size: building one costs
+#: more than compressing a few KB, and a bundle codes many streams of such sizes.
+_compressors = threading.local()
+
+
 def zstd_compress(data: bytes, level: int) -> bytes:
     """One magicless zstd frame of ``data`` with its content size, no checksum."""
     params = zstandard.ZstdCompressionParameters.from_level(
         level, source_size=len(data), format=_FORMAT, write_content_size=1, write_checksum=0)
-    return zstandard.ZstdCompressor(compression_params=params).compress(data)
+    # (every other parameter is fixed above: these are all that vary)
+    key = (params.compression_level, params.window_log, params.chain_log, params.hash_log,
+           params.search_log, params.min_match, params.target_length, params.strategy)
+    cache = getattr(_compressors, "by_params", None)
+    if cache is None:
+        cache = _compressors.by_params = {}
+    compressor = cache.get(key)
+    if compressor is None:
+        if len(cache) >= 64:  # sizes vary without bound in principle; in practice a few
+            cache.clear()
+        compressor = cache[key] = zstandard.ZstdCompressor(compression_params=params)
+    return compressor.compress(data)
 
 
 #: The largest ratio of content to frame size zstd can reach (an RLE block holds

@@ -542,3 +542,21 @@ def test_check_indices_of_int64_arrays_as_of_any():
     _bits.check_indices(np.array([5, 5], dtype=np.int64), 10, check_order=False)
     with pytest.raises(ValueError, match="n must be"):
         _bits.check_indices(indices, -1)
+
+
+@pytest.mark.parametrize("level", [1, 3, 19])
+def test_reused_compressors_write_what_fresh_ones_write(level):
+    import zlib
+
+    import zstandard
+    rng = np.random.default_rng(level)
+    sizes = [0, 1, 2, 255, 256, 257, 4096, 16_385, 131_073, *rng.integers(1, 400_000, 12)]
+    for size in sizes:
+        data = rng.integers(0, 40, int(size)).astype(np.uint8).tobytes()
+        params = zstandard.ZstdCompressionParameters.from_level(
+            level, source_size=len(data), format=zstandard.FORMAT_ZSTD1_MAGICLESS,
+            write_content_size=1, write_checksum=0)
+        fresh = zstandard.ZstdCompressor(compression_params=params).compress(data)
+        assert zstd_compress(data, level) == fresh, size
+        stream = zlib.compressobj(min(level, 9), zlib.DEFLATED, -15)
+        assert deflate(data, min(level, 9)) == stream.compress(data) + stream.flush(), size
