@@ -70,6 +70,14 @@ HUFFMAN_SAMPLE = 1 << 13
 LZ_SLICES = (2048, 8192)
 LZ_MARGIN = 1.08
 
+#: After the LZ codecs lost on a set (its slice check failed, or their streams were
+#: no smaller), an instance skips them on the next LZ_RECHECK - 1 sets of the same
+#: universe and about the same size (the bit length of the count) it codes: a tensor's
+#: Top-k sets keep their character from step to step, and on sets of a few thousand
+#: indices the check cost as much as the rest of the choice. Winners are checked
+#: every time.
+LZ_RECHECK = 8
+
 #: When the runner-up's estimate is within this fraction of the best, both
 #: are encoded and the smaller stream kept.
 CLOSE_CALL = 0.005
@@ -198,8 +206,11 @@ class AutoIndices(IndexCodec):
     the gaps) and the symbol histogram of a gap sample for Huffman. The LZ
     codecs, whose gains no histogram predicts, are tried on the whole set
     only when they beat the best estimated codec on slices of it (see
-    :data:`LZ_SLICES`). The best estimate is encoded, and so is the
-    runner-up when within :data:`CLOSE_CALL` of it.
+    :data:`LZ_SLICES`), and an instance that saw them lose skips them on its
+    next few sets of the same universe and size (:data:`LZ_RECHECK`): the
+    same instance may then code the same set a little differently, never
+    larger than the best of the other codecs. The best estimate is encoded,
+    and so is the runner-up when within :data:`CLOSE_CALL` of it.
 
     Parameters
     ----------
@@ -251,6 +262,8 @@ class AutoIndices(IndexCodec):
             raise ValueError(f"link_gbits must be None or a positive number of Gbit/s, "
                              f"got {link_gbits!r}")
         self.link_gbits = link_gbits
+        #: (universe, count's bit length) -> sets left to code without the LZ codecs
+        self._lz_lost = {}
 
     def choose(self, indices: np.ndarray, n: int) -> tuple[int, bytes]:
         """``(tag byte, sub-codec stream)`` for an index set: :meth:`encode` gives it a
@@ -356,9 +369,14 @@ class AutoIndices(IndexCodec):
             "zstd", min(indices.size, LZ_SLICES[0]), 0, 0)
         lz = [(tag, codec) for tag, codec in _lz_codecs()
               if cost(tag, 0) + check_ns < best_cost]
+        if lz and self._lz_skips(n, indices.size):
+            lz = []
+        lz_won = False
         for tag, data in self._lz_streams(indices, ranked[0], lz, cost, best_cost):
             if cost(tag, len(data)) < best_cost:
-                best, best_cost = (tag, data), cost(tag, len(data))
+                best, best_cost, lz_won = (tag, data), cost(tag, len(data)), True
+        if lz and not lz_won:
+            self._lz_lost[(n, indices.size.bit_length())] = LZ_RECHECK - 1
         for tag in ranked[1:]:
             if cost(tag, sizes[tag]) > (1 + CLOSE_CALL) * best_cost:
                 break
@@ -370,6 +388,18 @@ class AutoIndices(IndexCodec):
             if cost(tag | COMPLEMENT, len(data)) < best_cost:
                 best = (tag | COMPLEMENT, data)
         return best
+
+    def _lz_skips(self, n: int, count: int) -> bool:
+        """Whether the LZ codecs lost on a recent set like this one (see :data:`LZ_RECHECK`),
+        counting this set against the skips left."""
+        key = (n, count.bit_length())
+        left = self._lz_lost.get(key, 0)
+        if not left:
+            return False
+        if len(self._lz_lost) > 64:  # (a codec that codes sets of many universes)
+            self._lz_lost.clear()
+        self._lz_lost[key] = left - 1
+        return True
 
     def _lz_streams(self, indices, best_tag, candidates, cost, best_cost) -> list:
         """``(tag, stream)`` of the LZ ``candidates`` (``(tag, codec)``) on the whole set

@@ -240,6 +240,39 @@ def test_auto_trades_a_few_bytes_for_coding_time_on_fast_links():
     assert auto.TAGS[auto.AutoIndices(0.1).encode(rows, 4096 * 1024)[0]] == "runs"
 
 
+def test_auto_skips_the_lz_codecs_for_a_while_where_they_lost(monkeypatch):
+    rng = np.random.default_rng(11)
+    n = 1 << 20
+    uniform = [np.sort(rng.choice(n, 5_000 + i, replace=False)) for i in range(2 * auto.LZ_RECHECK)]
+    fresh = [auto.AutoIndices().encode(indices, n) for indices in uniform]
+    checks = []
+    original = auto.AutoIndices._lz_worth_trying
+    monkeypatch.setattr(auto.AutoIndices, "_lz_worth_trying",
+                        lambda self, *args: checks.append(1) or original(self, *args))
+    codec = auto.AutoIndices()
+    for indices, alone in zip(uniform, fresh):
+        data = codec.encode(indices, n)
+        assert data == alone  # LZ lost on these: skipping it changed nothing
+        np.testing.assert_array_equal(codec.decode(data, n, indices.size), indices)
+    assert len(checks) == 2  # at the first set, and again after LZ_RECHECK - 1 skips
+    # another universe, or another size class, is checked at once
+    codec.encode(np.sort(rng.choice(n // 2, 5_000, replace=False)), n // 2)
+    codec.encode(np.sort(rng.choice(n, 20_000, replace=False)), n)
+    assert len(checks) == 4
+
+
+def test_auto_checks_the_lz_codecs_every_time_where_they_win():
+    rng = np.random.default_rng(12)
+    columns = np.sort(rng.choice(1024, 40, replace=False))  # the same columns in many rows
+    codec = auto.AutoIndices()
+    for step in range(auto.LZ_RECHECK + 2):
+        rows = np.sort(rng.choice(4096, 300, replace=False))
+        indices = (rows[:, None] * 1024 + columns).ravel()
+        data = codec.encode(indices, 4096 * 1024)
+        assert auto.TAGS[data[0]] in auto._LZ, step
+        assert data == auto.AutoIndices().encode(indices, 4096 * 1024)
+
+
 def test_auto_link_is_left_out_of_payload_headers():
     g = np.random.default_rng(10).standard_normal(100_000).astype(np.float32)
     pipe = dr.Pipeline(dr.TopK(0.01), index="auto:link_gbits=2.5")
