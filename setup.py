@@ -28,9 +28,9 @@ EXTENSIONS = [
      "the Bloom-filter scan and build of deepreduce.codecs.bloom (a quarter of the speed "
      "or less without it)"),
     ("deepreduce.codecs._entropyc", "codecs/_entropyc.c", [],
-     "the bit packing and prefix-code decoding of the Huffman index codec "
-     "(deepreduce.codecs.huffman through deepreduce.codecs._entropy), the Golomb code's "
-     "encoder and decoder (deepreduce.codecs.golomb), the block-packed code "
+     "the Huffman index codec's encoder and decoder (one call each), its size estimate, "
+     "tree and buckets (deepreduce.codecs.huffman through deepreduce.codecs._entropy), the "
+     "Golomb code's encoder and decoder (deepreduce.codecs.golomb), the block-packed code "
      "(deepreduce.codecs.blockpack) and the runs code's fields (deepreduce.codecs.runs)"),
     ("deepreduce.codecs._qsgd", "codecs/_qsgd.c", EXACT,
      "the quantisation and dequantisation of the QSGD value codec (deepreduce.codecs.qsgd), "

@@ -18,19 +18,11 @@
  *       symbols and histogram, the length-limited code, the tables and both streams;
  *       the tables parsed and checked in the numpy path's order (a malformed stream
  *       gets its message), the lanes, the offsets and the running sum. For small sets
- *       the dozens of numpy calls of the building blocks below cost more than the passes.
+ *       the dozens of numpy calls of the fallback's steps cost more than the passes.
+ *   huffman_estimate(indices, step, precision, block) -> (bits, gaps)
+ *       huffman.estimate_bits of a sample of the gaps, which auto weighs.
  *   huffman_depths(weights, depths) -> None
  *       _entropy._huffman_depths: the Huffman tree, equal weights merged alike.
- *   pack_buckets(values, symbols, counts, codes, code_lengths, base, offset_bits, block,
- *                block_bits) -> (code_bytes, offset_bytes)
- *       the encoder's codes and offsets streams and the bit length of every block.
- *   decode_lanes(data, starts, steps, code_lengths, symbols, ends, bad) -> None
- *       huffman.decode_lanes, from the canonical code's lengths.
- *   field_bits(symbols, widths) -> int
- *       the offset bits the symbols need.
- *   read_indices(data, bit_offset, symbols, base, offset_bits, out) -> int
- *       _entropy.unpack_varlen of the offsets, _entropy.bucket_values and the running
- *       sum of huffman._cumulate in one pass; returns the exact sum of the gaps.
  *   golomb_encode(indices, m, prefix) -> (data, adjacent)
  *   golomb_decode(data, m, n, out) -> None or str
  *       golomb.encode_index_gaps and decode_index_gaps in one pass each (two for true
@@ -52,9 +44,9 @@
  * Decoders are handed untrusted streams: every read is bounded by the buffer's size
  * (bits past the end read as zeros, as numpy's zero padding does), and every write by
  * its output's. Bad arguments raise TypeError or ValueError; those found only by the
- * pass itself (symbols outside the alphabet, offsets past the end, counts that are
- * not the symbols') after it, leaving its outputs unspecified. The passes over the
- * data run without the GIL, so other Python threads (Horovod's) keep going.
+ * pass itself (values that are not positive, indices that do not increase) after it,
+ * leaving its outputs unspecified. The passes over the data run without the GIL, so
+ * other Python threads (Horovod's) keep going.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -207,17 +199,6 @@ static void release_all(Py_buffer **views, int count)
         PyBuffer_Release(views[i]);
 }
 
-/* Index of the first length above `limit`, or -1. */
-static Py_ssize_t first_above(const uint8_t *lengths, Py_ssize_t count, unsigned limit)
-{
-    for (Py_ssize_t i = 0; i < count; i++)
-        if (lengths[i] > limit)
-            return i;
-    return -1;
-}
-
-/* ------------------------------------------------------------ argument helpers */
-
 /* Gets every buffer of an entry point (None passes for the optional ones, whose view
  * then has buf NULL); on failure releases those it got. */
 static int get_arrays(PyObject *const *objects, Py_buffer **views, const char *const *names,
@@ -234,50 +215,6 @@ static int get_arrays(PyObject *const *objects, Py_buffer **views, const char *c
         }
     }
     return 0;
-}
-
-/* A per-symbol table of one entry per symbol of an alphabet of 1 to 256 (that of
- * `alphabet_name`: `alphabet` symbols), else ValueError. */
-static int check_table(const Py_buffer *table, const char *name, Py_ssize_t alphabet,
-                       const char *alphabet_name)
-{
-    Py_ssize_t entries = table->len / table->itemsize;
-    if (entries == alphabet && alphabet >= 1 && alphabet <= MAX_ALPHABET)
-        return 0;
-    PyErr_Format(PyExc_ValueError, "%s must hold one entry per symbol of an alphabet of 1 to "
-                 "%d (that of %s: %zd), got %zd", name, MAX_ALPHABET, alphabet_name, alphabet,
-                 entries);
-    return -1;
-}
-
-static int check_widths(const Py_buffer *table, const char *name, unsigned limit)
-{
-    Py_ssize_t bad = first_above(table->buf, table->len, limit);
-    if (bad < 0)
-        return 0;
-    PyErr_Format(PyExc_ValueError, "%s[%zd] = %u is above %u", name, bad,
-                 (unsigned)((const uint8_t *)table->buf)[bad], limit);
-    return -1;
-}
-
-/* A table copied into MAX_ALPHABET entries, zero past the alphabet, so that any byte
- * indexes it; the loops flag symbols outside the alphabet instead of checking first. */
-static void pad_widths(const Py_buffer *table, uint8_t *padded)
-{
-    memset(padded, 0, MAX_ALPHABET);
-    memcpy(padded, table->buf, (size_t)table->len);
-}
-
-static void pad_words(const Py_buffer *table, uint64_t *padded)
-{
-    memset(padded, 0, MAX_ALPHABET * sizeof *padded);
-    memcpy(padded, table->buf, (size_t)table->len);
-}
-
-static PyObject *symbol_outside(Py_ssize_t alphabet)
-{
-    return PyErr_Format(PyExc_ValueError, "symbols name symbols outside the alphabet of %zd",
-                        alphabet);
 }
 
 /* ------------------------------------------------------------ bucket_symbols */
@@ -409,142 +346,7 @@ static inline int flush_bits(writer_t *w)
     return 1;
 }
 
-static inline uint64_t low_bits(uint64_t value, unsigned width)
-{
-    return width >= 64 ? value : value & ((1ull << (width & 63)) - 1);
-}
-
-/* ------------------------------------------------------------ pack_buckets */
-
-typedef struct {
-    uint64_t code[MAX_ALPHABET], base[MAX_ALPHABET];
-    uint8_t code_length[MAX_ALPHABET], offset_bits[MAX_ALPHABET];
-} pack_tables_t;
-
-/* One pass: both streams and the code bits of every block of `block` symbols. Returns
- * 0, or -1 when a symbol is outside the alphabet or the streams do not fill their
- * outputs exactly (the counts were not those of the symbols). */
-static int pack_streams(const int64_t *values, const uint8_t *symbols, Py_ssize_t count,
-                        Py_ssize_t alphabet, const pack_tables_t *t, Py_ssize_t block,
-                        int64_t *block_bits, writer_t *code, writer_t *offset)
-{
-    int outside = 0;
-    for (Py_ssize_t first = 0; first < count; first += block) {
-        Py_ssize_t stop = count - first < block ? count : first + block;
-        int64_t bits = 0;
-        for (Py_ssize_t i = first; i < stop; i++) {
-            unsigned symbol = symbols[i];
-            unsigned length = t->code_length[symbol], width = t->offset_bits[symbol];
-            outside |= symbol >= alphabet;
-            bits += length;
-            put_bits(code, low_bits(t->code[symbol], length), length);
-            put_bits(offset, low_bits((uint64_t)values[i] - t->base[symbol], width), width);
-        }
-        block_bits[first / block] = bits;
-    }
-    int code_ok = flush_bits(code), offset_ok = flush_bits(offset);
-    return outside || !code_ok || !offset_ok ? -1 : 0;
-}
-
-/* pack_buckets on its buffers: views are values, symbols, counts, codes, code_lengths,
- * base, offset_bits, block_bits. */
-static PyObject *pack_views(Py_buffer *const *views, Py_ssize_t block)
-{
-    const Py_buffer *values = views[0], *symbols = views[1], *counts = views[2];
-    const Py_buffer *codes = views[3], *code_lengths = views[4], *base = views[5];
-    const Py_buffer *offset_bits = views[6], *block_bits = views[7];
-    Py_ssize_t count = symbols->len, alphabet = code_lengths->len;
-    Py_ssize_t blocks = count / block + (count % block != 0);
-    if (values->len / 8 != count)
-        return PyErr_Format(PyExc_ValueError, "values and symbols differ in size: %zd and %zd",
-                            values->len / 8, count);
-    if (block_bits->len / 8 != blocks)
-        return PyErr_Format(PyExc_ValueError, "block_bits must hold %zd entries, got %zd",
-                            blocks, block_bits->len / 8);
-    if (check_table(code_lengths, "code_lengths", alphabet, "code_lengths") < 0
-            || check_table(counts, "counts", alphabet, "code_lengths") < 0
-            || check_table(codes, "codes", alphabet, "code_lengths") < 0
-            || check_table(base, "base", alphabet, "code_lengths") < 0
-            || check_table(offset_bits, "offset_bits", alphabet, "code_lengths") < 0
-            || check_widths(code_lengths, "code_lengths", 64) < 0
-            || check_widths(offset_bits, "offset_bits", 64) < 0)
-        return NULL;
-    /* The counts size the outputs; the pass checks that they were right. Counts that
-     * add up to the number of symbols keep the totals far from overflow. */
-    const int64_t *count_of = counts->buf;
-    uint64_t code_total = 0, offset_total = 0, counted = 0;
-    for (Py_ssize_t s = 0; s < alphabet; s++) {
-        if (count_of[s] < 0 || (uint64_t)count_of[s] > (uint64_t)count)
-            return PyErr_Format(PyExc_ValueError, "counts[%zd] = %lld is not a count of %zd "
-                                "symbols", s, (long long)count_of[s], count);
-        counted += (uint64_t)count_of[s];
-        code_total += (uint64_t)count_of[s] * ((const uint8_t *)code_lengths->buf)[s];
-        offset_total += (uint64_t)count_of[s] * ((const uint8_t *)offset_bits->buf)[s];
-    }
-    if (counted != (uint64_t)count)
-        return PyErr_Format(PyExc_ValueError, "counts add up to %llu, not to the %zd symbols",
-                            (unsigned long long)counted, count);
-    pack_tables_t tables;
-    pad_words(codes, tables.code);
-    pad_words(base, tables.base);
-    pad_widths(code_lengths, tables.code_length);
-    pad_widths(offset_bits, tables.offset_bits);
-    PyObject *code_data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((code_total + 7) / 8));
-    if (code_data == NULL)
-        return NULL;
-    PyObject *offset_data = PyBytes_FromStringAndSize(NULL,
-                                                      (Py_ssize_t)((offset_total + 7) / 8));
-    if (offset_data == NULL) {
-        Py_DECREF(code_data);
-        return NULL;
-    }
-    uint8_t *code_out = (uint8_t *)PyBytes_AS_STRING(code_data);
-    uint8_t *offset_out = (uint8_t *)PyBytes_AS_STRING(offset_data);
-    writer_t code = {code_out, code_out + PyBytes_GET_SIZE(code_data), 0, 0, 0};
-    writer_t offset = {offset_out, offset_out + PyBytes_GET_SIZE(offset_data), 0, 0, 0};
-    int status;
-    /* The bytes objects are not shared yet: filling them without the GIL is safe. */
-    Py_BEGIN_ALLOW_THREADS
-    status = pack_streams(values->buf, symbols->buf, count, alphabet, &tables, block,
-                          block_bits->buf, &code, &offset);
-    Py_END_ALLOW_THREADS
-    PyObject *result = NULL;
-    if (status < 0)
-        PyErr_Format(PyExc_ValueError, "symbols are outside the alphabet of %zd or do not "
-                     "match counts", alphabet);
-    else
-        result = PyTuple_Pack(2, code_data, offset_data);
-    Py_DECREF(code_data);
-    Py_DECREF(offset_data);
-    return result;
-}
-
-static PyObject *pack_buckets(PyObject *module, PyObject *args)
-{
-    PyObject *objects[8];
-    Py_ssize_t block;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnO:pack_buckets", &objects[0], &objects[1],
-                          &objects[2], &objects[3], &objects[4], &objects[5], &objects[6],
-                          &block, &objects[7]))
-        return NULL;
-    if (block < 1)
-        return PyErr_Format(PyExc_ValueError, "block must be positive, got %zd", block);
-    static const char *const names[8] = {"values", "symbols", "counts", "codes",
-                                         "code_lengths", "base", "offset_bits", "block_bits"};
-    static const kind_t kinds[8] = {INT64, UINT8, INT64, UINT64, UINT8, INT64, UINT8, INT64};
-    static const int writable[8] = {0, 0, 0, 0, 0, 0, 0, 1};
-    Py_buffer storage[8], *views[8];
-    for (int i = 0; i < 8; i++)
-        views[i] = &storage[i];
-    if (get_arrays(objects, views, names, kinds, writable, NULL, 8) < 0)
-        return NULL;
-    PyObject *result = pack_views(views, block);
-    release_all(views, 8);
-    return result;
-}
-
-/* ------------------------------------------------------------ decode_lanes */
+/* ------------------------------------------------------------ lane decoding */
 
 /* The lookup table of a canonical code: entry w is (length << 8) | symbol of the code
  * that is a prefix of the peek-bit word w; words no code starts stay 0 (length 0).
@@ -587,237 +389,6 @@ static inline uint64_t decode_window(const uint8_t *data, uint64_t size, const u
         position += length;
     }
     return position;
-}
-
-static void decode_all_lanes(const uint8_t *data, uint64_t size, const int64_t *starts,
-                             Py_ssize_t lanes, Py_ssize_t steps, unsigned peek,
-                             const uint16_t *table, uint8_t *symbols, int64_t *ends,
-                             uint8_t *bad)
-{
-    unsigned drop = 64 - peek;
-    Py_ssize_t lane = 0;
-    for (; lane + LANE_GROUP <= lanes; lane += LANE_GROUP) {
-        uint64_t position[LANE_GROUP];
-        uint8_t lane_bad[LANE_GROUP] = {0};
-        for (int j = 0; j < LANE_GROUP; j++)
-            position[j] = (uint64_t)starts[lane + j];
-        for (Py_ssize_t step = 0; step < steps; step += 3) {
-            Py_ssize_t count = steps - step < 3 ? steps - step : 3;
-            for (int j = 0; j < LANE_GROUP; j++)
-                position[j] = decode_window(data, size, table, drop, position[j],
-                                            symbols + (lane + j) * steps + step, count,
-                                            &lane_bad[j]);
-        }
-        for (int j = 0; j < LANE_GROUP; j++) {
-            ends[lane + j] = (int64_t)position[j];
-            bad[lane + j] = lane_bad[j];
-        }
-    }
-    for (; lane < lanes; lane++) {
-        uint64_t position = (uint64_t)starts[lane];
-        uint8_t lane_bad = 0;
-        for (Py_ssize_t step = 0; step < steps; step += 3)
-            position = decode_window(data, size, table, drop, position,
-                                     symbols + lane * steps + step,
-                                     steps - step < 3 ? steps - step : 3, &lane_bad);
-        ends[lane] = (int64_t)position;
-        bad[lane] = lane_bad;
-    }
-}
-
-static PyObject *decode_lanes(PyObject *module, PyObject *args)
-{
-    PyObject *objects[6];
-    Py_ssize_t steps;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "OOnOOOO:decode_lanes", &objects[0], &objects[1], &steps,
-                          &objects[2], &objects[3], &objects[4], &objects[5]))
-        return NULL;
-    /* Positions stay far from overflow: at most 8 * len(data) + 15 * steps. */
-    if (steps < 0 || steps > (PY_SSIZE_T_MAX >> 8))
-        return PyErr_Format(PyExc_ValueError, "steps must be in [0, %zd], got %zd",
-                            PY_SSIZE_T_MAX >> 8, steps);
-    static const char *const names[6] = {"data", "starts", "code_lengths", "symbols", "ends",
-                                         "bad"};
-    static const kind_t kinds[6] = {BYTES, INT64, UINT8, UINT8, INT64, UINT8};
-    static const int writable[6] = {0, 0, 0, 1, 1, 1};
-    Py_buffer storage[6], *views[6];
-    for (int i = 0; i < 6; i++)
-        views[i] = &storage[i];
-    if (get_arrays(objects, views, names, kinds, writable, NULL, 6) < 0)
-        return NULL;
-    Py_buffer *data = views[0], *starts = views[1], *code_lengths = views[2];
-    Py_buffer *symbols = views[3], *ends = views[4], *bad = views[5];
-    Py_ssize_t lanes = starts->len / 8, alphabet = code_lengths->len, late = -1;
-    uint64_t size = (uint64_t)data->len;
-    const int64_t *start = starts->buf;
-    const uint8_t *length = code_lengths->buf;
-    unsigned peek = 0;
-    uint16_t *table = NULL;
-    PyObject *result = NULL;
-    for (Py_ssize_t i = 0; i < lanes && late < 0; i++)
-        if (start[i] < 0 || (uint64_t)start[i] > 8 * size)
-            late = i;
-    for (Py_ssize_t i = 0; i < alphabet; i++)
-        peek = length[i] > peek ? length[i] : peek;
-    if (ends->len / 8 != lanes || bad->len != lanes)
-        PyErr_Format(PyExc_ValueError, "ends and bad must hold one entry per lane (%zd), got "
-                     "%zd and %zd", lanes, ends->len / 8, bad->len);
-    else if (lanes && symbols->len / lanes < steps)
-        PyErr_Format(PyExc_ValueError, "symbols holds %zd entries, fewer than %zd lanes of %zd "
-                     "steps", symbols->len, lanes, steps);
-    else if (late >= 0)
-        PyErr_Format(PyExc_ValueError, "starts[%zd] = %lld is outside the %llu bits of data",
-                     late, (long long)start[late], (unsigned long long)(8 * size));
-    else if (check_table(code_lengths, "code_lengths", alphabet, "code_lengths") < 0
-             || check_widths(code_lengths, "code_lengths", MAX_CODE_LENGTH) < 0)
-        result = NULL;
-    else if (peek == 0)
-        PyErr_SetString(PyExc_ValueError, "code_lengths gives no symbol a code");
-    else if ((table = PyMem_Malloc(sizeof *table << peek)) == NULL)
-        PyErr_NoMemory();
-    else if (fill_table(length, alphabet, peek, table) < 0)
-        PyErr_SetString(PyExc_ValueError, "code_lengths do not form a prefix code");
-    else {
-        Py_BEGIN_ALLOW_THREADS
-        decode_all_lanes(data->buf, size, start, lanes, steps, peek, table, symbols->buf,
-                         ends->buf, bad->buf);
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
-    PyMem_Free(table);
-    release_all(views, 6);
-    return result;
-}
-
-/* ------------------------------------------------------------ field_bits */
-
-static PyObject *field_bits(PyObject *module, PyObject *args)
-{
-    PyObject *objects[2];
-    (void)module;
-    if (!PyArg_ParseTuple(args, "OO:field_bits", &objects[0], &objects[1]))
-        return NULL;
-    static const char *const names[2] = {"symbols", "widths"};
-    static const kind_t kinds[2] = {UINT8, UINT8};
-    static const int writable[2] = {0, 0};
-    Py_buffer storage[2], *views[2] = {&storage[0], &storage[1]};
-    if (get_arrays(objects, views, names, kinds, writable, NULL, 2) < 0)
-        return NULL;
-    Py_ssize_t count = views[0]->len, alphabet = views[1]->len;
-    PyObject *result = NULL;
-    if (check_table(views[1], "widths", alphabet, "widths") == 0) {
-        uint8_t width[MAX_ALPHABET];
-        const uint8_t *symbol = views[0]->buf;
-        uint64_t total = 0;
-        int outside = 0;
-        pad_widths(views[1], width);
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++) {
-            total += width[symbol[i]];
-            outside |= symbol[i] >= alphabet;
-        }
-        Py_END_ALLOW_THREADS
-        result = outside ? symbol_outside(alphabet) : PyLong_FromUnsignedLongLong(total);
-    }
-    release_all(views, 2);
-    return result;
-}
-
-/* ------------------------------------------------------------ read_indices */
-
-/* The Python int high * 2**64 + low. */
-static PyObject *sum_of(uint64_t high, uint64_t low)
-{
-    PyObject *high_part = PyLong_FromUnsignedLongLong(high);
-    PyObject *shift = PyLong_FromLong(64);
-    PyObject *shifted = high_part && shift ? PyNumber_Lshift(high_part, shift) : NULL;
-    PyObject *low_part = shifted ? PyLong_FromUnsignedLongLong(low) : NULL;
-    PyObject *result = low_part ? PyNumber_Or(shifted, low_part) : NULL;
-    Py_XDECREF(high_part);
-    Py_XDECREF(shift);
-    Py_XDECREF(shifted);
-    Py_XDECREF(low_part);
-    return result;
-}
-
-/* Gaps base[s] + offset, summed into indices (the sum minus one) as they are read.
- * Stores the exact sum of the gaps (128 bits) in *total_high:*total_low and returns the
- * bit position after the last offset; sets *outside for symbols past the alphabet. */
-static uint64_t read_gaps(const uint8_t *data, uint64_t size, uint64_t position,
-                          const uint8_t *symbols, Py_ssize_t count, const uint64_t *base,
-                          const uint8_t *width, Py_ssize_t alphabet, int64_t *out,
-                          uint64_t *total_high, uint64_t *total_low, int *outside)
-{
-    uint64_t low = 0, high = 0;
-    int flag = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        unsigned s = symbols[i];
-        uint64_t gap = base[s] + read_bits(data, size, position, width[s]);
-        position += width[s];
-        flag |= s >= alphabet;
-        low += gap;
-        high += low < gap;
-        out[i] = (int64_t)(low - 1);
-    }
-    *total_high = high;
-    *total_low = low;
-    *outside = flag;
-    return position;
-}
-
-static PyObject *read_indices(PyObject *module, PyObject *args)
-{
-    PyObject *objects[5];
-    long long bit_offset;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "OLOOOO:read_indices", &objects[0], &bit_offset, &objects[1],
-                          &objects[2], &objects[3], &objects[4]))
-        return NULL;
-    static const char *const names[5] = {"data", "symbols", "base", "offset_bits", "out"};
-    static const kind_t kinds[5] = {BYTES, UINT8, INT64, UINT8, INT64};
-    static const int writable[5] = {0, 0, 0, 0, 1};
-    Py_buffer storage[5], *views[5];
-    for (int i = 0; i < 5; i++)
-        views[i] = &storage[i];
-    if (get_arrays(objects, views, names, kinds, writable, NULL, 5) < 0)
-        return NULL;
-    Py_buffer *data = views[0], *symbols = views[1], *base = views[2];
-    Py_buffer *offset_bits = views[3], *out = views[4];
-    Py_ssize_t count = symbols->len, alphabet = offset_bits->len;
-    uint64_t size = (uint64_t)data->len;
-    PyObject *result = NULL;
-    if (out->len / 8 != count)
-        PyErr_Format(PyExc_ValueError, "out holds %zd values, symbols %zd", out->len / 8,
-                     count);
-    else if (bit_offset < 0 || (uint64_t)bit_offset > 8 * size)
-        PyErr_Format(PyExc_ValueError, "bit_offset %lld is outside the %zd bytes of data",
-                     bit_offset, data->len);
-    else if (check_table(offset_bits, "offset_bits", alphabet, "offset_bits") == 0
-             && check_table(base, "base", alphabet, "offset_bits") == 0
-             && check_widths(offset_bits, "offset_bits", 64) == 0) {
-        uint64_t first[MAX_ALPHABET], high, low, end;
-        uint8_t width[MAX_ALPHABET];
-        int outside;
-        pad_words(base, first);
-        pad_widths(offset_bits, width);
-        /* Reads past the end of data see zeros; the check after the pass refuses them. */
-        Py_BEGIN_ALLOW_THREADS
-        end = read_gaps(data->buf, size, (uint64_t)bit_offset, symbols->buf, count, first,
-                        width, alphabet, out->buf, &high, &low, &outside);
-        Py_END_ALLOW_THREADS
-        if (outside)
-            symbol_outside(alphabet);
-        else if (end > 8 * size)
-            PyErr_Format(PyExc_ValueError, "offsets end at bit %llu, past the %zd bytes of "
-                         "data", (unsigned long long)end, data->len);
-        else {
-            result = sum_of(high, low);
-        }
-    }
-    release_all(views, 5);
-    return result;
 }
 
 /* ------------------------------------------------------------ huffman_depths */
@@ -1820,6 +1391,12 @@ static ALWAYS_INLINE int gap_symbols(const int64_t *restrict index, Py_ssize_t c
     return bad != 0;
 }
 
+/* The encoder's tables, by bucket symbol. */
+typedef struct {
+    uint64_t code[MAX_ALPHABET], base[MAX_ALPHABET];
+    uint8_t code_length[MAX_ALPHABET], offset_bits[MAX_ALPHABET];
+} pack_tables_t;
+
 /* Everything the encoder decides before it writes: the code, the tables' fields and
  * the size of every part of the stream. */
 typedef struct {
@@ -2066,6 +1643,21 @@ done:
 
 /* ------------------------------------------------------------ huffman_decode */
 
+/* The Python int high * 2**64 + low. */
+static PyObject *sum_of(uint64_t high, uint64_t low)
+{
+    PyObject *high_part = PyLong_FromUnsignedLongLong(high);
+    PyObject *shift = PyLong_FromLong(64);
+    PyObject *shifted = high_part && shift ? PyNumber_Lshift(high_part, shift) : NULL;
+    PyObject *low_part = shifted ? PyLong_FromUnsignedLongLong(low) : NULL;
+    PyObject *result = low_part ? PyNumber_Or(shifted, low_part) : NULL;
+    Py_XDECREF(high_part);
+    Py_XDECREF(shift);
+    Py_XDECREF(shifted);
+    Py_XDECREF(low_part);
+    return result;
+}
+
 /* How huffman_read ended. */
 enum { READ_OK, READ_PROBLEM, READ_PAST_N, READ_NO_MEMORY };
 
@@ -2105,9 +1697,11 @@ static int kraft_complete(const uint8_t *lengths, unsigned alphabet)
     return sum == 1ull << top;
 }
 
-/* Lanes 0 .. lanes-1 of `steps` symbols each, from starts[lane] on, as decode_all_lanes
- * decodes them. Returns whether a lane met bits that start no code or ended anywhere
- * but at starts[lane + 1] (starts holds lanes + 1 entries). */
+/* Lanes 0 .. lanes-1 of `steps` symbols each, from starts[lane] on, into symbols lane
+ * after lane: LANE_GROUP lanes at a time (their chains of window reads are independent)
+ * and up to three symbols a window (decode_window). Returns whether a lane met bits that
+ * start no code or ended anywhere but at starts[lane + 1] (starts holds lanes + 1
+ * entries). */
 static int decode_blocks(const uint8_t *data, uint64_t size, const int64_t *starts,
                          Py_ssize_t lanes, Py_ssize_t steps, unsigned peek,
                          const uint16_t *table, uint8_t *symbols)
@@ -2171,10 +1765,11 @@ static ALWAYS_INLINE Py_ssize_t offsets_loop(const uint8_t *data, uint64_t size,
     return i;
 }
 
-/* read_gaps for huffman_read: offsets_loop on the data, then on a zero-padded copy of its
- * last bytes (dense sets have few offset bits: their whole stream may lie there), then
- * bit by bit for fields past that (only in malformed streams). Returns the position
- * after the last offset. */
+/* The gaps base[s] + offset of every symbol, summed into out as they are read (out[i]:
+ * the sum of gaps 0..i less one; *total_high:*total_low, their exact sum in 128 bits):
+ * offsets_loop on the data, then on a zero-padded copy of its last bytes (dense sets
+ * have few offset bits: their whole stream may lie there), then bit by bit for fields
+ * past that (only in malformed streams). Returns the position after the last offset. */
 static uint64_t read_offsets(const uint8_t *data, uint64_t size, uint64_t position,
                              const uint8_t *symbols, Py_ssize_t count, const uint64_t *base,
                              const uint8_t *width, int64_t *out, uint64_t *total_high,
@@ -2379,8 +1974,7 @@ static PyObject *huffman_decode(PyObject *module, PyObject *args)
         status = huffman_read(views[0]->buf, (uint64_t)views[0]->len, nnz, precision, block,
                               n, views[1]->buf, &outcome);
         RELEASED_END
-        if (status == READ_OK)
-            {
+        if (status == READ_OK) {
             result = Py_None;
             Py_INCREF(result);
         }
@@ -2513,22 +2107,6 @@ static PyMethodDef methods[] = {
      "None) of every positive int64 value, precision 0..2 (see\n"
      "deepreduce.codecs._entropy.bucket_symbols); counts (writable int64 of 256 entries,\n"
      "or None) receives the histogram of the symbols."},
-    {"pack_buckets", pack_buckets, METH_VARARGS,
-     "pack_buckets(values, symbols, counts, codes, code_lengths, base, offset_bits, block,\n"
-     "             block_bits) -> (code_bytes, offset_bytes)\n\n"
-     "The Huffman encoder's two bit streams: codes[s] in code_lengths[s] bits for every\n"
-     "symbol s, and values[i] - base[s] in offset_bits[s] bits for every value, each\n"
-     "MSB first and zero-padded to a byte. Writes the code bits of every block of\n"
-     "block symbols to block_bits (int64). Tables: one entry per symbol (counts: the\n"
-     "histogram of symbols, which sizes the streams); values int64, symbols uint8, codes\n"
-     "uint64, widths uint8 (0..64). Bits of a value above its width are ignored."},
-    {"decode_lanes", decode_lanes, METH_VARARGS,
-     "decode_lanes(data, starts, steps, code_lengths, symbols, ends, bad) -> None\n\n"
-     "Decode steps symbols of the canonical code of code_lengths (uint8, 0..15 per\n"
-     "symbol) from every bit position of starts (int64) in data. Writes lane after lane\n"
-     "of symbols (uint8, at least len(starts) * steps), each lane's end bit position to\n"
-     "ends (int64) and whether it met bits that start no code to bad (uint8). Bits past\n"
-     "the end of data read as zeros. See deepreduce.codecs.huffman.decode_lanes."},
     {"huffman_depths", huffman_depths, METH_VARARGS,
      "huffman_depths(weights, depths) -> None\n\n"
      "Leaf depths (writable int64) of the Huffman tree of 1 to 256 weights (int64,\n"
@@ -2550,15 +2128,6 @@ static PyMethodDef methods[] = {
      "None; or what is wrong with the stream, worded as the numpy path's DecodeError; or,\n"
      "when the gaps add up past n (<= 2**62), their exact sum, with out holding their\n"
      "running sums less one, modulo 2**64. out is unspecified unless None is returned."},
-    {"field_bits", field_bits, METH_VARARGS,
-     "field_bits(symbols, widths) -> int\n\n"
-     "The sum of widths[s] (uint8 table) over symbols (uint8)."},
-    {"read_indices", read_indices, METH_VARARGS,
-     "read_indices(data, bit_offset, symbols, base, offset_bits, out) -> int\n\n"
-     "Gaps base[s] + the next offset_bits[s] bits of data (from bit_offset), for every\n"
-     "symbol s of symbols, summed: out[i] (int64) = gap[0] + ... + gap[i] - 1, modulo\n"
-     "2**64. Returns the exact sum of the gaps. ValueError unless data holds every\n"
-     "offset. Tables: one entry per symbol, base int64, offset_bits uint8 (0..64)."},
     {"golomb_encode", golomb_encode, METH_VARARGS,
      "golomb_encode(indices, m, prefix) -> (data, adjacent)\n\n"
      "prefix (bytes) followed by deepreduce.codecs.golomb.encode_fields of the gaps of\n"

@@ -182,24 +182,6 @@ def decode_lanes(windows: np.ndarray, starts: np.ndarray, steps: int,
     return symbols[:steps].T, position, bad
 
 
-def decode_lanes_compiled(stream, starts: np.ndarray, steps: int, lengths: np.ndarray):
-    """:func:`decode_lanes` by the C extension, from the stream and the code lengths.
-
-    Each lane is decoded to its end before the next (a few lanes at a time,
-    one table lookup per symbol); the symbols, ends and flags are those
-    :func:`decode_lanes` gives for the same stream and
-    :func:`_entropy.decode_table` of ``lengths``. Needs ``deepreduce.codecs._entropyc``.
-    """
-    lanes = starts.size
-    symbols = np.empty((lanes, steps), dtype=np.uint8)
-    ends = np.empty(lanes, dtype=np.int64)
-    bad = np.empty(lanes, dtype=np.uint8)
-    _entropy._entropyc.decode_lanes(stream, np.ascontiguousarray(starts, dtype=np.int64),
-                                    steps, lengths.astype(np.uint8), symbols.reshape(-1),
-                                    ends, bad)
-    return symbols, ends, bad.view(bool)
-
-
 @register_codec
 class HuffmanIndices(IndexCodec):
     """Canonical Huffman code of bucketed gaps, with the code table in the stream.

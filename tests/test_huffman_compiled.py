@@ -378,79 +378,12 @@ def test_huffman_lengths_of_huge_counts(implementation):
     assert lengths.tolist() == [2, 1, 3, 3]  # 1 and 2**61 merge first
 
 
-def code_table(rng, alphabet=248):
-    """Code lengths of a random complete prefix code (sometimes a single 1-bit code)."""
-    used = int(rng.integers(1, 60))
-    counts = np.zeros(alphabet, dtype=np.int64)
-    counts[rng.choice(alphabet, used, replace=False)] = rng.geometric(0.01, used)
-    return _entropy.huffman_lengths(counts)
-
-
-@compiled_only
-@COMPILED_SETTINGS
-@given(seed=st.integers(0, 2**32 - 1), size=st.integers(0, 400),
-       steps=st.sampled_from([1, 2, 3, 8, 9, 128]))
-def test_lanes_decode_identically_from_any_bits(seed, size, steps):
-    """Arbitrary streams and lane starts, lanes running past the end, invalid codes."""
-    rng = np.random.default_rng(seed)
-    lengths = code_table(rng)
-    stream = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-    starts = np.sort(rng.integers(0, 8 * size + 1, int(rng.integers(0, 12))))
-    peek, symbol_of, length_of = _entropy.decode_table(lengths)
-    pad = -(-steps * _entropy.MAX_CODE_LENGTH // 8) + 8
-    windows = _entropy.byte_windows(stream, extra=pad).astype(np.uint64)
-    expected = huffman.decode_lanes(windows, starts, steps, peek, symbol_of, length_of)
-    result = huffman.decode_lanes_compiled(stream, starts, steps, lengths)
-    for ours, theirs in zip(result, expected):
-        np.testing.assert_array_equal(ours, theirs)
-
-
 # ------------------------------------------------------------------ the C entry points
-
-def lane_arguments(**changes):
-    """Valid arguments of _entropyc.decode_lanes (3 lanes of 4 steps), with ``changes``."""
-    arguments = dict(data=b"\x12\x34\x56\x78", starts=np.array([0, 5, 32]), steps=4,
-                     code_lengths=np.array([0, 1, 2, 2], np.uint8),
-                     symbols=np.empty(12, np.uint8), ends=np.empty(3, np.int64),
-                     bad=np.empty(3, np.uint8))
-    arguments.update(changes)
-    return arguments
-
-
-def read_arguments(**changes):
-    """Valid arguments of _entropyc.read_indices (3 gaps), with ``changes``."""
-    base, offset_bits = huffman.bucket_tables(2)
-    arguments = dict(data=b"\xff\x00", bit_offset=3, symbols=np.array([9, 1, 16], np.uint8),
-                     base=base, offset_bits=offset_bits, out=np.empty(3, np.int64))
-    arguments.update(changes)
-    return arguments
-
-
-def pack_arguments(**changes):
-    """Valid arguments of _entropyc.pack_buckets (gaps 1, 9, 100), with ``changes``."""
-    values = np.array([1, 9, 100], np.int64)
-    symbols, counts = _entropy.bucket_histogram(values, 2)
-    base, offset_bits = huffman.bucket_tables(2)
-    lengths = _entropy.huffman_lengths(counts)
-    arguments = dict(values=values, symbols=symbols, counts=counts,
-                     codes=_entropy.canonical_codes(lengths),
-                     code_lengths=lengths.astype(np.uint8), base=base, offset_bits=offset_bits,
-                     block=2, block_bits=np.empty(2, np.int64))
-    arguments.update(changes)
-    return arguments
-
 
 def symbol_arguments(**changes):
     """Valid arguments of _entropyc.bucket_symbols (3 values), with ``changes``."""
     arguments = dict(values=np.array([1, 2, 3]), precision=2, symbols=np.empty(3, np.uint8),
                      offset_bits=np.empty(3, np.uint8), counts=np.empty(256, np.int64))
-    arguments.update(changes)
-    return arguments
-
-
-def table_arguments(**changes):
-    """Valid arguments of _entropyc.field_bits, with ``changes``."""
-    arguments = dict(symbols=np.array([9, 1, 16], np.uint8), widths=huffman.bucket_tables(2)[1])
     arguments.update(changes)
     return arguments
 
@@ -484,11 +417,11 @@ def decode_arguments(**changes):
     return arguments
 
 
+#: Every entry point of the Huffman codec and its buckets (golomb_*, run_fields and
+#: golomb_bits have theirs in test_golomb_compiled.py, blockpack_* in test_blockpack.py).
 ARGUMENTS = {"huffman_encode": encode_arguments, "huffman_decode": decode_arguments,
-             "huffman_estimate": estimate_arguments, "decode_lanes": lane_arguments,
-             "read_indices": read_arguments, "pack_buckets": pack_arguments,
-             "bucket_symbols": symbol_arguments, "field_bits": table_arguments,
-             "huffman_depths": depth_arguments}
+             "huffman_estimate": estimate_arguments, "huffman_depths": depth_arguments,
+             "bucket_symbols": symbol_arguments}
 
 
 def call(name, changes):
@@ -496,30 +429,32 @@ def call(name, changes):
 
 
 @compiled_only
+def test_every_huffman_entry_point_has_its_arguments():
+    """No entry point of the Huffman codec escapes the argument tests below."""
+    compiled = {name for name in dir(_entropy._entropyc)
+                if name.startswith(("huffman_", "bucket_"))}
+    assert compiled == set(ARGUMENTS)
+
+
+def wrong_type(value):
+    """An argument of the wrong type in place of ``value``: a string for a number; for a
+    buffer, one of float32 items, which no entry point takes."""
+    if isinstance(value, (int, np.integer)):
+        return "1"
+    return np.zeros(3, np.float32)
+
+
+@compiled_only
+@pytest.mark.parametrize("name,argument", [(name, argument) for name, arguments
+                                           in ARGUMENTS.items() for argument in arguments()])
+def test_every_argument_is_checked(name, argument):
+    """Each argument of each entry point, of the wrong type: TypeError, never a crash."""
+    with pytest.raises(TypeError):
+        call(name, {argument: wrong_type(ARGUMENTS[name]()[argument])})
+
+
+@compiled_only
 def test_entry_points_accept_their_valid_arguments():
-    arguments = lane_arguments()
-    assert _entropy._entropyc.decode_lanes(*arguments.values()) is None
-    assert arguments["bad"].tolist() == [0, 0, 0]
-
-    arguments = read_arguments()
-    gap_sum = _entropy._entropyc.read_indices(*arguments.values())
-    widths = arguments["offset_bits"][arguments["symbols"]]
-    offsets = _entropy.unpack_varlen(arguments["data"], widths, "t", bit_offset=3)
-    gaps = arguments["base"][arguments["symbols"]] + offsets.astype(np.int64)
-    assert arguments["out"].tolist() == (np.cumsum(gaps) - 1).tolist()
-    assert gap_sum == gaps.sum()
-    assert call("field_bits", {}) == widths.sum()
-
-    arguments = pack_arguments()
-    codes, offsets = _entropy._entropyc.pack_buckets(*arguments.values())
-    symbols, code_lengths = arguments["symbols"], arguments["code_lengths"]
-    assert codes == _entropy.pack_varlen(arguments["codes"][symbols], code_lengths[symbols])[0]
-    assert offsets == _entropy.pack_varlen(
-        (arguments["values"] - arguments["base"][symbols]).astype(np.uint64),
-        arguments["offset_bits"][symbols])[0]
-    assert arguments["block_bits"].tolist() == np.add.reduceat(
-        code_lengths[symbols], [0, 2], dtype=np.int64).tolist()
-
     arguments = symbol_arguments(values=np.array([1, 2**62, 2**62]))
     _entropy._entropyc.bucket_symbols(*arguments.values())
     assert arguments["symbols"].tolist() == [1, 244, 244]  # 244 = 0b100 + (60 << 2)
@@ -545,34 +480,15 @@ def test_entry_points_accept_their_valid_arguments():
 
 
 @compiled_only
-def test_read_indices_gives_the_exact_sum_past_64_bits():
-    base = np.array([0, 2**62 + 5], np.int64)
-    out = np.empty(5, np.int64)
-    gap_sum = _entropy._entropyc.read_indices(b"", 0, np.ones(5, np.uint8), base,
-                                              np.zeros(2, np.uint8), out)
-    assert gap_sum == 5 * (2**62 + 5)
-    assert out[0] == 2**62 + 4
-
-
-@compiled_only
 @pytest.mark.parametrize("name,changes", [
-    ("decode_lanes", {"starts": np.array([0, 5, 32], np.int32)}),
-    ("decode_lanes", {"starts": np.array([[0, 5, 32]])}),
-    ("decode_lanes", {"code_lengths": np.array([0, 1, 2, 2], np.int64)}),
-    ("decode_lanes", {"symbols": np.empty(12, np.int8)}),
-    ("decode_lanes", {"ends": np.empty(3, np.int64)[::-1]}),
-    ("decode_lanes", {"bad": b"\0\0\0"}),
-    ("decode_lanes", {"data": np.zeros(4, np.uint16)}),
-    ("decode_lanes", {"data": 7}),
-    ("read_indices", {"out": np.empty(3, np.uint64)}),
-    ("read_indices", {"base": np.zeros(248, np.float64)}),
-    ("field_bits", {"widths": np.zeros(248, np.int64)}),
     ("huffman_depths", {"weights": np.array([5.0, 1, 1, 3])}),
     ("huffman_depths", {"depths": np.empty(4, np.int32)}),
     ("bucket_symbols", {"counts": np.empty(256, np.int32)}),
-    ("pack_buckets", {"codes": np.zeros(248, np.int64)}),
-    ("pack_buckets", {"block_bits": np.empty(2, np.int64)[::-1]}),
     ("bucket_symbols", {"symbols": np.empty(3, np.int64)}),
+    ("bucket_symbols", {"symbols": b"\0\0\0"}),  # read-only
+    ("bucket_symbols", {"values": np.array([[1, 2, 3]])}),
+    ("bucket_symbols", {"counts": np.empty(512, np.int64)[::2]}),
+    ("huffman_estimate", {"indices": np.array([0, 8, 99])[::-1]}),
     ("huffman_estimate", {"indices": np.array([0.0, 8.0])}),
     ("huffman_encode", {"indices": np.array([0.0, 8.0, 99.0])}),
     ("huffman_encode", {"indices": np.array([0, 8, 99], np.int32)}),
@@ -581,6 +497,9 @@ def test_read_indices_gives_the_exact_sum_past_64_bits():
     ("huffman_decode", {"out": np.empty(6, np.int64)[::2]}),
     ("huffman_decode", {"data": 7}),
     ("huffman_decode", {"data": np.zeros(4, np.uint16)}),
+    ("huffman_decode", {"data": np.zeros((2, 2), np.uint8)}),
+    ("huffman_decode", {"out": np.empty((3, 1), np.int64)}),
+    ("huffman_decode", {"n": 100.0}),
 ])
 def test_bad_buffers_raise_type_error(name, changes):
     with pytest.raises(TypeError):
@@ -589,52 +508,25 @@ def test_bad_buffers_raise_type_error(name, changes):
 
 @compiled_only
 @pytest.mark.parametrize("name,changes", [
-    ("decode_lanes", {"starts": np.array([0, 5, 33])}),
-    ("decode_lanes", {"starts": np.array([-1, 5, 32])}),
-    ("decode_lanes", {"steps": -1}),
-    ("decode_lanes", {"symbols": np.empty(11, np.uint8)}),
-    ("decode_lanes", {"ends": np.empty(2, np.int64)}),
-    ("decode_lanes", {"bad": np.empty(4, np.uint8)}),
-    ("decode_lanes", {"code_lengths": np.array([0, 1, 1, 1], np.uint8)}),
-    ("decode_lanes", {"code_lengths": np.array([16, 1], np.uint8)}),
-    ("decode_lanes", {"code_lengths": np.zeros(4, np.uint8)}),
-    ("decode_lanes", {"code_lengths": np.ones(257, np.uint8)}),
-    ("read_indices", {"bit_offset": 13}),
-    ("read_indices", {"bit_offset": -1}),
-    ("read_indices", {"bit_offset": 2**40}),
-    ("read_indices", {"data": b"\xff", "bit_offset": 5}),
-    ("read_indices", {"symbols": np.array([9, 1, 248], np.uint8)}),
-    ("read_indices", {"offset_bits": np.zeros(247, np.uint8)}),
-    ("read_indices", {"offset_bits": np.full(248, 65, np.uint8)}),
-    ("read_indices", {"base": np.zeros(257, np.int64)}),
-    ("read_indices", {"out": np.empty(4, np.int64)}),
-    ("field_bits", {"symbols": np.array([9, 1, 248], np.uint8)}),
-    ("field_bits", {"widths": np.zeros(0, np.uint8)}),
     ("huffman_depths", {"weights": np.array([5, -1, 1, 3])}),
     ("huffman_depths", {"weights": np.array([2**62, 2**62])}),
     ("huffman_depths", {"weights": np.zeros(0, np.int64), "depths": np.empty(0, np.int64)}),
     ("huffman_depths", {"depths": np.empty(3, np.int64)}),
-    ("pack_buckets", {"block": 0}),
-    ("pack_buckets", {"block_bits": np.empty(3, np.int64)}),
-    ("pack_buckets", {"values": np.array([1, 9], np.int64)}),
-    ("pack_buckets", {"symbols": np.array([1, 250, 3], np.uint8)}),
-    ("pack_buckets", {"code_lengths": np.full(248, 65, np.uint8)}),
-    ("pack_buckets", {"base": np.zeros(200, np.int64)}),
-    ("pack_buckets", {"counts": np.zeros(248, np.int64)}),
-    ("pack_buckets", {"counts": -np.ones(248, np.int64)}),
-    ("pack_buckets", {"counts": np.roll(pack_arguments()["counts"], 1)}),
-    ("pack_buckets", {"counts": pack_arguments()["counts"][:-1]}),
+    ("huffman_depths", {"weights": np.ones(257, np.int64), "depths": np.empty(257, np.int64)}),
     ("huffman_estimate", {"indices": np.array([0, 8, 8])}),
     ("huffman_estimate", {"indices": np.array([-1, 8, 99])}),
     ("huffman_estimate", {"indices": np.array([0, 99, 8]), "step": 2}),
     ("huffman_estimate", {"indices": np.zeros(0, np.int64)}),
     ("huffman_estimate", {"step": 0}),
     ("huffman_estimate", {"precision": 3}),
+    ("huffman_estimate", {"precision": -1}),
+    ("huffman_estimate", {"step": -5}),
     ("huffman_estimate", {"block": 0}),
     ("bucket_symbols", {"values": np.array([1, 0, 3])}),
     ("bucket_symbols", {"values": np.array([1, -5, 3])}),
     ("bucket_symbols", {"precision": 3}),
     ("bucket_symbols", {"offset_bits": np.empty(2, np.uint8)}),
+    ("bucket_symbols", {"symbols": np.empty(4, np.uint8)}),
     ("bucket_symbols", {"counts": np.empty(255, np.int64)}),
     ("huffman_encode", {"indices": np.zeros(0, np.int64)}),
     ("huffman_encode", {"indices": np.array([0, 8, 8])}),
@@ -649,6 +541,9 @@ def test_bad_buffers_raise_type_error(name, changes):
     ("huffman_decode", {"precision": 3}),
     ("huffman_decode", {"block": 0}),
     ("huffman_decode", {"n": 2**62 + 1}),
+    ("huffman_decode", {"n": 2**64 - 1}),
+    ("huffman_decode", {"precision": -1}),
+    ("huffman_decode", {"block": 2**24 + 1}),
 ])
 def test_bad_arguments_raise_value_error(name, changes):
     with pytest.raises(ValueError):
