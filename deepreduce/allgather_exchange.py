@@ -152,8 +152,12 @@ class AllgatherExchange:
         # streams included), so on several threads they make the same bytes.
         pending = [i for i, coding in enumerate(codings) if coding is not None]
         coding_start = time.perf_counter()
-        coded = run_in_order(_encode, [codings[i] for i in pending],
-                             self._threads(codings[i] for i in pending),
+        to_code = [codings[i] for i in pending]
+        # (run_in_order codes on the caller's thread alone unless two codings reach
+        # PARALLEL_ENTRIES: only then are the threads worth working out)
+        threads = 1 if sum(coding[1].nnz >= PARALLEL_ENTRIES for coding in to_code) < 2 \
+            else self._threads(to_code)
+        coded = run_in_order(_encode, to_code, threads,
                              cost=lambda coding: coding[1].nnz, least=PARALLEL_ENTRIES)
         self._codec_seconds += time.perf_counter() - coding_start
         for i, result in zip(pending, coded):
