@@ -121,6 +121,7 @@ DEFAULT_MAX_NNZ = 1 << 28
 DEFAULT_MAX_SCANNED = 1 << 28
 
 _DEFAULT = object()  # "not given", where None means "no bound"
+_INT64 = np.dtype(np.int64)
 
 
 def _refuse(what: str, amount: int, knob: str, bound: int):
@@ -179,7 +180,7 @@ def decode(payload, max_nnz: int | None = None, max_scanned: int | None = None,
             raise DecodeError("value-ordered indices repeat or exceed the tensor size")
         return SparseTensor._trusted(values, indices, header.shape)
     indices = np.asarray(index_codec.decode(bytes(index_stream), n, nnz))
-    if indices.shape != (nnz,) or indices.dtype != np.int64:
+    if indices.shape != (nnz,) or indices.dtype != _INT64:  # (a dtype: no conversion)
         raise DecodeError(f"index codec {header.index_spec!r} returned {indices.shape} "
                           f"{indices.dtype}, expected ({nnz},) int64")
     if nnz and (indices[0] < 0 or indices[-1] >= n):
