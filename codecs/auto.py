@@ -71,11 +71,11 @@ LZ_SLICES = (2048, 8192)
 LZ_MARGIN = 1.08
 
 #: After the LZ codecs lost on a set (its slice check failed, or their streams were
-#: no smaller), an instance skips them on the next LZ_RECHECK - 1 sets of the same
-#: universe and about the same size (the bit length of the count) it codes: a tensor's
-#: Top-k sets keep their character from step to step, and on sets of a few thousand
-#: indices the check cost as much as the rest of the choice. Winners are checked
-#: every time.
+#: no smaller), the instance of one tensor (:meth:`AutoIndices.for_one_tensor`) skips
+#: them on its next LZ_RECHECK - 1 sets of about the same size (the bit length of the
+#: count): a tensor's Top-k sets keep their character from step to step, and on sets
+#: of a few thousand indices the check cost as much as the rest of the choice.
+#: Winners are checked every time.
 LZ_RECHECK = 8
 
 #: When the runner-up's estimate is within this fraction of the best, both
@@ -206,10 +206,11 @@ class AutoIndices(IndexCodec):
     the gaps) and the symbol histogram of a gap sample for Huffman. The LZ
     codecs, whose gains no histogram predicts, are tried on the whole set
     only when they beat the best estimated codec on slices of it (see
-    :data:`LZ_SLICES`), and an instance that saw them lose skips them on its
-    next few sets of the same universe and size (:data:`LZ_RECHECK`): the
-    same instance may then code the same set a little differently, never
-    larger than the best of the other codecs. The best estimate is encoded,
+    :data:`LZ_SLICES`); the instance of one tensor (:meth:`for_one_tensor`, which
+    the exchanges use) skips them on its next few sets of about the same size
+    after they lost (:data:`LZ_RECHECK`), so it may code the same set a little
+    differently from a fresh instance, never larger than the best of the other
+    codecs. The best estimate is encoded,
     and so is the runner-up when within :data:`CLOSE_CALL` of it.
 
     Parameters
@@ -262,8 +263,14 @@ class AutoIndices(IndexCodec):
             raise ValueError(f"link_gbits must be None or a positive number of Gbit/s, "
                              f"got {link_gbits!r}")
         self.link_gbits = link_gbits
-        #: (universe, count's bit length) -> sets left to code without the LZ codecs
-        self._lz_lost = {}
+        #: (count's bit length, sets left to code without the LZ codecs), in the
+        #: instance of one tensor; None in a shared one, which remembers nothing
+        self._lz_memory = None
+
+    def for_one_tensor(self) -> "AutoIndices":
+        codec = type(self).from_config(self.get_config())
+        codec._lz_memory = (0, 0)
+        return codec
 
     def choose(self, indices: np.ndarray, n: int) -> tuple[int, bytes]:
         """``(tag byte, sub-codec stream)`` for an index set: :meth:`encode` gives it a
@@ -369,14 +376,14 @@ class AutoIndices(IndexCodec):
             "zstd", min(indices.size, LZ_SLICES[0]), 0, 0)
         lz = [(tag, codec) for tag, codec in _lz_codecs()
               if cost(tag, 0) + check_ns < best_cost]
-        if lz and self._lz_skips(n, indices.size):
+        if lz and self._lz_skips(indices.size):
             lz = []
         lz_won = False
         for tag, data in self._lz_streams(indices, ranked[0], lz, cost, best_cost):
             if cost(tag, len(data)) < best_cost:
                 best, best_cost, lz_won = (tag, data), cost(tag, len(data)), True
-        if lz and not lz_won:
-            self._lz_lost[(n, indices.size.bit_length())] = LZ_RECHECK - 1
+        if lz and not lz_won and self._lz_memory is not None:
+            self._lz_memory = (indices.size.bit_length(), LZ_RECHECK - 1)
         for tag in ranked[1:]:
             if cost(tag, sizes[tag]) > (1 + CLOSE_CALL) * best_cost:
                 break
@@ -389,16 +396,13 @@ class AutoIndices(IndexCodec):
                 best = (tag | COMPLEMENT, data)
         return best
 
-    def _lz_skips(self, n: int, count: int) -> bool:
-        """Whether the LZ codecs lost on a recent set like this one (see :data:`LZ_RECHECK`),
-        counting this set against the skips left."""
-        key = (n, count.bit_length())
-        left = self._lz_lost.get(key, 0)
-        if not left:
+    def _lz_skips(self, count: int) -> bool:
+        """Whether this tensor's last set of about ``count`` indices found the LZ codecs
+        losing recently (see :data:`LZ_RECHECK`), counting this set against the skips."""
+        memory = self._lz_memory
+        if memory is None or not memory[1] or memory[0] != count.bit_length():
             return False
-        if len(self._lz_lost) > 64:  # (a codec that codes sets of many universes)
-            self._lz_lost.clear()
-        self._lz_lost[key] = left - 1
+        self._lz_memory = (memory[0], memory[1] - 1)
         return True
 
     def _lz_streams(self, indices, best_tag, candidates, cost, best_cost) -> list:

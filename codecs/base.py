@@ -65,6 +65,15 @@ class Codec:
             raise ValueError(f"config id {codec_id!r} does not match codec {cls.codec_id!r}")
         return cls(**config)
 
+    def for_one_tensor(self) -> "Codec":
+        """The codec to code one tensor's sets with, step after step: ``self`` for a
+        codec that keeps nothing between calls. One that learns from what it codes
+        (``auto``'s memory of where the LZ codecs lost) returns a fresh instance of
+        the same configuration, so that one tensor's sets never steer another's.
+        The exchanges give every tensor its own (see
+        :meth:`deepreduce.selection.Selector.pipeline_of`)."""
+        return self
+
     def spec(self) -> str:
         """Compact spec string naming only the non-default parameters.
 

@@ -151,7 +151,9 @@ class Selector:
 
     def pipeline_of(self, name) -> Pipeline:
         """The pipeline of tensor ``name``: the configured one, with every random stream
-        (RandomK, stochastic rounding, Bloom hashing) seeded from ``seed`` and the name.
+        (RandomK, stochastic rounding, Bloom hashing) seeded from ``seed`` and the name,
+        and codecs that learn from the sets they code its own
+        (:meth:`~deepreduce.codecs.base.Codec.for_one_tensor`).
 
         A stream per tensor makes what a tensor draws independent of the order
         in which tensors are encoded (DDP hands its buckets over in a different
@@ -162,8 +164,8 @@ class Selector:
         if pipeline is None:
             base = self.pipeline
             pipeline = self._pipelines[name] = Pipeline(
-                _with_seed(base.sparsifier, name), index=_with_seed(base.index_codec, name),
-                value=_with_seed(base.value_codec, name))
+                _with_seed(base.sparsifier, name), index=_one_tensors(base.index_codec, name),
+                value=_one_tensors(base.value_codec, name))
         return pipeline
 
     # -- checkpoints ------------------------------------------------------------------
@@ -253,6 +255,12 @@ def _with_seed(part, name):
     if hasattr(part, "with_seed"):  # a sparsifier
         return part.with_seed(seed)
     return type(part).from_config({**part.get_config(), "seed": seed})
+
+
+def _one_tensors(codec, name):
+    """The codec of tensor ``name``: seeded from its name, and its own where the codec
+    learns from what it codes (None stays None)."""
+    return None if codec is None else _with_seed(codec, name).for_one_tensor()
 
 
 def _random_parts(pipeline):

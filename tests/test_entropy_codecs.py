@@ -249,22 +249,35 @@ def test_auto_skips_the_lz_codecs_for_a_while_where_they_lost(monkeypatch):
     original = auto.AutoIndices._lz_worth_trying
     monkeypatch.setattr(auto.AutoIndices, "_lz_worth_trying",
                         lambda self, *args: checks.append(1) or original(self, *args))
-    codec = auto.AutoIndices()
+    codec = auto.AutoIndices().for_one_tensor()
     for indices, alone in zip(uniform, fresh):
         data = codec.encode(indices, n)
         assert data == alone  # LZ lost on these: skipping it changed nothing
         np.testing.assert_array_equal(codec.decode(data, n, indices.size), indices)
     assert len(checks) == 2  # at the first set, and again after LZ_RECHECK - 1 skips
-    # another universe, or another size class, is checked at once
-    codec.encode(np.sort(rng.choice(n // 2, 5_000, replace=False)), n // 2)
+    # a set of another size class is checked at once
     codec.encode(np.sort(rng.choice(n, 20_000, replace=False)), n)
-    assert len(checks) == 4
+    assert len(checks) == 3
+    # a shared instance (one Pipeline for many tensors) remembers nothing
+    shared = auto.AutoIndices()
+    for indices in uniform[:3]:
+        shared.encode(indices, n)
+    assert len(checks) == 6
+
+
+def test_the_exchange_gives_each_tensor_its_own_auto():
+    from deepreduce.config import ExchangeConfig
+    from deepreduce.selection import Selector
+    selector = Selector(ExchangeConfig(dr.TopK(0.01), index="auto", value="fp16"))
+    a, b = (selector.pipeline_of(name).index_codec for name in ("a", "b"))
+    assert a is not b and a == b == selector.pipeline.index_codec
+    assert a._lz_memory is not None and selector.pipeline.index_codec._lz_memory is None
 
 
 def test_auto_checks_the_lz_codecs_every_time_where_they_win():
     rng = np.random.default_rng(12)
     columns = np.sort(rng.choice(1024, 40, replace=False))  # the same columns in many rows
-    codec = auto.AutoIndices()
+    codec = auto.AutoIndices().for_one_tensor()
     for step in range(auto.LZ_RECHECK + 2):
         rows = np.sort(rng.choice(4096, 300, replace=False))
         indices = (rows[:, None] * 1024 + columns).ravel()
