@@ -210,8 +210,8 @@ class AutoIndices(IndexCodec):
     the exchanges use) skips them on its next few sets of about the same size
     after they lost (:data:`LZ_RECHECK`), so it may code the same set a little
     differently from a fresh instance, never larger than the best of the other
-    codecs. The best estimate is encoded,
-    and so is the runner-up when within :data:`CLOSE_CALL` of it.
+    codecs. The best estimate is encoded, and so is the runner-up when within
+    :data:`CLOSE_CALL` of it.
 
     Parameters
     ----------
@@ -268,6 +268,8 @@ class AutoIndices(IndexCodec):
         self._lz_memory = None
 
     def for_one_tensor(self) -> "AutoIndices":
+        """A fresh instance of this configuration that remembers where the LZ codecs lost
+        (see :data:`LZ_RECHECK`)."""
         codec = type(self).from_config(self.get_config())
         codec._lz_memory = (0, 0)
         return codec
