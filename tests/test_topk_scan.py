@@ -106,6 +106,42 @@ def test_scan_adding_an_addend_is_numpy_add_then_scan(dtype, size, seed, special
 
 
 @compiled_only
+@settings(max_examples=100, deadline=None)
+@given(size=st.one_of(st.sampled_from(EDGE_SIZES), st.integers(0, 3 * _SCAN_SLICE)),
+       seed=st.integers(0, 2**32 - 1), special_share=st.sampled_from([0.0, 0.01, 0.5]),
+       quantile=st.sampled_from([0.0, 0.9, 0.99, 1.0]), adding=st.booleans())
+def test_avx2_and_sse2_float_blocks_find_and_add_the_same(size, seed, special_share, quantile,
+                                                         adding):
+    scan = sparsifiers._topkscan
+    rng = np.random.default_rng(seed)
+    residual = rng.standard_normal(size).astype(np.float32)
+    addend = rng.standard_normal(size).astype(np.float32) if adding else None
+    if size and special_share:
+        where = rng.random(size) < special_share
+        residual[where] = rng.choice(specials(np.float32), int(where.sum()))
+    finite = np.abs(residual[np.isfinite(residual)])
+    low = np.float32(np.quantile(finite, quantile) if finite.size else 1.0)
+    k = int(np.count_nonzero(np.abs(residual + (0 if addend is None else addend)) >= low)) // 2
+    outcomes = []
+    previous = scan._set_avx2(True)
+    try:
+        for avx2 in (True, False):  # (where the processor lacks AVX2 both take SSE2)
+            scan._set_avx2(avx2)
+            values = [residual.copy(), residual.copy()]
+            outcomes.append((scan.at_least(values[0], low, addend),
+                             scan.largest_at_least(values[1], low, k, addend),
+                             [v.view(np.uint32) for v in values]))
+    finally:
+        scan._set_avx2(previous)
+    (hits, (positions, selected), sums), (hits_2, (positions_2, selected_2), sums_2) = outcomes
+    np.testing.assert_array_equal(hits, hits_2)
+    np.testing.assert_array_equal(positions, positions_2)
+    np.testing.assert_array_equal(selected.view(np.uint32), selected_2.view(np.uint32))
+    for a, b in zip(sums, sums_2):
+        np.testing.assert_array_equal(a, b)
+
+
+@compiled_only
 @settings(max_examples=150, deadline=None)
 @given(dtype=st.sampled_from([np.float32, np.float64]),
        size=st.one_of(st.sampled_from(EDGE_SIZES), st.integers(0, 3 * _SCAN_SLICE)),
