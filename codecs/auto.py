@@ -70,19 +70,25 @@ HUFFMAN_SAMPLE = 1 << 13
 LZ_SLICES = (2048, 8192)
 LZ_MARGIN = 1.08
 
-#: After the LZ codecs lost on a set (its slice check failed, or their streams were
-#: no smaller), the instance of one tensor (:meth:`AutoIndices.for_one_tensor`) skips
-#: them on its next LZ_RECHECK - 1 sets of about the same size (the bit length of the
-#: count): a tensor's Top-k sets keep their character from step to step, and on sets
-#: of a few thousand indices the check cost as much as the rest of the choice.
-#: Winners are checked every time.
-LZ_RECHECK = 8
+#: The instance of one tensor (:meth:`AutoIndices.for_one_tensor`) remembers its last
+#: full choice for its next RECHECK - 1 sets of about the same size (the bit length of
+#: the count): a tensor's Top-k sets keep their character from step to step, and on
+#: sets of a few thousand indices the choice cost twice the chosen code's encoding.
+#: When the winner's cost was below every other candidate's by CLEAR_WIN, those sets
+#: are coded with it at once; else, when the LZ codecs lost (their slice check failed,
+#: or their streams were no smaller), those sets are chosen without them. LZ codecs
+#: that won narrowly, and close calls, are weighed every time.
+RECHECK = 8
+CLEAR_WIN = 0.03
 
 #: When the runner-up's estimate is within this fraction of the best, both
 #: are encoded and the smaller stream kept.
 CLOSE_CALL = 0.005
 
 _LZ = ("deflate", "zstd")
+
+#: In a tensor's memory (see RECHECK): its next sets are chosen without the LZ codecs.
+_NO_LZ = -1
 
 #: Encode + decode time of the candidates of the estimates, for ``link_gbits``:
 #: ns per call, per index, per run of adjacent indices and per element of the
@@ -207,10 +213,10 @@ class AutoIndices(IndexCodec):
     codecs, whose gains no histogram predicts, are tried on the whole set
     only when they beat the best estimated codec on slices of it (see
     :data:`LZ_SLICES`); the instance of one tensor (:meth:`for_one_tensor`, which
-    the exchanges use) skips them on its next few sets of about the same size
-    after they lost (:data:`LZ_RECHECK`), so it may code the same set a little
-    differently from a fresh instance, never larger than the best of the other
-    codecs. The best estimate is encoded, and so is the runner-up when within
+    the exchanges use) codes its next few sets of about the same size with the
+    last winner when it won clearly, or skips the LZ codecs after they lost
+    (:data:`RECHECK`), so it may code a set a little differently from a fresh
+    instance. The best estimate is encoded, and so is the runner-up when within
     :data:`CLOSE_CALL` of it.
 
     Parameters
@@ -263,15 +269,16 @@ class AutoIndices(IndexCodec):
             raise ValueError(f"link_gbits must be None or a positive number of Gbit/s, "
                              f"got {link_gbits!r}")
         self.link_gbits = link_gbits
-        #: (count's bit length, sets left to code without the LZ codecs), in the
-        #: instance of one tensor; None in a shared one, which remembers nothing
-        self._lz_memory = None
+        #: (count's bit length, sets left, the tag they are coded with or _NO_LZ), in
+        #: the instance of one tensor (see RECHECK); None in a shared one, which
+        #: remembers nothing
+        self._memory = None
 
     def for_one_tensor(self) -> "AutoIndices":
-        """A fresh instance of this configuration that remembers where the LZ codecs lost
-        (see :data:`LZ_RECHECK`)."""
+        """A fresh instance of this configuration that remembers its last choice (see
+        :data:`RECHECK`)."""
         codec = type(self).from_config(self.get_config())
-        codec._lz_memory = (0, 0)
+        codec._memory = (0, 0, _NO_LZ)
         return codec
 
     def choose(self, indices: np.ndarray, n: int) -> tuple[int, bytes]:
@@ -353,6 +360,9 @@ class AutoIndices(IndexCodec):
         return cost
 
     def _estimate(self, indices, n):
+        recalled = self._recall(indices.size)
+        if recalled is not None and recalled != _NO_LZ:
+            return recalled, _sub_codec(recalled).encode(indices, n)  # (which checks order)
         coded = _golomb_stream(indices)
         cost = self._cost_model(indices.size, indices.size - coded.adjacent, n)
         sizes = {TAGS.index("bitmap"): _bits.packed_bytes(n),
@@ -371,41 +381,47 @@ class AutoIndices(IndexCodec):
             sizes[huffman_tag] = int(sample_bits * indices.size / gaps) // 8
         ranked = sorted(sizes, key=lambda tag: cost(tag, sizes[tag]))
         best = (ranked[0], self._encode_with(ranked[0], indices, n, coded))
-        best_cost = cost(best[0], len(best[1]))
+        # the cost of every candidate: estimated, then coded where it was
+        costs = {tag: cost(tag, size) for tag, size in sizes.items()}
+        costs[best[0]] = best_cost = cost(best[0], len(best[1]))
         # an LZ stream must pay for its coding and, with a link, for the slice check
         # that looks for it (a set this small is cheaper sent than searched)
         check_ns = 0 if self.link_gbits is None else coding_ns(
             "zstd", min(indices.size, LZ_SLICES[0]), 0, 0)
         lz = [(tag, codec) for tag, codec in _lz_codecs()
-              if cost(tag, 0) + check_ns < best_cost]
-        if lz and self._lz_skips(indices.size):
-            lz = []
-        lz_won = False
+              if cost(tag, 0) + check_ns < best_cost and recalled != _NO_LZ]
         for tag, data in self._lz_streams(indices, ranked[0], lz, cost, best_cost):
-            if cost(tag, len(data)) < best_cost:
-                best, best_cost, lz_won = (tag, data), cost(tag, len(data)), True
-        if lz and not lz_won and self._lz_memory is not None:
-            self._lz_memory = (indices.size.bit_length(), LZ_RECHECK - 1)
+            costs[tag] = cost(tag, len(data))
+            if costs[tag] < best_cost:
+                best, best_cost = (tag, data), costs[tag]
         for tag in ranked[1:]:
             if cost(tag, sizes[tag]) > (1 + CLOSE_CALL) * best_cost:
                 break
             data = self._encode_with(tag, indices, n, coded)
-            if cost(tag, len(data)) < best_cost:
-                best, best_cost = (tag, data), cost(tag, len(data))
+            costs[tag] = cost(tag, len(data))
+            if costs[tag] < best_cost:
+                best, best_cost = (tag, data), costs[tag]
         if 2 * indices.size > n and (self.link_gbits is None or COMPLEMENT_NS * n < best_cost):
             tag, data = self.choose(complement(indices, n), n)
             if cost(tag | COMPLEMENT, len(data)) < best_cost:
-                best = (tag | COMPLEMENT, data)
+                return tag | COMPLEMENT, data  # (a set this dense is not remembered)
+        if self._memory is not None and recalled is None:
+            runner_up = min((c for tag, c in costs.items() if tag != best[0]), default=None)
+            if runner_up is not None and (1 + CLEAR_WIN) * best_cost <= runner_up:
+                self._memory = (indices.size.bit_length(), RECHECK - 1, best[0])
+            elif lz and best[0] not in dict(lz):
+                self._memory = (indices.size.bit_length(), RECHECK - 1, _NO_LZ)
         return best
 
-    def _lz_skips(self, count: int) -> bool:
-        """Whether this tensor's last set of about ``count`` indices found the LZ codecs
-        losing recently (see :data:`LZ_RECHECK`), counting this set against the skips."""
-        memory = self._lz_memory
+    def _recall(self, count: int):
+        """What this tensor's last full choice says of a set of ``count`` indices (see
+        :data:`RECHECK`), counting this set against it: the tag to code it with,
+        :data:`_NO_LZ`, or None for a full choice."""
+        memory = self._memory
         if memory is None or not memory[1] or memory[0] != count.bit_length():
-            return False
-        self._lz_memory = (memory[0], memory[1] - 1)
-        return True
+            return None
+        self._memory = (memory[0], memory[1] - 1, memory[2])
+        return memory[2]
 
     def _lz_streams(self, indices, best_tag, candidates, cost, best_cost) -> list:
         """``(tag, stream)`` of the LZ ``candidates`` (``(tag, codec)``) on the whole set

@@ -243,7 +243,7 @@ def test_auto_trades_a_few_bytes_for_coding_time_on_fast_links():
 def test_auto_skips_the_lz_codecs_for_a_while_where_they_lost(monkeypatch):
     rng = np.random.default_rng(11)
     n = 1 << 20
-    uniform = [np.sort(rng.choice(n, 5_000 + i, replace=False)) for i in range(2 * auto.LZ_RECHECK)]
+    uniform = [np.sort(rng.choice(n, 5_000 + i, replace=False)) for i in range(2 * auto.RECHECK)]
     fresh = [auto.AutoIndices().encode(indices, n) for indices in uniform]
     checks = []
     original = auto.AutoIndices._lz_worth_trying
@@ -254,7 +254,7 @@ def test_auto_skips_the_lz_codecs_for_a_while_where_they_lost(monkeypatch):
         data = codec.encode(indices, n)
         assert data == alone  # LZ lost on these: skipping it changed nothing
         np.testing.assert_array_equal(codec.decode(data, n, indices.size), indices)
-    assert len(checks) == 2  # at the first set, and again after LZ_RECHECK - 1 skips
+    assert len(checks) == 2  # at the first set, and again after RECHECK - 1 skips
     # a set of another size class is checked at once
     codec.encode(np.sort(rng.choice(n, 20_000, replace=False)), n)
     assert len(checks) == 3
@@ -265,20 +265,54 @@ def test_auto_skips_the_lz_codecs_for_a_while_where_they_lost(monkeypatch):
     assert len(checks) == 6
 
 
+def test_auto_codes_a_tensors_next_sets_with_its_clear_winner(monkeypatch):
+    rng = np.random.default_rng(13)
+    n = 4096 * 64
+    choices = []
+    original = auto._golomb_stream  # (every full choice sizes the Golomb code first)
+    monkeypatch.setattr(auto, "_golomb_stream",
+                        lambda indices: choices.append(1) or original(indices))
+    codec = auto.AutoIndices().for_one_tensor()
+    for step in range(auto.RECHECK + 1):  # rows of 64 adjacent indices: runs, by far
+        rows = np.sort(rng.choice(4096, 200 + step, replace=False))
+        indices = (rows[:, None] * 64 + np.arange(64)).ravel()
+        data = codec.encode(indices, n)
+        assert data == auto.AutoIndices().encode(indices, n) and auto.TAGS[data[0]] == "runs"
+        np.testing.assert_array_equal(codec.decode(data, n, indices.size), indices)
+    fresh = auto.RECHECK + 1  # the fresh instances' choices
+    assert len(choices) == fresh + 2  # the first set, then again after RECHECK - 1 sets
+    # a winner by less than CLEAR_WIN (Golomb against Huffman on uniform sets) is not
+    # remembered: every set is weighed
+    uniform = auto.AutoIndices().for_one_tensor()
+    choices.clear()
+    for i in range(3):
+        uniform.encode(np.sort(rng.choice(1 << 20, 5_000 + i, replace=False)), 1 << 20)
+    assert len(choices) == 3
+    with pytest.raises(ValueError, match="increasing"):  # a recalled code checks the order
+        codec.encode(indices[::-1].copy(), n)
+    assert len(choices) == 3
+    # a set of another size class is weighed, and every set in a shared instance
+    codec.encode(np.sort(rng.choice(n, 100, replace=False)), n)
+    shared = auto.AutoIndices()
+    shared.encode(indices, n)
+    shared.encode(indices, n)
+    assert len(choices) == 3 + 1 + 2
+
+
 def test_the_exchange_gives_each_tensor_its_own_auto():
     from deepreduce.config import ExchangeConfig
     from deepreduce.selection import Selector
     selector = Selector(ExchangeConfig(dr.TopK(0.01), index="auto", value="fp16"))
     a, b = (selector.pipeline_of(name).index_codec for name in ("a", "b"))
     assert a is not b and a == b == selector.pipeline.index_codec
-    assert a._lz_memory is not None and selector.pipeline.index_codec._lz_memory is None
+    assert a._memory is not None and selector.pipeline.index_codec._memory is None
 
 
 def test_auto_checks_the_lz_codecs_every_time_where_they_win():
     rng = np.random.default_rng(12)
     columns = np.sort(rng.choice(1024, 40, replace=False))  # the same columns in many rows
     codec = auto.AutoIndices().for_one_tensor()
-    for step in range(auto.LZ_RECHECK + 2):
+    for step in range(auto.RECHECK + 2):
         rows = np.sort(rng.choice(4096, 300, replace=False))
         indices = (rows[:, None] * 1024 + columns).ravel()
         data = codec.encode(indices, 4096 * 1024)
