@@ -151,6 +151,11 @@ class Run:
 def worker(rank, args, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    # Top-k leaves most coordinates without an update at each step, and their momentum
+    # decays by 0.9 a step into subnormal floats after about 750 steps, where every
+    # optimizer operation on them takes a slow microcode path on x86 (about 2.5 ms a
+    # step more here): flushed to zero in both runs, as sparse training on CPUs wants.
+    torch.set_flush_denormal(True)
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     raw = np.frombuffer(standard_library_text(args.text_bytes), dtype=np.uint8)
     data = torch.from_numpy(raw.astype(np.int64))
@@ -190,7 +195,9 @@ def report(args, results, load):
         f"{args.embedding})`, then an MLP {args.context * args.embedding}-{args.hidden}-"
         f"{args.hidden}-256 ({dense['params']:,} parameters). SGD lr {args.lr} momentum "
         f"{args.momentum}, batch {args.batch_size} per rank, {args.steps} steps, the same "
-        "initial weights and batches in both runs. deepreduce: `DeepReduceState(sparsifier="
+        "initial weights and batches in both runs, subnormal floats flushed to zero in both "
+        "(`torch.set_flush_denormal(True)`: the momentum of the coordinates Top-k leaves "
+        "without an update decays into them). deepreduce: `DeepReduceState(sparsifier="
         f"TopK({args.ratio}), index={args.index!r}, value={args.value!r}, start_iter="
         f"{args.start_iter})` with error feedback; parameters under 1,024 elements travel "
         "losslessly in the same bundle. Bytes are what each rank contributes per step after "
