@@ -153,8 +153,9 @@ def worker(rank, args, port, results):
     torch.set_num_threads(1)
     # Top-k leaves most coordinates without an update at each step, and their momentum
     # decays by 0.9 a step into subnormal floats after about 750 steps, where every
-    # optimizer operation on them takes a slow microcode path on x86 (about 2.5 ms a
-    # step more here): flushed to zero in both runs, as sparse training on CPUs wants.
+    # optimizer operation on them takes a slow microcode path on x86 (a fifth more
+    # time a step, which is not the hook's): flushed to zero in both runs, as sparse
+    # training on CPUs wants.
     torch.set_flush_denormal(True)
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     raw = np.frombuffer(standard_library_text(args.text_bytes), dtype=np.uint8)

@@ -187,7 +187,9 @@ class Selector:
         self.set_random_state(state["random_state"])
 
     def random_state(self) -> dict:
-        """Where every tensor's random streams stand (see :meth:`pipeline_of`).
+        """Where every tensor's random streams stand (see :meth:`pipeline_of`), and what
+        its ``auto`` index codec remembers of its last choice (see
+        :data:`deepreduce.codecs.auto.RECHECK`).
 
         Checkpoint it with the residuals: :meth:`set_random_state` on a new
         selector of the same configuration continues the same sequences.
@@ -200,6 +202,9 @@ class Selector:
                 rng = getattr(part, "_rng", None)
                 if isinstance(rng, np.random.Generator):
                     state[f"{name}/{role}.rng"] = rng.bit_generator.state
+                memory = getattr(part, "_memory", None)  # (a tensor's auto index codec)
+                if isinstance(memory, tuple):
+                    state[f"{name}/{role}.memory"] = [int(m) for m in memory]
         return state
 
     def set_random_state(self, state: dict) -> None:
@@ -211,6 +216,8 @@ class Selector:
                     part.step = int(state[f"{name}/{role}.step"])
                 if f"{name}/{role}.rng" in state:
                     part._rng.bit_generator.state = state[f"{name}/{role}.rng"]
+                if f"{name}/{role}.memory" in state:
+                    part._memory = tuple(int(m) for m in state[f"{name}/{role}.memory"])
 
 
 def _size(x) -> int:

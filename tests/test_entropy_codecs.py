@@ -308,6 +308,40 @@ def test_the_exchange_gives_each_tensor_its_own_auto():
     assert a._memory is not None and selector.pipeline.index_codec._memory is None
 
 
+def test_a_checkpoint_keeps_what_each_tensors_auto_remembers():
+    from deepreduce.config import ExchangeConfig
+    from deepreduce.selection import Selector
+    rng = np.random.default_rng(14)
+    n, k = 4096 * 64, 200 * 64
+    clustered = np.zeros(n, np.float32)  # rows of 64 adjacent entries: runs, by far
+    clustered[(np.sort(rng.choice(4096, 200, replace=False))[:, None] * 64
+               + np.arange(64)).ravel()] = 1.0
+    uniform = [np.zeros(n, np.float32) for _ in range(3)]
+    for g in uniform:  # what a full choice codes with Golomb
+        g[rng.choice(n, k, replace=False)] = 1.0
+    config = ExchangeConfig(dr.TopK(k=k), index="auto", value="fp16", error_feedback=False)
+
+    def payloads(selector, gradients):
+        out = []
+        for g in gradients:
+            selection = selector.select("w", g)
+            payload, received = selection.pipeline.encode_sparse(selection.selected,
+                                                                 selection.dense)
+            selector.settle(selection, received)
+            out.append(payload)
+        return out
+
+    through = payloads(Selector(config), [clustered] + uniform)
+    first = Selector(config)
+    payloads(first, [clustered, uniform[0]])
+    resumed = Selector(config)
+    resumed.load_state_dict(first.state_dict())
+    assert payloads(resumed, uniform[1:]) == through[2:]
+    assert [dr.read_header(p).index_spec for p in through] == ["auto"] * 4
+    # (a selector that forgot codes them otherwise: its first set gets a full choice)
+    assert payloads(Selector(config), uniform[1:])[0] != through[2]
+
+
 def test_auto_checks_the_lz_codecs_every_time_where_they_win():
     rng = np.random.default_rng(12)
     columns = np.sort(rng.choice(1024, 40, replace=False))  # the same columns in many rows
