@@ -36,6 +36,8 @@ def main():
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:  # momentum the sparse updates leave alone decays into subnormals, slow on CPUs
+        torch.set_flush_denormal(True)
     dist.init_process_group("nccl" if cuda else "gloo")
 
     torch.manual_seed(0)                       # same initial model on every rank
