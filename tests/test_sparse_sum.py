@@ -43,6 +43,36 @@ def bits(array):
 
 
 @pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # numpy on inf and NaN
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+def test_nans_meeting_keep_the_running_sums_payload_as_numpy_add_at_does(dtype, ranks):
+    uint = np.dtype(f"u{np.dtype(dtype).itemsize}")
+    info = np.finfo(dtype)
+    quiet = 1 << (info.nmant - 1)
+    nans = [np.array([(1 << (info.bits - 1)) - (1 << info.nmant) + payload], uint).view(dtype)[0]
+            for payload in (quiet | 5, 3)]  # a quiet NaN, and a signalling one
+    negative = np.array([np.array([n]).view(uint)[0] | (1 << (info.bits - 1)) for n in nans],
+                        uint).view(dtype)
+    size = 8
+    # at 0 two NaNs of other payloads meet; at 1 inf + -inf makes the processor's own NaN,
+    # which then meets one of the payloads; at 2 a NaN meets finite values
+    columns = [[nans[0], np.inf, 1.0], [negative[1], -np.inf, nans[1]],
+               [nans[1], nans[0], 2.0], [negative[0], 3.0, negative[1]], [1.0, 1.0, 1.0]]
+    parts = [dr.SparseTensor(np.array(columns[r], dtype), np.arange(3), (size,))
+             for r in range(ranks)]
+    expected = np.zeros(size, dtype)
+    base.sum_into(expected, parts)  # numpy's add.at, part after part
+    for implementation in extensions.both(base, "_sparsesum", lambda: _summed(parts, size, dtype)):
+        np.testing.assert_array_equal(implementation.view(uint), expected.view(uint))
+
+
+def _summed(parts, size, dtype):
+    total = np.zeros(size, dtype)
+    sum_sorted_into(total, parts)
+    return total
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # numpy on inf and NaN
 @settings(max_examples=200, deadline=None)
 @given(dtype=st.sampled_from([np.float32, np.float64]),
        # up to several of the compiled sum's windows of 4096 positions (three parts and more)

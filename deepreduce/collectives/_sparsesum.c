@@ -177,12 +177,14 @@ DEFINE_SUM_TWO(scaled_sum_two_double, double, uint64_t, 1)
                     if (position <= previous || position >= count)                       \
                         return -1;                                                       \
                     previous = position;                                                 \
-                    type add = value[i], sum = window[position - base] + add;            \
-                    if (sum != sum && add != add) {                                      \
-                        /* both NaN: numpy's add.at keeps the value's, quieted; the      \
-                         * compiler may put either operand first */                      \
+                    type add = value[i], current = window[position - base];             \
+                    type sum = current + add;                                            \
+                    if (current != current && add != add) {                              \
+                        /* both NaN: numpy's add.at keeps the running sum's, quieted     \
+                         * (x86 returns the first operand's, and the compiler may put   \
+                         * either first); one NaN gives its own, quieted, either way */ \
                         bits_type bits;                                                  \
-                        memcpy(&bits, &add, sizeof bits);                                \
+                        memcpy(&bits, &current, sizeof bits);                            \
                         bits |= quiet_bit;                                               \
                         memcpy(&sum, &bits, sizeof sum);                                 \
                     }                                                                    \
