@@ -7,17 +7,21 @@ encodes its own, and the first decodes both (its own payloads reused, the
 other's decoded), as the allgather communicator does with P = 2. Timed: the
 codec part of that step (``StepStats.codec_seconds``: the wall time of the
 codings of the bundle and of the decodings), with ``codec_threads=1``, with
-more, and with more and every tensor on them (tensors that select fewer than
+more, and with more and every payload on them (payloads of fewer than
 :data:`deepreduce.parallel.PARALLEL_ENTRIES` entries stay on the caller's
 thread otherwise), the settings taking turns step after step so that all see
 the same load. Every step asserts that the settings give the same bundles and
-the same sums.
+the same sums. Beside them, a GIL-free reference: the bundle's index sets
+Golomb-coded on 1 thread and on more, which tells what this machine's cores
+gave threads at the time (on a machine shared with other jobs, often less
+than their number).
 
 The models: torchvision's ResNet-50 (161 parameter tensors, 25.6M parameters,
 :func:`benchmarks.model_steps.resnet50_shapes` builds them from the
-architecture), whose largest tensors select 20,000 to 24,000 entries; an MLP
-of three 4096 x 4096 layers (168,000 entries each); on request (``--models``)
-GPT-2 small's 148 tensors (124M parameters, :func:`gpt2_small_shapes`).
+architecture), whose tensors travel in 9 payloads of 20,000 to 42,000 entries;
+an MLP of three 4096 x 4096 layers (168,000 entries each); on request
+(``--models``) GPT-2 small's 148 tensors (124M parameters,
+:func:`gpt2_small_shapes`).
 
 Writes ``benchmarks/results/codec_threads.md`` and ``.json``::
 
@@ -37,7 +41,10 @@ import numpy as np
 
 from deepreduce import allgather_exchange
 from deepreduce.exchange import GradientExchange
-from deepreduce.parallel import PARALLEL_ENTRIES, available_cores
+from deepreduce.bundle import split_bundles
+from deepreduce.codecs import golomb
+from deepreduce.parallel import PARALLEL_ENTRIES, available_cores, run_in_order
+from deepreduce.pipeline import decode
 
 from benchmarks.common import RESULTS, mlp_shapes, table, write_report
 from benchmarks.model_steps import resnet50_shapes
@@ -101,6 +108,19 @@ def scheduling() -> str:
     return f"nice {os.nice(0)}{grouped}"
 
 
+def index_sets(bundle: bytes) -> list[np.ndarray]:
+    """The index set of every payload of ``bundle``."""
+    return [decode(payload).indices for payload in split_bundles(bundle, 1)[0].payloads]
+
+
+def golomb_seconds(sets, threads: int) -> float:
+    """Seconds to Golomb-code ``sets`` on ``threads`` threads: code whose every pass runs
+    without the GIL, the most a number of threads can gain on this machine now."""
+    begin = time.perf_counter()
+    run_in_order(lambda indices: golomb.IndexStream(indices, 64), sets, threads, cost=len)
+    return time.perf_counter() - begin
+
+
 def measure(model: str, threads: int, ranks: int, steps: int) -> dict:
     shapes = MODELS[model]()
     names = [f"p{i}" for i in range(len(shapes))]
@@ -112,9 +132,14 @@ def measure(model: str, threads: int, ranks: int, steps: int) -> dict:
     exchanges = {t: [GradientExchange(codec_threads=t[0]) for _ in range(ranks)]
                  for t in settings}
     times = {t: [] for t in settings}
+    sets, ceiling = None, {1: [], threads: []}
     start, busy, own = time.perf_counter(), machine_busy(), cpu_seconds()
     for i in range(steps + 2):  # two warm-up steps
         results = {t: step(exchanges[t], names, grads, t[1]) for t in settings}
+        if sets is None:
+            sets = index_sets(results[settings[0]][0][0])
+        for count in ceiling:
+            ceiling[count].append(golomb_seconds(sets, count))
         reference = results[settings[0]]
         for t in settings[1:]:
             assert results[t][0] == reference[0], "the bundles differ"
@@ -125,11 +150,14 @@ def measure(model: str, threads: int, ranks: int, steps: int) -> dict:
                 times[t].append(results[t][2:])
     wall = time.perf_counter() - start
     others = (machine_busy() - busy - (cpu_seconds() - own)) / wall
-    selected = [max(1, round(0.01 * int(np.prod(s)))) for s in shapes if np.prod(s) >= 1024]
     record = {"tensors": len(shapes), "parameters": int(sum(np.prod(s) for s in shapes)),
-              "parallel_tensors": sum(k >= PARALLEL_ENTRIES for k in selected),
+              "payloads": len(sets),
+              "parallel_payloads": sum(len(s) >= PARALLEL_ENTRIES for s in sets),
               "bundle_bytes": len(reference[0][0]), "other_processes_cores": others,
               "settings": {}}
+    one, more = (ceiling[count][2:] for count in (1, threads))
+    record["gil_free_speedup_best"] = min(one) / min(more)
+    record["gil_free_speedup_median"] = statistics.median(one) / statistics.median(more)
     codec_one = [c for c, _, _ in times[settings[0]]]
     for t in settings:
         codec = [c for c, _, _ in times[t]]
@@ -162,12 +190,16 @@ def main(argv=None):
                          f"{s['codec_ms_median']:.2f}", f"{s['encode_codec_ms_best']:.2f}",
                          f"{s['decode_codec_ms_best']:.2f}", f"{s['speedup_best']:.2f}x",
                          f"{s['speedup_median']:.2f}x"])
+        rows.append(["", f"{args.threads}, GIL-free reference", "", "", "", "",
+                     f"{result['gil_free_speedup_best']:.2f}x",
+                     f"{result['gil_free_speedup_median']:.2f}x"])
     models = "; ".join(
-        f"{m}: {r['tensors']} tensors, {r['parameters']:,} parameters, {r['parallel_tensors']} "
-        f"of them select {PARALLEL_ENTRIES:,} entries or more (the others stay on the "
-        "caller's thread unless every tensor goes on the threads), a bundle of "
-        f"{r['bundle_bytes']:,} bytes, other processes used {r['other_processes_cores']:.2f} "
-        "cores during the run" for m, r in record["models"].items())
+        f"{m}: {r['tensors']} tensors, {r['parameters']:,} parameters in {r['payloads']} "
+        f"payloads, {r['parallel_payloads']} of them of {PARALLEL_ENTRIES:,} entries or more "
+        "(the others stay on the caller's thread unless every tensor goes on the threads), "
+        f"a bundle of {r['bundle_bytes']:,} bytes, other processes used "
+        f"{r['other_processes_cores']:.2f} cores during the run"
+        for m, r in record["models"].items())
     lines = [
         f"# Codec threads: a bundle's codec time on 1 thread and on {args.threads}",
         "",
@@ -177,7 +209,10 @@ def main(argv=None):
         f"decodes the {args.ranks} ranks' (its own payloads reused). Codec time: "
         "`StepStats.codec_seconds`, the wall time of the bundle's codings and of the "
         f"decodings; best and median of {args.steps} steps per setting, the settings taking "
-        f"turns. Every step gave the same bundles and sums with either setting. Run at "
+        f"turns. Every step gave the same bundles and sums with either setting. The GIL-free "
+        "reference, timed at each step too, is the Golomb coding of the bundle's index sets "
+        f"alone on 1 thread and on {args.threads} (one compiled pass each, without the GIL): "
+        "the most more threads could gain on this machine while the benchmark ran. Run at "
         f"{scheduling()}. {models}.",
         "",
         *table(["model", "codec threads", "codec ms (best)", "codec ms (median)",

@@ -35,8 +35,9 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Casts of fewer values keep the GIL (see RELEASED_BEGIN): about a nanosecond a value. */
-#define RELEASE_VALUES (1 << 16)
+/* Casts of fewer values keep the GIL (see RELEASED_BEGIN): about a nanosecond a value,
+ * so 8 us or more of work pays for handing the GIL to another thread and back. */
+#define RELEASE_VALUES (1 << 13)
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define HAVE_F16C 1

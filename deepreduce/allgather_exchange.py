@@ -31,10 +31,21 @@ from deepreduce.pipeline import decode
 from deepreduce.sparse import SparseTensor, zeros
 from deepreduce.stats import StepStats
 
-#: Compressed tensors below this many elements share a payload (see
-#: :meth:`AllgatherExchange._shared_payloads`); larger ones keep their own, and with it
-#: ``auto``'s choice of index code for them alone.
-SHARED_BELOW = 1 << 16
+#: Compressed tensors below this many elements share payloads (see
+#: :meth:`AllgatherExchange._shared_payloads`), of up to PAYLOAD_ELEMENTS elements
+#: each; larger ones keep their own. A payload costs its header, its checksum and
+#: about 60 us of Python between its codec calls, which holds the GIL: ResNet-50's
+#: 161 tensors in 44 payloads spent half their codec time there, and a second codec
+#: thread gained nothing; in 9 payloads, a tenth, at 0.1% fewer bytes
+#: (``benchmarks/codec_threads.py``).
+SHARED_BELOW = 1 << 22
+PAYLOAD_ELEMENTS = 1 << 22
+
+#: A shared payload is summed whole, its tensors views of one sum, and where the caller
+#: gives arrays to hold them (``out``), copied into them whole: below this many
+#: elements. Above, each tensor is summed on its own, straight into its array, and
+#: with ``reuse_out`` only the positions some rank sent are written.
+COPIED_WHOLE_BELOW = 1 << 16
 
 
 class AllgatherExchange:
@@ -202,10 +213,11 @@ class AllgatherExchange:
 
         Per dtype, the dense tensors below ``min_size`` share a lossless payload
         (``selects`` False) and, when the codecs code each selection as they would
-        alone, those from ``min_size`` to :data:`SHARED_BELOW` elements share one of
-        their selections (``selects`` True): two or more tensors a payload. Each
-        of them then costs a slice of a payload instead of one (its header, checksum
-        and codec calls, and decoding them again for every rank).
+        alone, those from ``min_size`` to :data:`SHARED_BELOW` elements share
+        payloads of their selections (``selects`` True), consecutive tensors of up
+        to :data:`PAYLOAD_ELEMENTS` elements in all: two or more tensors a payload.
+        Each of them then costs a slice of a payload instead of one (its header,
+        checksum and codec calls, and decoding them again for every rank).
         """
         groups, min_size = {}, self.selector.min_size
         for t, x in enumerate(tensors):
@@ -214,9 +226,14 @@ class AllgatherExchange:
                     size >= min_size and not self._selections_share):
                 continue
             array = self.selector.floating(x)
-            groups.setdefault((size >= min_size, array.dtype), []).append((t, array))
-        return [(selects, members) for (selects, _), members in groups.items()
-                if len(members) > 1]
+            selects = size >= min_size
+            payloads = groups.setdefault((selects, array.dtype), [[0, []]])
+            if selects and payloads[-1][0] + size > PAYLOAD_ELEMENTS:
+                payloads.append([0, []])
+            payloads[-1][0] += size
+            payloads[-1][1].append((t, array))
+        return [(selects, members) for (selects, _), payloads in groups.items()
+                for _, members in payloads if len(members) > 1]
 
     def _select_shared(self, selects: bool, members, names) -> tuple[tuple, tuple]:
         """``(coding, owner)`` of the payload ``members`` share (see
@@ -238,7 +255,10 @@ class AllgatherExchange:
             indices.append(selection.selected.indices + offset)
             offset += self.selector.size(array)
         whole = SparseTensor._trusted(np.concatenate(values), np.concatenate(indices), (offset,))
-        return (self.selector.pipeline, whole, None), (positions, shapes, selections)
+        # (coded with its first tensor's pipeline, whose auto index codec remembers the
+        # payload's last choice, see codecs/auto.py's RECHECK: its tensors are the same
+        # from step to step)
+        return (selections[0].pipeline, whole, None), (positions, shapes, selections)
 
     def _threads(self, codings) -> int:
         """The threads for ``codings`` (``(pipeline, ...)``): :attr:`codec_threads`, or one
@@ -308,7 +328,7 @@ class AllgatherExchange:
             decoded = [own[1] if r == rank and own_reused
                        else [next(decodes) for _ in bundle.payloads]
                        for r, bundle in enumerate(per_rank)]
-            units += _units(per_rank, decoded, rank, first, as_rows)
+            units += _units(per_rank, decoded, rank, first, as_rows, out is not None)
             first += len(per_rank[rank].slots)
         codec_seconds = time.perf_counter() - codec_start
         results = [None] * count
@@ -417,17 +437,20 @@ def _writable_flat(array: np.ndarray, size: int, dtype: np.dtype) -> np.ndarray:
     return array.reshape(-1)
 
 
-def _units(bundles, decoded, rank: int, first: int, as_rows) -> list:
+def _units(bundles, decoded, rank: int, first: int, as_rows, into_out: bool) -> list:
     """What one allgather's ``bundles`` (one per rank, payloads ``decoded``) hold, as
     ``(positions, shapes, parts)`` to reduce: one per tensor (``shapes`` None), and one
     per shared payload when every rank shares it alike (its tensors' ``shapes``, the
-    ranks' whole payloads as ``parts``). ``first``: the position of the first tensor."""
+    ranks' whole payloads as ``parts``) and, ``into_out`` (the sums go into the caller's
+    arrays), it holds fewer than :data:`COPIED_WHOLE_BELOW` elements. ``first``: the
+    position of the first tensor."""
     reference = bundles[rank]
     alike = all(b.slots == reference.slots and b.shapes == reference.shapes for b in bundles)
     members = reference.shared() if alike else {}
     # (rows are reduced per tensor: the rows any rank touched)
     shared = {slot: ts for slot, ts in members.items()
-              if not any(as_rows[first + t] for t in ts)}
+              if not any(as_rows[first + t] for t in ts)
+              and not (into_out and decoded[rank][slot].size >= COPIED_WHOLE_BELOW)}
     tensors = None if len(shared) == len(members) and alike else \
         [b.tensors(d) for b, d in zip(bundles, decoded)]
     units = []

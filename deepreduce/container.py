@@ -143,10 +143,10 @@ def read_header(payload) -> Header:
 
 
 def _read_usual_header(data: memoryview) -> Header | None:
-    """:func:`_read_header` of ``data`` for the headers encoders write (every varint one
-    or two bytes, nothing out of bounds), in a third of its time; None for anything
-    else, which :func:`_read_header` then reads again, to accept it or to say what is
-    wrong with it.
+    """:func:`_read_header` of ``data`` for the headers encoders write (every varint in
+    its shortest form below 2**63, nothing out of bounds), in a third of its time; None
+    for anything else, which :func:`_read_header` then reads again, to accept it or to
+    say what is wrong with it.
 
     Every check of :func:`_read_header` is made here too, so that what this returns
     is what it would return (``tests/test_container.py`` compares the two).
@@ -158,36 +158,30 @@ def _read_usual_header(data: memoryview) -> Header | None:
     ndim = data[5]
     if ndim > MAX_NDIM:
         return None
-    # A varint of one byte is below 0x80; one of two is a byte from 0x80 on and a
-    # byte from 1 to 0x7f (0 would not be its shortest form). The header's fields
-    # are read left to right; ``pos`` stays within ``end`` before each read.
-    shape, pos = [], 6
-    for _ in range(ndim):
-        if pos + 1 >= end:
+    # The header's fields are read left to right; ``pos`` stays within ``end`` before
+    # each read. A varint of nine bytes or fewer holds 63 bits at most: no field's
+    # limit (MAX_SIZE) can be passed.
+    fields, pos = [], 6
+    # the dimensions, nnz, the two specs' lengths and texts, the two streams' lengths
+    for text in (False,) * ndim + (False, True, True, False, False):
+        if pos >= end:
             return None
-        low = data[pos]
-        if low < 0x80:
-            shape.append(low)
-            pos += 1
-            continue
-        high = data[pos + 1]
-        if not 0 < high < 0x80:
-            return None
-        shape.append((low & 0x7F) | high << 7)
-        pos += 2
-    fields = []
-    # nnz, the two specs' lengths and texts, the two streams' lengths
-    for text in (False, True, True, False, False):
-        if pos + 1 >= end:
-            return None
-        low = data[pos]
-        if low < 0x80:
-            value, pos = low, pos + 1
-        else:
-            high = data[pos + 1]
-            if not 0 < high < 0x80:
+        value = data[pos]
+        pos += 1
+        if value >= 0x80:
+            value &= 0x7F
+            for shift in range(7, 63, 7):
+                if pos >= end:
+                    return None
+                byte = data[pos]
+                pos += 1
+                value |= (byte & 0x7F) << shift
+                if byte < 0x80:
+                    break
+            else:
                 return None
-            value, pos = (low & 0x7F) | high << 7, pos + 2
+            if byte == 0:  # (not its shortest form)
+                return None
         if text:
             if value > MAX_SPEC_LENGTH or pos + value > end:
                 return None
@@ -196,8 +190,8 @@ def _read_usual_header(data: memoryview) -> Header | None:
                 return None
             value, pos = raw.decode("ascii"), pos + value
         fields.append(value)
-    nnz, index_spec, value_spec, index_length, value_length = fields
-    shape = tuple(shape)
+    shape = tuple(fields[:ndim])
+    nnz, index_spec, value_spec, index_length, value_length = fields[ndim:]
     size = math.prod(shape)
     if size > MAX_SIZE or nnz > size:
         return None

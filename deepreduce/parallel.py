@@ -56,8 +56,8 @@ def codec_threads(setting: int | None) -> int:
 #: ``least``): on two cores a second thread made the codecs of ResNet-50's and GPT-2
 #: small's tensors (up to 24,000 entries each) a few percent slower, and those of
 #: 168,000-entry tensors 1.3x faster (``benchmarks/codec_threads.py``).
-PARALLEL_ENTRIES = 1 << 15
-PARALLEL_BYTES = 1 << 17
+PARALLEL_ENTRIES = 1 << 13
+PARALLEL_BYTES = 1 << 15
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()

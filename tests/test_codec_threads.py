@@ -13,7 +13,6 @@ import pytest
 
 import deepreduce as dr
 from deepreduce import allgather_exchange, parallel
-from deepreduce.allgather_exchange import SHARED_BELOW
 from deepreduce.codecs import _entropy, bloom, floats, golomb, qsgd
 from deepreduce.collectives import base as collectives_base
 from deepreduce.config import ExchangeConfig
@@ -78,6 +77,17 @@ def test_run_in_order_keeps_light_items_on_the_callers_thread():
     assert all(parallel.run_in_order(where, range(30), threads=3, cost=lambda x: x, least=29))
     on_caller = parallel.run_in_order(where, range(30), threads=3, cost=lambda x: x, least=20)
     assert all(on_caller[:20])
+
+
+#: Tensors below this many elements share payloads, of this many elements at most, in
+#: these tests: the exchange's own bounds, in the millions, would make them slow.
+SHARED_BELOW = 1 << 16
+
+
+@pytest.fixture(autouse=True)
+def smaller_shared_payloads(monkeypatch):
+    monkeypatch.setattr(allgather_exchange, "SHARED_BELOW", SHARED_BELOW)
+    monkeypatch.setattr(allgather_exchange, "PAYLOAD_ELEMENTS", SHARED_BELOW)
 
 
 @pytest.fixture

@@ -277,13 +277,19 @@ def test_small_dense_tensors_share_one_payload_per_dtype_and_sum_exactly():
         assert ranks[rank].stats.last.tensors == len(names)
 
 
-@pytest.mark.parametrize("value", ["fp16", "raw"])
-def test_selections_sharing_a_payload_deliver_what_they_would_alone(value):
-    # tensors from min_size up to SHARED_BELOW elements share one payload of their
+@pytest.mark.parametrize("value, payload_elements, slots", [
+    ("fp16", 1 << 22, [0, 0, 1, 0, 0, 2]), ("raw", 1 << 22, [0, 0, 1, 0, 0, 2]),
+    # consecutive tensors fill a payload up to PAYLOAD_ELEMENTS, then start the next
+    ("fp16", 5000, [0, 0, 1, 2, 2, 3])])
+def test_selections_sharing_a_payload_deliver_what_they_would_alone(
+        value, payload_elements, slots, monkeypatch):
+    # tensors from min_size up to SHARED_BELOW elements share payloads of their
     # selections; each delivers what coding it alone would, so the sums and the
     # residuals are the same bits
-    shapes = [(60, 50), (300,), (allgather_exchange.SHARED_BELOW,), (50, 40), (5,)]
-    names = ["a", "b", "big", "c", "tiny"]
+    monkeypatch.setattr(allgather_exchange, "SHARED_BELOW", 1 << 13)
+    monkeypatch.setattr(allgather_exchange, "PAYLOAD_ELEMENTS", payload_elements)
+    shapes = [(60, 50), (300,), (1 << 13,), (50, 40), (2000,), (5,)]
+    names = ["a", "b", "big", "c", "d", "tiny"]
 
     def ranks():
         return [make_exchange(dr.TopK(0.05), index="auto", value=value, min_size=200,
@@ -293,13 +299,13 @@ def test_selections_sharing_a_payload_deliver_what_they_would_alone(value):
     for step in range(3):
         grads = [gradients(10 * step + r, shapes) for r in range(2)]
         bundles = [c.encode_bundle(names, g) for c, g in zip(shared, grads)]
-        assert split_bundles(bundles[0], 1)[0].slots == [0, 0, 1, 0, 2]
+        assert split_bundles(bundles[0], 1)[0].slots == slots
         separate = [pack_bundle([c.encode_tensor(x, name)[0] for name, x in zip(names, g)])
                     for c, g in zip(alone, grads)]
         for got, want in zip(shared[0].decode_bundles(b"".join(bundles), 2, 0),
                              alone[0].decode_bundles(b"".join(separate), 2, 0)):
             assert got.tobytes() == want.tobytes()
-        for name in names[:4]:
+        for name in names[:5]:
             assert shared[1].memory.residual(name).tobytes() == \
                 alone[1].memory.residual(name).tobytes()
     assert sum(map(len, bundles)) < sum(map(len, separate))
@@ -991,11 +997,16 @@ def test_reduce_async_over_a_transport_fails_on_every_rank_instead_of_hanging():
 
 
 @pytest.mark.parametrize("average", [False, True])
-@pytest.mark.parametrize("shapes", [((200, 30), (500,)),
-                                    ((200, 30), (500,), (40, 50), (300,))])  # (sharing)
-def test_reduce_async_reusing_out_resets_only_what_it_wrote(average, shapes):
+@pytest.mark.parametrize("shapes, copied_whole_below", [
+    (((200, 30), (500,)), None),
+    (((200, 30), (500,), (40, 50), (300,)), None),   # (sharing, the payload copied whole)
+    (((200, 30), (500,), (40, 50), (300,)), 1000)])  # (sharing, summed tensor by tensor)
+def test_reduce_async_reusing_out_resets_only_what_it_wrote(
+        average, shapes, copied_whole_below, monkeypatch):
     from deepreduce.collectives import ThreadTransport
 
+    if copied_whole_below is not None:
+        monkeypatch.setattr(allgather_exchange, "COPIED_WHOLE_BELOW", copied_whole_below)
     names = [f"t{i}" for i in range(len(shapes))]
     reused, fresh = ([make_exchange(dr.TopK(0.05), index="auto", value="fp16", seed=r)
                       for r in range(2)] for _ in range(2))
@@ -1019,6 +1030,9 @@ def test_reduce_async_reusing_out_resets_only_what_it_wrote(average, shapes):
         for rank in range(2):
             for out, result, reference in zip(kept[rank], got[rank], expected[rank]):
                 assert np.shares_memory(result, out) and out.tobytes() == reference.tobytes()
+    # a selection summed on its own keeps which positions it wrote; one copied whole, none
+    written = reused[0]._allgather.written_positions("t0", kept[0][0])
+    assert (written is None) == (copied_whole_below is None and len(shapes) > 2)
     # another array under the same name was never written by the exchange: reset whole
     other = [np.full(shape, np.nan, np.float32) for shape in shapes]
     kept[0], kept[1] = other, [np.full(shape, np.nan, np.float32) for shape in shapes]
