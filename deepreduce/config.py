@@ -73,9 +73,10 @@ class ExchangeConfig:
         rank's share of the cores it may run on (divided by torchrun's
         ``LOCAL_WORLD_SIZE`` or horovodrun's ``HOROVOD_LOCAL_SIZE`` unless the
         ranks are pinned to their own cores), at most 4; 1 codes on the
-        caller's thread alone. Only tensors that select 32,768 entries or more
-        go on the other threads: on smaller ones the Python around the loops,
-        which holds the GIL, outweighs them.
+        caller's thread alone. Only payloads of 8,192 entries or more go on
+        the other threads: on smaller ones the Python around the loops, which
+        holds the GIL, outweighs them (tensors below 4,194,304 elements share
+        payloads of up to that many, so few payloads are that small).
         The payloads, error feedback and sums are the same whatever the
         number. Allgather communicator only.
 

@@ -53,9 +53,12 @@ def codec_threads(setting: int | None) -> int:
 
 #: Codings of fewer selected entries, and decodings of shorter payloads (about 3 bytes
 #: an entry with fp16 values), stay on the caller's thread (see :func:`run_in_order`'s
-#: ``least``): on two cores a second thread made the codecs of ResNet-50's and GPT-2
-#: small's tensors (up to 24,000 entries each) a few percent slower, and those of
-#: 168,000-entry tensors 1.3x faster (``benchmarks/codec_threads.py``).
+#: ``least``): a payload's Python, some 60 us that hold the GIL, outweighs their
+#: compiled loops, and a second thread costs more in handing the GIL over than it
+#: saves. The exchanges gather tensors into payloads of millions of elements
+#: (:data:`deepreduce.allgather_exchange.PAYLOAD_ELEMENTS`) so that few are that small:
+#: ResNet-50's bundle is 9 payloads of 20,000 to 42,000 entries, all on the threads
+#: (``benchmarks/codec_threads.py``).
 PARALLEL_ENTRIES = 1 << 13
 PARALLEL_BYTES = 1 << 15
 
