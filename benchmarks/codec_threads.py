@@ -64,12 +64,12 @@ MODELS = {"ResNet-50": resnet50_shapes, "GPT-2 small": gpt2_small_shapes,
           "MLP 4096x4": lambda: mlp_shapes(hidden=4096, layers=4)}
 
 
-def step(exchanges, names, grads, every_tensor: bool):
+def step(exchanges, names, grads, every_payload: bool):
     """One step of rank 0 among ``len(exchanges)`` ranks: ``(bundles, sums, codec, encode
-    codec, decode codec)``, the times in seconds. ``every_tensor``: the small tensors'
+    codec, decode codec)``, the times in seconds. ``every_payload``: the small payloads'
     codings on the threads too (they stay on the caller's otherwise)."""
     least = allgather_exchange.PARALLEL_ENTRIES, allgather_exchange.PARALLEL_BYTES
-    if every_tensor:
+    if every_payload:
         allgather_exchange.PARALLEL_ENTRIES = allgather_exchange.PARALLEL_BYTES = 0
     try:
         bundles = [ex.encode_bundle(names, g) for ex, g in zip(exchanges, grads)]
@@ -127,7 +127,7 @@ def measure(model: str, threads: int, ranks: int, steps: int) -> dict:
     rng = np.random.default_rng(0)
     grads = [[rng.standard_normal(shape).astype(np.float32) for shape in shapes]
              for _ in range(ranks)]
-    # (threads, every tensor on them)
+    # (threads, every payload on them)
     settings = ((1, False), (threads, False), (threads, True))
     exchanges = {t: [GradientExchange(codec_threads=t[0]) for _ in range(ranks)]
                  for t in settings}
@@ -161,7 +161,7 @@ def measure(model: str, threads: int, ranks: int, steps: int) -> dict:
     codec_one = [c for c, _, _ in times[settings[0]]]
     for t in settings:
         codec = [c for c, _, _ in times[t]]
-        record["settings"][f"{t[0]}{' every tensor' if t[1] else ''}"] = {
+        record["settings"][f"{t[0]}{', every payload' if t[1] else ''}"] = {
             "codec_ms_best": 1e3 * min(codec), "codec_ms_median": 1e3 * statistics.median(codec),
             "encode_codec_ms_best": 1e3 * min(e for _, e, _ in times[t]),
             "decode_codec_ms_best": 1e3 * min(d for _, _, d in times[t]),
@@ -196,7 +196,7 @@ def main(argv=None):
     models = "; ".join(
         f"{m}: {r['tensors']} tensors, {r['parameters']:,} parameters in {r['payloads']} "
         f"payloads, {r['parallel_payloads']} of them of {PARALLEL_ENTRIES:,} entries or more "
-        "(the others stay on the caller's thread unless every tensor goes on the threads), "
+        "(the others stay on the caller's thread but in the 'every payload' rows), "
         f"a bundle of {r['bundle_bytes']:,} bytes, other processes used "
         f"{r['other_processes_cores']:.2f} cores during the run"
         for m, r in record["models"].items())

@@ -191,8 +191,10 @@ def test_the_benchmark_compares_the_settings_on_the_same_bytes(monkeypatch, tmp_
     benchmark.main(["--models", "tiny", "--steps", "1", "--out", str(out)])
     record = json.loads(out.with_suffix(".json").read_text())["models"]["tiny"]
     assert record["parameters"] == 90000 + 80000 + 64 + 1200
-    assert set(record["settings"]) == {"1", "2", "2 every tensor"}
-    assert "| tiny | 1 |" in out.read_text()
+    assert set(record["settings"]) == {"1", "2", "2, every payload"}
+    assert record["payloads"] == 4  # (alone: the two above SHARED_BELOW, one of each kind)
+    assert 0 < record["gil_free_speedup_best"]
+    assert "| tiny | 1 |" in out.read_text() and "| 2, GIL-free reference |" in out.read_text()
 
 
 # ---------------------------------------------------------- the GIL, released
