@@ -41,11 +41,14 @@ from deepreduce.stats import StepStats
 SHARED_BELOW = 1 << 22
 PAYLOAD_ELEMENTS = 1 << 22
 
-#: A shared payload is summed whole, its tensors views of one sum, and where the caller
-#: gives arrays to hold them (``out``), copied into them whole: below this many
-#: elements. Above, each tensor is summed on its own, straight into its array, and
-#: with ``reuse_out`` only the positions some rank sent are written.
-COPIED_WHOLE_BELOW = 1 << 16
+#: Tensors below this many elements share payloads apart from larger ones, and a
+#: payload of them is summed whole: its tensors are views of one sum (copied into the
+#: caller's arrays where it gives them), one call for many small tensors. A larger
+#: tensor is summed on its own, into an array of its own: aligned, so that TensorFlow
+#: adopts it without a copy, rewritten next step where last step's entries were, and
+#: with ``reuse_out`` written into the caller's array only where some rank sent an
+#: entry.
+SUMMED_WHOLE_BELOW = 1 << 16
 
 
 class AllgatherExchange:
@@ -215,7 +218,8 @@ class AllgatherExchange:
         (``selects`` False) and, when the codecs code each selection as they would
         alone, those from ``min_size`` to :data:`SHARED_BELOW` elements share
         payloads of their selections (``selects`` True), consecutive tensors of up
-        to :data:`PAYLOAD_ELEMENTS` elements in all: two or more tensors a payload.
+        to :data:`PAYLOAD_ELEMENTS` elements in all, those below
+        :data:`SUMMED_WHOLE_BELOW` apart from the larger: two or more tensors a payload.
         Each of them then costs a slice of a payload instead of one (its header,
         checksum and codec calls, and decoding them again for every rank).
         """
@@ -227,12 +231,13 @@ class AllgatherExchange:
                 continue
             array = self.selector.floating(x)
             selects = size >= min_size
-            payloads = groups.setdefault((selects, array.dtype), [[0, []]])
+            payloads = groups.setdefault(
+                (selects, array.dtype, size >= SUMMED_WHOLE_BELOW), [[0, []]])
             if selects and payloads[-1][0] + size > PAYLOAD_ELEMENTS:
                 payloads.append([0, []])
             payloads[-1][0] += size
             payloads[-1][1].append((t, array))
-        return [(selects, members) for (selects, _), payloads in groups.items()
+        return [(selects, members) for (selects, *_), payloads in groups.items()
                 for _, members in payloads if len(members) > 1]
 
     def _select_shared(self, selects: bool, members, names) -> tuple[tuple, tuple]:
@@ -328,7 +333,7 @@ class AllgatherExchange:
             decoded = [own[1] if r == rank and own_reused
                        else [next(decodes) for _ in bundle.payloads]
                        for r, bundle in enumerate(per_rank)]
-            units += _units(per_rank, decoded, rank, first, as_rows, out is not None)
+            units += _units(per_rank, decoded, rank, first, as_rows)
             first += len(per_rank[rank].slots)
         codec_seconds = time.perf_counter() - codec_start
         results = [None] * count
@@ -437,22 +442,22 @@ def _writable_flat(array: np.ndarray, size: int, dtype: np.dtype) -> np.ndarray:
     return array.reshape(-1)
 
 
-def _units(bundles, decoded, rank: int, first: int, as_rows, into_out: bool) -> list:
+def _units(bundles, decoded, rank: int, first: int, as_rows) -> list:
     """What one allgather's ``bundles`` (one per rank, payloads ``decoded``) hold, as
     ``(positions, shapes, parts)`` to reduce: one per tensor (``shapes`` None), and one
-    per shared payload when every rank shares it alike (its tensors' ``shapes``, the
-    ranks' whole payloads as ``parts``) and, ``into_out`` (the sums go into the caller's
-    arrays), it holds fewer than :data:`COPIED_WHOLE_BELOW` elements. ``first``: the
-    position of the first tensor."""
+    per shared payload when every rank shares it alike and its tensors are all below
+    :data:`SUMMED_WHOLE_BELOW` elements (their ``shapes``, the ranks' whole payloads as
+    ``parts``). ``first``: the position of the first tensor."""
     reference = bundles[rank]
     alike = all(b.slots == reference.slots and b.shapes == reference.shapes for b in bundles)
     members = reference.shared() if alike else {}
     # (rows are reduced per tensor: the rows any rank touched)
     shared = {slot: ts for slot, ts in members.items()
               if not any(as_rows[first + t] for t in ts)
-              and not (into_out and decoded[rank][slot].size >= COPIED_WHOLE_BELOW)}
+              and all(math.prod(reference.shapes[t]) < SUMMED_WHOLE_BELOW for t in ts)}
+    # (each rank's payloads split into their tensors, but for those summed whole)
     tensors = None if len(shared) == len(members) and alike else \
-        [b.tensors(d) for b, d in zip(bundles, decoded)]
+        [b.tensors(d, shared) for b, d in zip(bundles, decoded)]
     units = []
     for t, slot in enumerate(reference.slots):
         if slot not in shared:

@@ -131,8 +131,9 @@ class Bundle:
         self.data, self.payloads, self.slots, self.shapes = data, payloads, slots, shapes
         self._what = what
 
-    def tensors(self, decoded) -> list[SparseTensor]:
-        """Each tensor of the bundle, given its payloads ``decoded``.
+    def tensors(self, decoded, whole=()) -> list:
+        """Each tensor of the bundle, given its payloads ``decoded``; None for those in the
+        payloads ``whole``, which the caller takes whole.
 
         Raises
         ------
@@ -141,6 +142,9 @@ class Bundle:
         """
         parts = {}
         for slot, positions in self.shared().items():
+            if slot in whole:
+                parts.update(dict.fromkeys(positions))
+                continue
             parts.update(zip(positions, split_shared(
                 decoded[slot], [self.shapes[t] for t in positions],
                 f"{self._what}, payload {slot}")))
@@ -158,14 +162,13 @@ def split_shared(whole: SparseTensor, shapes, what: str = "shared payload") -> l
     """The tensors of ``shapes`` whose flattened concatenation ``whole`` holds."""
     sizes = [math.prod(shape) for shape in shapes]
     check_holds(whole, sum(sizes), what)
-    ends = list(itertools.accumulate(sizes))
-    cuts = np.searchsorted(whole.indices, ends[:-1]).tolist() + [whole.nnz]
-    parts, low = [], 0
-    for shape, start, high in zip(shapes, [0] + ends, cuts):
-        parts.append(SparseTensor._trusted(whole.values[low:high],
-                                           whole.indices[low:high] - start, shape))
-        low = high
-    return parts
+    starts = [0, *itertools.accumulate(sizes)][:-1]
+    cuts = [0, *np.searchsorted(whole.indices, starts[1:]).tolist(), whole.nnz]
+    # each entry's tensor start taken off in one pass; the parts are slices of it
+    local = whole.indices - np.repeat(starts, np.diff(cuts))
+    trusted = SparseTensor._trusted
+    return [trusted(whole.values[low:high], local[low:high], shape)
+            for shape, low, high in zip(shapes, cuts, cuts[1:])]
 
 
 def check_holds(whole: SparseTensor, size: int, what: str) -> None:

@@ -277,17 +277,21 @@ def test_small_dense_tensors_share_one_payload_per_dtype_and_sum_exactly():
         assert ranks[rank].stats.last.tensors == len(names)
 
 
-@pytest.mark.parametrize("value, payload_elements, slots", [
-    ("fp16", 1 << 22, [0, 0, 1, 0, 0, 2]), ("raw", 1 << 22, [0, 0, 1, 0, 0, 2]),
+@pytest.mark.parametrize("value, payload_elements, summed_whole_below, slots", [
+    ("fp16", 1 << 22, 1 << 16, [0, 0, 1, 0, 0, 2]), ("raw", 1 << 22, 1 << 16, [0, 0, 1, 0, 0, 2]),
     # consecutive tensors fill a payload up to PAYLOAD_ELEMENTS, then start the next
-    ("fp16", 5000, [0, 0, 1, 2, 2, 3])])
+    ("fp16", 5000, 1 << 16, [0, 0, 1, 2, 2, 3]),
+    # tensors from SUMMED_WHOLE_BELOW on share payloads apart from the smaller (here the
+    # first is the only one that large: it travels alone)
+    ("fp16", 1 << 22, 2500, [0, 1, 2, 1, 1, 3])])
 def test_selections_sharing_a_payload_deliver_what_they_would_alone(
-        value, payload_elements, slots, monkeypatch):
+        value, payload_elements, summed_whole_below, slots, monkeypatch):
     # tensors from min_size up to SHARED_BELOW elements share payloads of their
     # selections; each delivers what coding it alone would, so the sums and the
     # residuals are the same bits
     monkeypatch.setattr(allgather_exchange, "SHARED_BELOW", 1 << 13)
     monkeypatch.setattr(allgather_exchange, "PAYLOAD_ELEMENTS", payload_elements)
+    monkeypatch.setattr(allgather_exchange, "SUMMED_WHOLE_BELOW", summed_whole_below)
     shapes = [(60, 50), (300,), (1 << 13,), (50, 40), (2000,), (5,)]
     names = ["a", "b", "big", "c", "d", "tiny"]
 
@@ -997,16 +1001,16 @@ def test_reduce_async_over_a_transport_fails_on_every_rank_instead_of_hanging():
 
 
 @pytest.mark.parametrize("average", [False, True])
-@pytest.mark.parametrize("shapes, copied_whole_below", [
+@pytest.mark.parametrize("shapes, summed_whole_below", [
     (((200, 30), (500,)), None),
-    (((200, 30), (500,), (40, 50), (300,)), None),   # (sharing, the payload copied whole)
+    (((200, 30), (500,), (40, 50), (300,)), None),   # (sharing, the payload summed whole)
     (((200, 30), (500,), (40, 50), (300,)), 1000)])  # (sharing, summed tensor by tensor)
 def test_reduce_async_reusing_out_resets_only_what_it_wrote(
-        average, shapes, copied_whole_below, monkeypatch):
+        average, shapes, summed_whole_below, monkeypatch):
     from deepreduce.collectives import ThreadTransport
 
-    if copied_whole_below is not None:
-        monkeypatch.setattr(allgather_exchange, "COPIED_WHOLE_BELOW", copied_whole_below)
+    if summed_whole_below is not None:
+        monkeypatch.setattr(allgather_exchange, "SUMMED_WHOLE_BELOW", summed_whole_below)
     names = [f"t{i}" for i in range(len(shapes))]
     reused, fresh = ([make_exchange(dr.TopK(0.05), index="auto", value="fp16", seed=r)
                       for r in range(2)] for _ in range(2))
@@ -1032,7 +1036,7 @@ def test_reduce_async_reusing_out_resets_only_what_it_wrote(
                 assert np.shares_memory(result, out) and out.tobytes() == reference.tobytes()
     # a selection summed on its own keeps which positions it wrote; one copied whole, none
     written = reused[0]._allgather.written_positions("t0", kept[0][0])
-    assert (written is None) == (copied_whole_below is None and len(shapes) > 2)
+    assert (written is None) == (summed_whole_below is None and len(shapes) > 2)
     # another array under the same name was never written by the exchange: reset whole
     other = [np.full(shape, np.nan, np.float32) for shape in shapes]
     kept[0], kept[1] = other, [np.full(shape, np.nan, np.float32) for shape in shapes]
