@@ -126,8 +126,9 @@ class AllgatherExchange:
         return payload, received
 
     def encode(self, names, tensors):
-        """``(bundle, (bundle, decoded), stats)``: this rank's bundle of ``tensors`` (dense
-        arrays or SparseTensors), with what the ranks will decode of each of its payloads.
+        """``(bundle, (bundle, decoded, received), stats)``: this rank's bundle of
+        ``tensors`` (dense arrays or SparseTensors), with what the ranks will decode of
+        each of its payloads and of each tensor.
 
         Every dense gradient's error feedback and selection come first, then the
         codecs, then the residuals' updates: if a codec raises, nothing is sent and
@@ -208,7 +209,7 @@ class AllgatherExchange:
                           dense_bytes=sum(r.size * r.dtype.itemsize for r in receiveds),
                           encode_seconds=time.perf_counter() - start,
                           codec_seconds=self._codec_seconds)
-        return bundle, (bundle, decoded), stats
+        return bundle, (bundle, decoded, receiveds), stats
 
     def _shared_payloads(self, tensors) -> list[tuple[bool, list]]:
         """The tensors that travel in a shared payload: ``(selects, members)`` per payload,
@@ -293,7 +294,7 @@ class AllgatherExchange:
 
         See :meth:`~deepreduce.exchange.GradientExchange.decode_groups` for the
         arguments. ``sent``: per group, this rank's bundle and what each of its
-        payloads decodes to (see :meth:`encode`), or None. ``out_keys``: as
+        payloads and tensors decodes to (see :meth:`encode`), or None. ``out_keys``: as
         :meth:`~deepreduce.exchange.GradientExchange.reduce_async`'s reuse_out,
         the name of each tensor, under which the positions written into its
         ``out`` are kept."""
@@ -333,7 +334,8 @@ class AllgatherExchange:
             decoded = [own[1] if r == rank and own_reused
                        else [next(decodes) for _ in bundle.payloads]
                        for r, bundle in enumerate(per_rank)]
-            units += _units(per_rank, decoded, rank, first, as_rows)
+            units += _units(per_rank, decoded, rank, first, as_rows,
+                            own[2] if own_reused else None)
             first += len(per_rank[rank].slots)
         codec_seconds = time.perf_counter() - codec_start
         results = [None] * count
@@ -442,12 +444,14 @@ def _writable_flat(array: np.ndarray, size: int, dtype: np.dtype) -> np.ndarray:
     return array.reshape(-1)
 
 
-def _units(bundles, decoded, rank: int, first: int, as_rows) -> list:
+def _units(bundles, decoded, rank: int, first: int, as_rows, own=None) -> list:
     """What one allgather's ``bundles`` (one per rank, payloads ``decoded``) hold, as
     ``(positions, shapes, parts)`` to reduce: one per tensor (``shapes`` None), and one
     per shared payload when every rank shares it alike and its tensors are all below
     :data:`SUMMED_WHOLE_BELOW` elements (their ``shapes``, the ranks' whole payloads as
-    ``parts``). ``first``: the position of the first tensor."""
+    ``parts``). ``first``: the position of the first tensor; ``own``: what each tensor
+    of this rank's bundle decodes to, when the encode said so (else its payloads are
+    split here)."""
     reference = bundles[rank]
     alike = all(b.slots == reference.slots and b.shapes == reference.shapes for b in bundles)
     members = reference.shared() if alike else {}
@@ -457,7 +461,8 @@ def _units(bundles, decoded, rank: int, first: int, as_rows) -> list:
               and all(math.prod(reference.shapes[t]) < SUMMED_WHOLE_BELOW for t in ts)}
     # (each rank's payloads split into their tensors, but for those summed whole)
     tensors = None if len(shared) == len(members) and alike else \
-        [b.tensors(d, shared) for b, d in zip(bundles, decoded)]
+        [own if r == rank and own is not None else b.tensors(d, shared)
+         for r, (b, d) in enumerate(zip(bundles, decoded))]
     units = []
     for t, slot in enumerate(reference.slots):
         if slot not in shared:

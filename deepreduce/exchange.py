@@ -100,7 +100,8 @@ class GradientExchange:
 
     def _init_runtime(self):
         self._lock = threading.Lock()
-        self._last_sent = {}  # per bundle group: its last bundle, and what its payloads decode to
+        # per bundle group: its last bundle, and what its payloads and tensors decode to
+        self._last_sent = {}
 
     def __getstate__(self):
         # what belongs to the running process stays behind: the lock and the payloads of
