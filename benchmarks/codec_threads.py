@@ -18,7 +18,7 @@ than their number).
 
 The models: torchvision's ResNet-50 (161 parameter tensors, 25.6M parameters,
 :func:`benchmarks.model_steps.resnet50_shapes` builds them from the
-architecture), whose tensors travel in 9 payloads of 20,000 to 42,000 entries;
+architecture), whose tensors travel in 9 payloads, 8 of them of 8,192 entries or more;
 an MLP of three 4096 x 4096 layers (168,000 entries each); on request
 (``--models``) GPT-2 small's 148 tensors (124M parameters,
 :func:`gpt2_small_shapes`).

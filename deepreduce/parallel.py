@@ -57,7 +57,7 @@ def codec_threads(setting: int | None) -> int:
 #: compiled loops, and a second thread costs more in handing the GIL over than it
 #: saves. The exchanges gather tensors into payloads of millions of elements
 #: (:data:`deepreduce.allgather_exchange.PAYLOAD_ELEMENTS`) so that few are that small:
-#: ResNet-50's bundle is 9 payloads of 20,000 to 42,000 entries, all on the threads
+#: ResNet-50's bundle is 9 payloads, 8 of them on the threads
 #: (``benchmarks/codec_threads.py``).
 PARALLEL_ENTRIES = 1 << 13
 PARALLEL_BYTES = 1 << 15
