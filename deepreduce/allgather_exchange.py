@@ -186,20 +186,25 @@ class AllgatherExchange:
         for (payload, received), (members, shapes, selections) in zip(codings, owners):
             payloads.append(payload)
             decoded.append(received)
-            parts = [received] if shapes is None else split_shared(received, shapes)
+            if shapes is None:
+                parts = [received]
+            elif selections:
+                # (the index code is exact: the parts' indices are the selections')
+                parts, start = [], 0
+                for selection, shape in zip(selections, shapes):
+                    end = start + selection.selected.nnz
+                    parts.append(SparseTensor._trusted(
+                        received.values[start:end], selection.selected.indices, shape))
+                    start = end
+            else:
+                parts = split_shared(received, shapes)
             for t, part in zip(members, parts):
                 receiveds[t] = part
-            if shapes is None and selections:
-                settles.append((selections[0], received, None))
-            elif selections:
-                for selection, part in zip(selections, parts):
-                    # (the index code is exact: the part's indices are the selection's)
-                    settles.append((selection, part, SparseTensor._trusted(
-                        selection.selected.values, part.indices, part.shape)))
+            settles += zip(selections or (), parts)
         # (if a coding raised, nothing was sent: every dense tensor's residual still
         # holds its whole corrected gradient)
-        for selection, received, selected in settles:
-            self.selector.settle(selection, received, selected)
+        for selection, received in settles:
+            self.selector.settle(selection, received)
         bundle = (pack_bundle(payloads, slots, [receiveds[t].shape for t in sorted(sharing)])
                   if shared else pack_bundle(payloads))
         min_size = self.selector.min_size
@@ -324,18 +329,32 @@ class AllgatherExchange:
         # all of them side by side
         reused = [own is not None and bytes(per_rank[rank].data) == own[0]
                   for per_rank, own in zip(read, sent)]
-        payloads = [p for per_rank, own_reused in zip(read, reused)
-                    for r, bundle in enumerate(per_rank) if r != rank or not own_reused
-                    for p in bundle.payloads]
-        decodes = iter(run_in_order(decode, payloads, self._codec_threads(),
-                                    cost=len, least=PARALLEL_BYTES))
+        # what each allgather sums whole tells which payloads to split into their
+        # tensors, on the decoding threads
+        wholes, first = [], 0
+        for per_rank in read:
+            wholes.append(_summed_whole(per_rank, rank, first, as_rows))
+            first += len(per_rank[rank].slots)
+        tasks = [(payload, bundle if slot in bundle.shared() and slot not in whole else None,
+                  slot)
+                 for per_rank, own_reused, whole in zip(read, reused, wholes)
+                 for r, bundle in enumerate(per_rank) if r != rank or not own_reused
+                 for slot, payload in enumerate(bundle.payloads)]
+        decodes = iter(run_in_order(_decode, tasks, self._codec_threads(),
+                                    cost=lambda task: len(task[0]), least=PARALLEL_BYTES))
         units, first = [], 0
-        for per_rank, own, own_reused in zip(read, sent, reused):
-            decoded = [own[1] if r == rank and own_reused
-                       else [next(decodes) for _ in bundle.payloads]
-                       for r, bundle in enumerate(per_rank)]
-            units += _units(per_rank, decoded, rank, first, as_rows,
-                            own[2] if own_reused else None)
+        for per_rank, own, own_reused, whole in zip(read, sent, reused, wholes):
+            decoded, tensors = [], []
+            for r, bundle in enumerate(per_rank):
+                if r == rank and own_reused:
+                    decoded.append(own[1])
+                    tensors.append(own[2])
+                    continue
+                results = [next(decodes) for _ in bundle.payloads]
+                decoded.append([payload for payload, _ in results])
+                tensors.append(bundle.tensors(decoded[-1], whole, {
+                    slot: parts for slot, (_, parts) in enumerate(results) if parts is not None}))
+            units += _units(per_rank, decoded, tensors, whole, rank, first)
             first += len(per_rank[rank].slots)
         codec_seconds = time.perf_counter() - codec_start
         results = [None] * count
@@ -434,6 +453,14 @@ def _encode(coding) -> tuple[bytes, SparseTensor]:
     return pipeline.encode_sparse(selected, dense)
 
 
+def _decode(task) -> tuple[SparseTensor, list | None]:
+    """A payload's decoding and, where the task names its bundle, its tensors (on the
+    decoding's thread: a split is work)."""
+    payload, bundle, slot = task
+    whole = decode(payload)
+    return whole, None if bundle is None else bundle.split(slot, whole, overwrite=True)
+
+
 def _writable_flat(array: np.ndarray, size: int, dtype: np.dtype) -> np.ndarray:
     """``array`` as a flat view, after checking that it can hold ``size`` values of
     ``dtype``."""
@@ -444,38 +471,36 @@ def _writable_flat(array: np.ndarray, size: int, dtype: np.dtype) -> np.ndarray:
     return array.reshape(-1)
 
 
-def _units(bundles, decoded, rank: int, first: int, as_rows, own=None) -> list:
-    """What one allgather's ``bundles`` (one per rank, payloads ``decoded``) hold, as
-    ``(positions, shapes, parts)`` to reduce: one per tensor (``shapes`` None), and one
-    per shared payload when every rank shares it alike and its tensors are all below
-    :data:`SUMMED_WHOLE_BELOW` elements (their ``shapes``, the ranks' whole payloads as
-    ``parts``). ``first``: the position of the first tensor; ``own``: what each tensor
-    of this rank's bundle decodes to, when the encode said so (else its payloads are
-    split here)."""
+def _summed_whole(bundles, rank: int, first: int, as_rows) -> dict:
+    """The shared payloads of one allgather's ``bundles`` (one per rank) that are summed
+    whole, with their tensors' positions: those every rank shares alike whose tensors are
+    all below :data:`SUMMED_WHOLE_BELOW` elements, none reduced as rows. ``first``: the
+    position of the first tensor."""
     reference = bundles[rank]
-    alike = all(b.slots == reference.slots and b.shapes == reference.shapes for b in bundles)
-    members = reference.shared() if alike else {}
+    if not all(b.slots == reference.slots and b.shapes == reference.shapes for b in bundles):
+        return {}
     # (rows are reduced per tensor: the rows any rank touched)
-    shared = {slot: ts for slot, ts in members.items()
-              if not any(as_rows[first + t] for t in ts)
-              and all(math.prod(reference.shapes[t]) < SUMMED_WHOLE_BELOW for t in ts)}
-    # (each rank's payloads split into their tensors, but for those summed whole)
-    tensors = None if len(shared) == len(members) and alike else \
-        [own if r == rank and own is not None else b.tensors(d, shared)
-         for r, (b, d) in enumerate(zip(bundles, decoded))]
+    return {slot: ts for slot, ts in reference.shared().items()
+            if not any(as_rows[first + t] for t in ts)
+            and all(math.prod(reference.shapes[t]) < SUMMED_WHOLE_BELOW for t in ts)}
+
+
+def _units(bundles, decoded, tensors, whole: dict, rank: int, first: int) -> list:
+    """What one allgather's ``bundles`` (one per rank) hold, as ``(positions, shapes,
+    parts)`` to reduce: one per tensor (``shapes`` None; ``tensors``, per rank, what each
+    decoded to), and one per payload summed ``whole`` (its tensors' ``shapes``, the ranks'
+    payloads ``decoded`` as ``parts``). ``first``: the position of the first tensor."""
+    reference = bundles[rank]
     units = []
     for t, slot in enumerate(reference.slots):
-        if slot not in shared:
-            units.append(([first + t], None, [
-                d[slot] if tensors is None else tensors[r][t] for r, d in enumerate(decoded)]))
-        elif t == shared[slot][0]:
-            shapes = [reference.shapes[m] for m in shared[slot]]
+        if slot not in whole:
+            units.append(([first + t], None, [per_rank[t] for per_rank in tensors]))
+        elif t == whole[slot][0]:
+            shapes = [reference.shapes[m] for m in whole[slot]]
             check_holds(decoded[rank][slot], sum(math.prod(shape) for shape in shapes),
-                         f"bundle of rank {rank}, payload {slot}")
-            units.append(([first + m for m in shared[slot]], shapes, [d[slot] for d in decoded]))
+                        f"bundle of rank {rank}, payload {slot}")
+            units.append(([first + m for m in whole[slot]], shapes, [d[slot] for d in decoded]))
     return units
-
-
 
 
 def _accumulator(dtype: np.dtype) -> np.dtype:

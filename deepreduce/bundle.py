@@ -125,47 +125,68 @@ class Bundle:
         others; that payload holds their concatenation, flattened, in tensor order.
     """
 
-    __slots__ = ("data", "payloads", "slots", "shapes", "_what")
+    __slots__ = ("data", "payloads", "slots", "shapes", "_what", "_shared")
 
     def __init__(self, data, payloads, slots, shapes, what="bundle"):
         self.data, self.payloads, self.slots, self.shapes = data, payloads, slots, shapes
-        self._what = what
+        self._what, self._shared = what, None
 
-    def tensors(self, decoded, whole=()) -> list:
+    def tensors(self, decoded, whole=(), parts=None) -> list:
         """Each tensor of the bundle, given its payloads ``decoded``; None for those in the
-        payloads ``whole``, which the caller takes whole.
+        payloads ``whole``, which the caller takes whole. ``parts``: by payload, shared
+        payloads :meth:`split` already.
 
         Raises
         ------
         DecodeError
             When a shared payload does not hold exactly its tensors' elements.
         """
-        parts = {}
+        tensors = [decoded[slot] for slot in self.slots]
         for slot, positions in self.shared().items():
             if slot in whole:
-                parts.update(dict.fromkeys(positions))
-                continue
-            parts.update(zip(positions, split_shared(
-                decoded[slot], [self.shapes[t] for t in positions],
-                f"{self._what}, payload {slot}")))
-        return [parts[t] if t in parts else decoded[slot] for t, slot in enumerate(self.slots)]
+                split = [None] * len(positions)
+            elif parts is not None and slot in parts:
+                split = parts[slot]
+            else:
+                split = self.split(slot, decoded[slot])
+            for t, part in zip(positions, split):
+                tensors[t] = part
+        return tensors
+
+    def split(self, slot: int, decoded: SparseTensor, overwrite: bool = False) -> list:
+        """The tensors of the shared payload ``slot``, given what it ``decoded`` to
+        (``overwrite``: in its memory, see :func:`split_shared`)."""
+        positions = self.shared()[slot]
+        return split_shared(decoded, [self.shapes[t] for t in positions],
+                            f"{self._what}, payload {slot}", overwrite)
 
     def shared(self) -> dict:
         """The payloads that hold several tensors: their positions, in order, by payload."""
-        members = {}
-        for position in self.shapes:  # (in tensor order)
-            members.setdefault(self.slots[position], []).append(position)
-        return members
+        if self._shared is None:
+            members = {}
+            for position in self.shapes:  # (in tensor order)
+                members.setdefault(self.slots[position], []).append(position)
+            self._shared = members
+        return self._shared
 
 
-def split_shared(whole: SparseTensor, shapes, what: str = "shared payload") -> list:
-    """The tensors of ``shapes`` whose flattened concatenation ``whole`` holds."""
+def split_shared(whole: SparseTensor, shapes, what: str = "shared payload",
+                 overwrite: bool = False) -> list:
+    """The tensors of ``shapes`` whose flattened concatenation ``whole`` holds;
+    ``overwrite``: in ``whole``'s memory, which is then theirs."""
     sizes = [math.prod(shape) for shape in shapes]
     check_holds(whole, sum(sizes), what)
     starts = [0, *itertools.accumulate(sizes)][:-1]
     cuts = [0, *np.searchsorted(whole.indices, starts[1:]).tolist(), whole.nnz]
-    # each entry's tensor start taken off in one pass; the parts are slices of it
-    local = whole.indices - np.repeat(starts, np.diff(cuts))
+    if overwrite:
+        # (a new array of a large payload's indices, page-faulted in, costs more than
+        # a subtraction per tensor)
+        local = whole.indices
+        for start, low, high in zip(starts[1:], cuts[1:], cuts[2:]):
+            local[low:high] -= start
+    else:
+        # each entry's tensor start taken off in one pass; the parts are slices of it
+        local = whole.indices - np.repeat(starts, np.diff(cuts))
     trusted = SparseTensor._trusted
     return [trusted(whole.values[low:high], local[low:high], shape)
             for shape, low, high in zip(shapes, cuts, cuts[1:])]

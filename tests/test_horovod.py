@@ -409,6 +409,22 @@ def test_a_shared_payload_must_hold_exactly_its_tensors():
     assert [p.tolist() for p in parts] == [[0, 1], [2, 3, 4, 5]]
 
 
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.data())
+def test_split_shared_gives_the_same_tensors_in_place_or_not(sizes, data):
+    total = sum(sizes)
+    indices = np.array(sorted(data.draw(st.sets(st.integers(0, total - 1)))), np.int64)
+    whole = dr.SparseTensor(np.arange(indices.size, dtype=np.float32), indices, (total,))
+    shapes, dense = [(size,) for size in sizes], whole.to_dense()
+    copied = bundle_format.split_shared(whole, shapes)
+    assert whole.indices.tolist() == indices.tolist()  # (read, not written)
+    in_place = bundle_format.split_shared(whole, shapes, overwrite=True)
+    starts = np.cumsum([0, *sizes])
+    for size, start, a, b in zip(sizes, starts, copied, in_place):
+        for part in (a, b):
+            assert part.shape == (size,) and part.indices.dtype == np.int64
+            assert np.array_equal(part.to_dense(), dense[start:start + size])
+
+
 def test_error_feedback_is_exact_and_small_tensors_are_lossless():
     c = make_exchange(dr.TopK(0.05), index="varint", value="fp16", min_size=20)
     names = ["w", "b", "v"]
