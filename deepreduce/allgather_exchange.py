@@ -36,8 +36,8 @@ from deepreduce.stats import StepStats
 #: each; larger ones keep their own. A payload costs its header, its checksum and
 #: about 60 us of Python between its codec calls, which holds the GIL: ResNet-50's
 #: 161 tensors in 44 payloads spent about half their codec time there, and a second
-#: codec thread gained nothing; in 9 payloads their codec time is about 60% of that,
-#: for 0.1% fewer bytes, and a second thread gains 1.2x (``benchmarks/codec_threads.py``).
+#: codec thread gained nothing; in 9 payloads their codec time is about 55% of that,
+#: for 0.1% fewer bytes, and a second thread gains 1.1-1.3x (``benchmarks/codec_threads.py``).
 SHARED_BELOW = 1 << 22
 PAYLOAD_ELEMENTS = 1 << 22
 
