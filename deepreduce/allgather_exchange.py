@@ -190,12 +190,12 @@ class AllgatherExchange:
                 parts = [received]
             elif selections:
                 # (the index code is exact: the parts' indices are the selections')
-                parts, start = [], 0
+                parts, low = [], 0
                 for selection, shape in zip(selections, shapes):
-                    end = start + selection.selected.nnz
+                    high = low + selection.selected.nnz
                     parts.append(SparseTensor._trusted(
-                        received.values[start:end], selection.selected.indices, shape))
-                    start = end
+                        received.values[low:high], selection.selected.indices, shape))
+                    low = high
             else:
                 parts = split_shared(received, shapes)
             for t, part in zip(members, parts):

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -322,6 +323,20 @@ def test_selections_do_not_share_when_coding_them_together_would_change_them(ind
     c = make_exchange(dr.TopK(0.05), index=index, value=value, min_size=200)
     bundle = c.encode_bundle(["a", "b", "c"], gradients(0, [(60, 50), (300,), (50, 40)]))
     assert split_bundles(bundle, 1)[0].slots == [0, 1, 2] and bundle[3] == 1
+
+
+def test_encode_times_a_step_of_shared_selections_in_seconds():
+    # (a bug once reported the clock's reading instead: the payloads' parts reused
+    # the name of the encode's start time)
+    c = make_exchange(dr.TopK(0.05), index="golomb", value="fp16", min_size=200)
+    begin = time.perf_counter()
+    bundle = c.encode_bundle(["a", "b"], gradients(0, [(60, 50), (300,)]))
+    elapsed = time.perf_counter() - begin
+    assert split_bundles(bundle, 1)[0].slots == [0, 0]
+    c.decode_bundles(bundle, ranks=1, rank=0)
+    assert 0 < c.stats.last.encode_seconds <= elapsed
+    assert 0 < c.stats.last.codec_seconds <= c.stats.last.encode_seconds \
+        + c.stats.last.decode_seconds
 
 
 @pytest.mark.parametrize("average", [False, True])
