@@ -173,12 +173,12 @@ class Bundle:
 def split_shared(whole: SparseTensor, shapes, what: str = "shared payload",
                  overwrite: bool = False) -> list:
     """The tensors of ``shapes`` whose flattened concatenation ``whole`` holds;
-    ``overwrite``: in ``whole``'s memory, which is then theirs."""
+    ``overwrite``: in ``whole``'s memory where it is writable, which is then theirs."""
     sizes = [math.prod(shape) for shape in shapes]
     check_holds(whole, sum(sizes), what)
     starts = [0, *itertools.accumulate(sizes)][:-1]
     cuts = [0, *np.searchsorted(whole.indices, starts[1:]).tolist(), whole.nnz]
-    if overwrite:
+    if overwrite and whole.indices.flags.writeable:
         # (a new array of a large payload's indices, page-faulted in, costs more than
         # a subtraction per tensor)
         local = whole.indices

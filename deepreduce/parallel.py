@@ -2,11 +2,11 @@
 
 A bundle holds a few payloads (a large tensor's, or consecutive tensors'
 together), and each payload's coding is independent of the others' (each has
-its own pipeline, random streams included). The compiled codec loops release the GIL, so a few
-threads code a bundle's payloads side by side; the Python between the loops
-still runs one thread at a time, which is why a few threads are enough.
-:func:`run_in_order` gives the results, and raises the error, that coding
-them one after another would.
+its own pipeline, random streams included). The compiled codec loops release
+the GIL, so a few threads code a bundle's payloads side by side; the Python
+between the loops still runs one thread at a time, which is why a few threads
+are enough. :func:`run_in_order` gives the results, and raises the error,
+that coding them one after another would.
 """
 
 from __future__ import annotations

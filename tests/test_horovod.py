@@ -432,10 +432,14 @@ def test_split_shared_gives_the_same_tensors_in_place_or_not(sizes, data):
     shapes, dense = [(size,) for size in sizes], whole.to_dense()
     copied = bundle_format.split_shared(whole, shapes)
     assert whole.indices.tolist() == indices.tolist()  # (read, not written)
+    frozen = indices.copy()
+    frozen.flags.writeable = False  # (as a codec's view of its stream may be)
+    read_only = bundle_format.split_shared(
+        dr.SparseTensor(whole.values, frozen, (total,)), shapes, overwrite=True)
     in_place = bundle_format.split_shared(whole, shapes, overwrite=True)
     starts = np.cumsum([0, *sizes])
-    for size, start, a, b in zip(sizes, starts, copied, in_place):
-        for part in (a, b):
+    for size, start, *parts in zip(sizes, starts, copied, read_only, in_place):
+        for part in parts:
             assert part.shape == (size,) and part.indices.dtype == np.int64
             assert np.array_equal(part.to_dense(), dense[start:start + size])
 
