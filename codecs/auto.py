@@ -490,6 +490,11 @@ class AutoIndices(IndexCodec):
             return None  # a complement's size says nothing of the set's; decode refuses bad tags
         return _sub_codec(tag).max_count(memoryview(data)[1:], n)
 
+    def orders(self, data):
+        # (the tag's codec's answer; a complement's order the pipeline checks)
+        return len(data) > 0 and not data[0] & COMPLEMENT and \
+            data[0] < len(TAGS) and _sub_codec(data[0]).orders(memoryview(data)[1:])
+
     def decode(self, data, n, nnz):
         what = "auto indices"
         n, nnz = _bits.check_counts(n, nnz, what)

@@ -161,6 +161,19 @@ class IndexCodec(Codec):
         """Return the ``nnz`` indices as int64, strictly increasing, in ``[0, n)``."""
         raise NotImplementedError
 
+    def orders(self, data) -> bool:
+        """True when :meth:`decode` of ``data`` returns strictly increasing indices (or
+        raises) whatever the stream holds, by construction, so that the pipeline need
+        not check their order again.
+
+        False (the default) has the pipeline check it: a pass over the indices
+        and two numpy calls, each handing the GIL to the other codec threads
+        and back (:mod:`deepreduce.parallel`). A codec says True only where its
+        decoding cannot give anything else (gaps of at least one, the set bits
+        of a bitmap).
+        """
+        return False
+
     def encode_selection(self, indices, values, n, dense=None):
         """Encode the index set and say which (index, value) pairs will arrive.
 

@@ -38,6 +38,9 @@ class BitmapIndices(IndexCodec):
     def max_count(self, data, n):
         return min(n, 8 * len(data))
 
+    def orders(self, data):
+        return True  # the set bits' positions, in order, of a stream of n bits
+
     def decode(self, data, n, nnz):
         what = "bitmap indices"
         n, nnz = _bits.check_counts(n, nnz, what)

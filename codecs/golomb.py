@@ -401,6 +401,10 @@ class GolombIndices(IndexCodec):
     def max_count(self, data, n):
         return 8 * len(data)  # a bit per gap at least (its quotient's terminator)
 
+    def orders(self, data):
+        # each index is the last plus a gap plus one, and the last one is checked below n
+        return True
+
     def decode(self, data, n, nnz):
         what = "golomb indices"
         n, nnz = _bits.check_counts(n, nnz, what)

@@ -29,6 +29,7 @@ import zlib
 import numpy as np
 
 from deepreduce.bits import read_varint, varint_decode_prefix, varint_encode, write_varint
+from deepreduce.collectives.base import localize_sorted
 from deepreduce.errors import DecodeError
 from deepreduce.sparse import SparseTensor
 
@@ -174,19 +175,16 @@ def split_shared(whole: SparseTensor, shapes, what: str = "shared payload",
                  overwrite: bool = False) -> list:
     """The tensors of ``shapes`` whose flattened concatenation ``whole`` holds;
     ``overwrite``: in ``whole``'s memory where it is writable, which is then theirs."""
-    sizes = [math.prod(shape) for shape in shapes]
-    check_holds(whole, sum(sizes), what)
-    starts = [0, *itertools.accumulate(sizes)][:-1]
-    cuts = [0, *np.searchsorted(whole.indices, starts[1:]).tolist(), whole.nnz]
-    if overwrite and whole.indices.flags.writeable:
-        # (a new array of a large payload's indices, page-faulted in, costs more than
-        # a subtraction per tensor)
-        local = whole.indices
-        for start, low, high in zip(starts[1:], cuts[1:], cuts[2:]):
-            local[low:high] -= start
+    ends = list(itertools.accumulate(math.prod(shape) for shape in shapes))
+    check_holds(whole, ends[-1] if ends else 0, what)
+    local = whole.indices
+    if overwrite and local.flags.writeable:
+        # (a new array of a large payload's indices, paged in, costs more)
+        cuts = localize_sorted(local, ends)
     else:
+        cuts = [0, *np.searchsorted(local, ends[:-1]).tolist(), whole.nnz]
         # each entry's tensor start taken off in one pass; the parts are slices of it
-        local = whole.indices - np.repeat(starts, np.diff(cuts))
+        local = local - np.repeat([0, *ends[:-1]], np.diff(cuts))
     trusted = SparseTensor._trusted
     return [trusted(whole.values[low:high], local[low:high], shape)
             for shape, low, high in zip(shapes, cuts, cuts[1:])]

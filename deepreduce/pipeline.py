@@ -185,7 +185,8 @@ def decode(payload, max_nnz: int | None = None, max_scanned: int | None = None,
                           f"{indices.dtype}, expected ({nnz},) int64")
     if nnz and (indices[0] < 0 or indices[-1] >= n):
         raise DecodeError(f"decoded indices leave the range [0, {n})")
-    if nnz > 1 and not (indices[1:] > indices[:-1]).all():
+    if nnz > 1 and not index_codec.orders(index_stream) \
+            and not (indices[1:] > indices[:-1]).all():
         raise DecodeError("decoded indices are not strictly increasing")
     return SparseTensor._trusted(values, indices, header.shape)
 

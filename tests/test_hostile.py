@@ -193,3 +193,31 @@ def test_auto_tags_are_bound_to_fixed_codecs_not_to_the_registry(name):
     finally:
         register_codec(original, replace=True)
     assert np.array_equal(decoded, indices)
+
+
+def test_the_pipeline_checks_the_order_unless_the_codec_vouches_for_it():
+    from deepreduce.codecs.auto import COMPLEMENT, TAGS
+    from deepreduce.codecs.varint import VarintIndices
+    from deepreduce.registry import register_codec
+
+    indices = np.array([3, 9, 40], np.int64)
+    auto = dr.get_codec("auto", family="index")
+    for codec_id in ("golomb", "bitmap"):
+        codec = dr.get_codec(codec_id, family="index")
+        assert codec.orders(codec.encode(indices, 64))
+        assert auto.orders(bytes([TAGS.index(codec_id)]) + codec.encode(indices, 64))
+    assert not auto.orders(bytes([TAGS.index("golomb") | COMPLEMENT]))
+    assert not auto.orders(b"") and not auto.orders(bytes([TAGS.index("eliasfano")]))
+    assert not dr.get_codec("eliasfano", family="index").orders(b"")
+
+    class Unordered(VarintIndices):  # a codec that neither checks nor vouches
+        def decode(self, data, n, nnz):
+            return super().decode(data, n, nnz)[::-1].copy()
+
+    payload = dr.compress(np.arange(1, 9, dtype=np.float32), None, "varint", "raw")
+    register_codec(Unordered, replace=True)
+    try:
+        with pytest.raises(dr.DecodeError, match="not strictly increasing"):
+            dr.decompress(payload)
+    finally:
+        register_codec(VarintIndices, replace=True)

@@ -8,7 +8,7 @@ add the parts in rank order, scale for an average.
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deepreduce as dr
@@ -142,3 +142,46 @@ def test_compiled_sum_checks_its_arguments():
     with pytest.raises(ValueError, match="2 indices and 1 values"):
         base._sparsesum.sum_sorted(np.zeros(4, np.float32), [part.indices],
                                    [part.values[:1]], None, None)
+
+
+localized = extensions.fixture(base, "_sparsesum", "localized")
+
+
+# (the fixture only picks the implementation: the same for every example)
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12), data=st.data())
+def test_localize_splits_increasing_positions_into_each_tensors(localized, sizes, data):
+    ends = np.cumsum(sizes).tolist()
+    positions = sorted(data.draw(st.sets(st.integers(0, max(ends[-1] - 1, 0)),
+                                         max_size=ends[-1])))
+    indices = np.array(positions, dtype=np.int64)
+    cuts = base.localize_sorted(indices, ends)
+    assert cuts[0] == 0 and cuts[-1] == len(positions) and len(cuts) == len(sizes) + 1
+    for start, end, low, high in zip([0, *ends[:-1]], ends, cuts, cuts[1:]):
+        want = [p - start for p in positions if start <= p < end]
+        assert indices[low:high].tolist() == want
+
+
+@compiled_only
+@given(st.lists(st.integers(-2**62, 2**62), max_size=50),
+       st.lists(st.integers(-2**62, 2**62), min_size=1, max_size=6))
+def test_compiled_localize_stays_in_bounds_on_any_input(values, ends):
+    # a hostile payload's positions are checked before the split; any input must
+    # still leave the cuts in order and within the array
+    indices = np.array(values, dtype=np.int64)
+    cuts = base._sparsesum.localize(indices, np.array(ends, dtype=np.int64))
+    assert len(cuts) == len(ends) + 1 and cuts[-1] == len(values)
+    assert cuts == sorted(cuts) and 0 <= cuts[0]
+
+
+@compiled_only
+def test_compiled_localize_refuses_what_it_cannot_split():
+    with pytest.raises(ValueError, match="at least one tensor"):
+        base._sparsesum.localize(np.zeros(3, np.int64), np.zeros(0, np.int64))
+    with pytest.raises(TypeError, match="writable"):
+        frozen = np.zeros(3, np.int64)
+        frozen.flags.writeable = False
+        base._sparsesum.localize(frozen, np.array([5], np.int64))
+    with pytest.raises(TypeError, match="int64"):
+        base._sparsesum.localize(np.zeros(3, np.int32), np.array([5], np.int64))

@@ -441,6 +441,31 @@ def sum_into(totals: np.ndarray, parts) -> None:
 _SUMMED_DTYPES = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
 
 
+def localize_sorted(indices: np.ndarray, ends) -> list:
+    """Split ``indices``, the increasing positions of tensors laid end to end (``ends``:
+    where each ends), into theirs: each tensor's start is taken off its positions in
+    place; returns where each tensor's positions begin, then ``len(indices)``.
+
+    Compiled (one pass, ``deepreduce.collectives._sparsesum``) where it is built;
+    numpy otherwise, a search and a subtraction per tensor, with the same result.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from deepreduce.collectives.base import localize_sorted
+    >>> positions = np.array([1, 4, 5, 9], dtype=np.int64)   # tensors of 4, 2 and 6
+    >>> localize_sorted(positions, [4, 6, 12]), positions.tolist()
+    ([0, 1, 3, 4], [1, 0, 1, 3])
+    """
+    if _sparsesum is not None and len(ends) and indices.dtype == np.int64 \
+            and indices.flags.c_contiguous:
+        return _sparsesum.localize(indices, np.asarray(ends, dtype=np.int64))
+    cuts = [0, *np.searchsorted(indices, ends[:-1]).tolist(), indices.size]
+    for start, low, high in zip(ends[:-1], cuts[1:], cuts[2:]):
+        indices[low:high] -= start
+    return cuts
+
+
 def sum_sorted_into(total: np.ndarray, parts, scale=None, stale=None) -> np.ndarray:
     """Make the flat ``total`` the sum of ``parts`` times ``scale``; return where it is
     not zero.
