@@ -14,7 +14,7 @@ the same load. Every step asserts that the settings give the same bundles and
 the same sums. Beside them, a GIL-free reference: the bundle's index sets
 Golomb-coded on 1 thread and on more, which tells what this machine's cores
 gave threads at the time (on a machine shared with other jobs, often less
-than their number).
+than their number), and what a hand-over of the GIL costs (:func:`handover_speedups`).
 
 The models: torchvision's ResNet-50 (161 parameter tensors, 25.6M parameters,
 :func:`benchmarks.model_steps.resnet50_shapes` builds them from the
@@ -36,6 +36,7 @@ import platform
 import resource
 import statistics
 import time
+import zlib
 
 import numpy as np
 
@@ -121,6 +122,33 @@ def golomb_seconds(sets, threads: int) -> float:
     return time.perf_counter() - begin
 
 
+def handover_speedups(threads: int, pieces=(1, 4, 16), items: int = 10,
+                      repeats: int = 30) -> dict:
+    """The speed-up of ``threads`` threads over one on synthetic items of the same work
+    (about 40 us of Python, then 60 us of ``zlib.crc32``, which releases the GIL) cut into
+    ``pieces`` parts each, so that an item hands the GIL over that many times: what the
+    hand-overs cost on this machine, apart from any codec. Medians of ``repeats``."""
+    speedups = {}
+    for count in pieces:
+        data, loops = bytes(200_000 // count), 1200 // count
+
+        def item(_):
+            for _ in range(count):
+                total = 0
+                for i in range(loops):
+                    total += i
+                zlib.crc32(data)
+
+        times = {1: [], threads: []}
+        for _ in range(repeats):
+            for setting in times:
+                begin = time.perf_counter()
+                run_in_order(item, range(items), setting)
+                times[setting].append(time.perf_counter() - begin)
+        speedups[count] = statistics.median(times[1]) / statistics.median(times[threads])
+    return speedups
+
+
 def measure(model: str, threads: int, ranks: int, steps: int) -> dict:
     shapes = MODELS[model]()
     names = [f"p{i}" for i in range(len(shapes))]
@@ -182,6 +210,7 @@ def main(argv=None):
 
     record = {"cores": available_cores(), "ranks": args.ranks, "steps": args.steps,
               "threads": args.threads, "models": {}}
+    record["handover_speedups"] = handover_speedups(args.threads)
     rows = []
     for model in args.models:
         result = record["models"][model] = measure(model, args.threads, args.ranks, args.steps)
@@ -214,6 +243,13 @@ def main(argv=None):
         f"alone on 1 thread and on {args.threads} (one compiled pass each, without the GIL): "
         "the most more threads could gain on this machine while the benchmark ran. Run at "
         f"{scheduling()}. {models}.",
+        "",
+        "What a hand-over of the GIL costs here: synthetic items of about 40 us of Python "
+        "and 60 us of `zlib.crc32` (which releases the GIL), cut so that each hands the GIL "
+        f"over 1, 4 or 16 times, gained on {args.threads} threads "
+        + ", ".join(f"{speedup:.2f}x ({count})" for count, speedup
+                    in record["handover_speedups"].items())
+        + " (medians): the fewer hand-overs a payload's coding makes, the more threads gain.",
         "",
         *table(["model", "codec threads", "codec ms (best)", "codec ms (median)",
                 "encode codecs ms", "decode codecs ms", "speed-up (best)",

@@ -189,7 +189,10 @@ def test_the_benchmark_compares_the_settings_on_the_same_bytes(monkeypatch, tmp_
     monkeypatch.setitem(benchmark.MODELS, "tiny", lambda: shapes)
     out = tmp_path / "threads.md"
     benchmark.main(["--models", "tiny", "--steps", "1", "--out", str(out)])
-    record = json.loads(out.with_suffix(".json").read_text())["models"]["tiny"]
+    written = json.loads(out.with_suffix(".json").read_text())
+    assert set(written["handover_speedups"]) == {"1", "4", "16"}
+    assert all(speedup > 0 for speedup in written["handover_speedups"].values())
+    record = written["models"]["tiny"]
     assert record["parameters"] == 90000 + 80000 + 64 + 1200
     assert set(record["settings"]) == {"1", "2", "2, every payload"}
     assert record["payloads"] == 4  # (alone: the two above SHARED_BELOW, one of each kind)
@@ -280,6 +283,7 @@ def record_compiled_calls(monkeypatch) -> dict:
     dr.sparsifiers._at_least(dense, np.float32(2.5))
     golomb.field_bits(np.diff(indices), 16)
     collectives_base.sum_sorted_into(np.zeros(n, np.float32), [part, part])
+    collectives_base.localize_sorted(indices.copy(), [n // 3, n // 2, n])
     calls = {name: (function, args) for name, (function, args, _) in calls.items()}
     # samples are small (and loops that small keep the GIL): the whole array instead
     if "sampled_low" in calls:
@@ -312,7 +316,7 @@ def test_the_compiled_loops_release_the_gil(monkeypatch):
     calls = record_compiled_calls(monkeypatch)
     monkeypatch.undo()
     assert {"golomb_encode", "golomb_decode", "golomb_bits", "to_half", "to_single",
-            "varint_encode", "at_least", "sum_sorted"} <= set(calls)
+            "varint_encode", "at_least", "sum_sorted", "localize"} <= set(calls)
     holding = []
     for name, (function, args) in sorted(calls.items()):
         if name in KEEP_THE_GIL:
