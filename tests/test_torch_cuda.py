@@ -7,6 +7,7 @@ hook on two ranks training a model on the GPU with gloo.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -67,3 +68,19 @@ def test_hook_trains_on_the_gpu_on_two_ranks(tmp_path):
     assert found[0]["weights"] == found[1]["weights"]
     assert found[0]["last_loss"] < found[0]["first_loss"]
     assert 0 < found[0]["crossed"] < found[0]["dense"]
+
+
+def test_lightning_example_trains_with_the_hook():
+    """examples/lightning_ddp.py, as docs/pytorch.md passes the hook to Lightning: the
+    state is built before the process group and the hook compresses every step after
+    its warm-up."""
+    pytest.importorskip("lightning.pytorch")
+    script = os.path.join(HERE, os.pardir, "examples", "lightning_ddp.py")
+    done = subprocess.run([sys.executable, script, "--devices", "1", "--steps", "60"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (first_loss, last_loss), = re.findall(r"loss ([0-9.]+) at the first step, ([0-9.]+)",
+                                          done.stdout)
+    assert float(last_loss) < float(first_loss)
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("deepreduce:") and float(last.split("(")[1].split("x")[0]) > 20
