@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 import deepreduce as dr  # noqa: E402
 from deepreduce.exchange import GradientExchange  # noqa: E402
 from deepreduce.torch.device import (DeviceSelector, HostLink, from_host,  # noqa: E402
-                                     host_array,
+                                     SAMPLED_FROM, host_array, sample_positions,
                                      select_on_device)
 
 #: (name, shape): one with its own payload, two that share one, one below min_size
@@ -114,6 +114,27 @@ def test_topk_on_device_takes_numpy_topk_set(dtype, k):
     want = dr.TopK(k=k, exact=True)(host).indices
     got = select_on_device(dr.TopK(k=k), values).numpy()
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["gaussian", "ties", "sample misleads", "nan"])
+def test_topk_on_device_takes_numpy_topk_set_from_its_sample(case, dtype):
+    """Tensors of SAMPLED_FROM values and more select among the candidates reaching a
+    sample's threshold, or among all values when fewer than k reach it."""
+    n, k = SAMPLED_FROM * 4, 5000
+    values = torch.from_numpy(np.random.default_rng(7).standard_normal(n, np.float32))
+    if case == "ties":
+        values[::7] = 2.5            # the k-th magnitude, held by many more than k
+    elif case == "sample misleads":
+        # large values at the sampled positions alone: fewer than k reach the threshold
+        values = torch.rand(n, generator=torch.Generator().manual_seed(7))
+        values[sample_positions(n)] = 3.0
+        assert int((values >= 3.0).sum()) < k
+    elif case == "nan":
+        values[::3] = float("nan")
+    values = values.to(dtype)
+    want = dr.TopK(k=k, exact=True)(values.float().numpy()).indices
+    assert np.array_equal(select_on_device(dr.TopK(k=k), values).numpy(), want)
 
 
 def test_small_tensors_come_from_the_host():

@@ -240,12 +240,19 @@ def _cast(values: torch.Tensor, dtype) -> torch.Tensor:
     return values.to(dtype)
 
 
+#: Tensors of this many values and more take TopK's sampled threshold first (the
+#: numpy path's fast mode): the exact selection then runs on the candidates that reach
+#: it, about 1.5 k of them, instead of on every value. Below it one selection over all
+#: values costs no more (``benchmarks/device_step.py`` measures the device path).
+SAMPLED_FROM = 1 << 16
+
+
 def select_on_device(sparsifier, flat: torch.Tensor) -> torch.Tensor:
     """Sorted flat positions that ``sparsifier`` (a deepreduce sparsifier) takes from
     ``flat``, computed on ``flat``'s device: the positions the numpy sparsifier takes."""
     n = flat.numel()
     if isinstance(sparsifier, TopK):
-        return _largest(_magnitudes(flat), _count(sparsifier.ratio, sparsifier.k, n, "TopK"))
+        return _top_k(flat, _count(sparsifier.ratio, sparsifier.k, n, "TopK"))
     if isinstance(sparsifier, NonZero):
         return torch.nonzero(flat).view(-1)
     if isinstance(sparsifier, Threshold):
@@ -276,6 +283,22 @@ def _magnitudes(values: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(magnitudes, nan=-math.inf, posinf=math.inf)
 
 
+def _top_k(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted positions of the ``k`` values of largest magnitude in the 1-D ``values``:
+    the set of :class:`deepreduce.TopK` (NaN ranked lowest, ties to the lowest
+    positions)."""
+    n = values.numel()
+    if SAMPLED_FROM <= n < 1 << 32 and 0 < k < n and values.dtype != torch.float64:
+        low = _sampled_low(_magnitudes(values[sample_positions(n, values.device)]), k, n)
+        # (NaN reaches no threshold: it ranks lowest; nonzero's count waits for the
+        # device, as the pairs' copy to the host right after the selection does anyway)
+        candidates = torch.nonzero(values.abs() >= low).view(-1)
+        if candidates.numel() >= k:  # else the sample misled: select among all
+            chosen = _top_keys(_magnitudes(values[candidates]), candidates, n, k)
+            return candidates[chosen].sort().values
+    return _largest(_magnitudes(values), k)
+
+
 def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     """Sorted positions of the ``k`` largest ``magnitudes``, ties to the lowest positions
     (the rule of :func:`deepreduce.sparsifiers._largest`)."""
@@ -286,13 +309,7 @@ def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     if k == 0:
         return torch.zeros(0, dtype=torch.int64, device=device)
     if magnitudes.dtype == torch.float32 and n < 1 << 32:
-        # one key per position, its magnitude's order then the position's reverse: the
-        # k largest keys are the k largest magnitudes with ties to the lowest positions,
-        # and topk finds them without a data-dependent size (no synchronisation)
-        bits = magnitudes.view(torch.int32).to(torch.int64)
-        bits = torch.where(bits < 0, torch.zeros_like(bits), bits + 1)  # -inf (NaN) lowest
-        key = (bits << 32) | (n - 1 - torch.arange(n, device=device))
-        return torch.topk(key, k, sorted=False).indices.sort().values
+        return _top_keys(magnitudes, torch.arange(n, device=device), n, k).sort().values
     kth = torch.topk(magnitudes, k, sorted=False).values.min()
     keep = magnitudes > kth
     missing = k - int(keep.sum())
@@ -300,3 +317,34 @@ def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
         ties = torch.nonzero(magnitudes == kth).view(-1)[:missing]
         keep[ties] = True
     return torch.nonzero(keep).view(-1)
+
+
+def _top_keys(magnitudes: torch.Tensor, positions: torch.Tensor, n: int, k: int):
+    """Where the ``k`` largest of the float32 ``magnitudes`` at ``positions`` (of a
+    tensor of ``n``) lie in ``magnitudes``, ties to the lowest positions."""
+    # one key per value, its magnitude's order then its position's reverse: the k
+    # largest keys are the k largest magnitudes with ties to the lowest positions
+    bits = magnitudes.view(torch.int32).to(torch.int64)
+    bits = torch.where(bits < 0, torch.zeros_like(bits), bits + 1)  # -inf (NaN) lowest
+    return torch.topk((bits << 32) | (n - 1 - positions), k, sorted=False).indices
+
+
+def sample_positions(n: int, device=None) -> torch.Tensor:
+    """The positions of a tensor of ``n`` values whose magnitudes the device path's TopK
+    samples: one in each of as many equal strata as the numpy path samples, scattered
+    in them by a fixed multiplicative hash (the selected set never depends on them,
+    only the candidates do)."""
+    count = min(TopK.SAMPLE, max(TopK.MIN_SAMPLE, n >> 8))
+    stride = n // count
+    strata = torch.arange(0, count * stride, stride, device=device)
+    return strata + (strata // stride * 0x9E3779B1) % stride
+
+
+def _sampled_low(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """A magnitude (a 0-d tensor on their device) that about ``k`` plus a safe margin of
+    a tensor's ``n`` magnitudes reach, from the magnitudes ``sample`` of it: the rule of
+    :class:`deepreduce.TopK`'s fast mode."""
+    count = sample.numel()
+    expected = count * k / n
+    j = min(count, int(expected + 4 * math.sqrt(expected) + 2))
+    return torch.kthvalue(sample, count - j + 1).values  # the j-th largest
