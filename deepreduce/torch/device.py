@@ -66,8 +66,20 @@ class HostLink:
 
     def to_host(self, tensor: torch.Tensor) -> np.ndarray:
         """A numpy array of ``tensor``'s values (a view when it already lives on the CPU)."""
+        return host_array(self._copy_to_host(tensor))
+
+    def pairs_to_host(self, positions: torch.Tensor, values: torch.Tensor):
+        """``(positions, values)`` as numpy arrays (int64 positions), both in one copy: a
+        copy to the host waits for the device's work so far, and one wait serves both."""
+        positions = positions.to(torch.int64)
+        split = positions.numel() * positions.element_size()
+        both = self._copy_to_host(torch.cat([positions.view(torch.uint8),
+                                             values.contiguous().view(torch.uint8)]))
+        return host_array(both[:split].view(torch.int64)), host_array(both[split:].view(values.dtype))
+
+    def _copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         self.to_host_bytes += tensor.numel() * tensor.element_size()
-        return host_array(tensor.detach().cpu())
+        return tensor.detach().cpu()
 
     def to_device(self, array: np.ndarray, device, dtype=None) -> torch.Tensor:
         """``array`` as a tensor on ``device`` (of ``dtype`` when given, cast there)."""
@@ -177,8 +189,8 @@ class DeviceSelector(Selector):
         flat = x.reshape(-1)
         positions = select_on_device(pipeline.sparsifier, flat)
         values = flat[positions]
-        selected = SparseTensor._trusted(self.link.to_host(values), self.link.to_host(positions),
-                                         tuple(x.shape))
+        host_positions, host_values = self.link.pairs_to_host(positions, values)
+        selected = SparseTensor._trusted(host_values, host_positions, tuple(x.shape))
         return DeviceSelection(name, pipeline, selected, corrected, positions, values)
 
     def settle(self, selection: Selection, received: SparseTensor,
@@ -207,15 +219,21 @@ class DeviceSelector(Selector):
         total = flat if flat.dtype == accumulator else \
             torch.zeros(flat.numel(), dtype=accumulator, device=flat.device)
         total.zero_()
-        touched = []
-        for part in parts:
-            positions = self.link.to_device(part.indices, flat.device)
-            values = self.link.to_device(part.values, flat.device, accumulator)
-            total.index_add_(0, positions, values)
-            touched.append(positions)
-        if scale is not None and touched:
-            where = torch.cat(touched).unique()
-            total[where] = (total[where].double() * scale).to(accumulator)
+        if parts:
+            # every rank's pairs in one copy each: a copy from the host's pageable memory
+            # waits for the device, once per copy
+            positions = self.link.to_device(np.concatenate([part.indices for part in parts]),
+                                            flat.device)
+            values = self.link.to_device(np.concatenate([part.values for part in parts]),
+                                         flat.device, accumulator)
+            start = 0
+            for part in parts:  # (one rank after another: the host's order of additions)
+                total.index_add_(0, positions[start:start + part.nnz],
+                                 values[start:start + part.nnz])
+                start += part.nnz
+            if scale is not None:
+                where = positions.unique()
+                total[where] = (total[where].double() * scale).to(accumulator)
         if total is not flat:
             flat.copy_(total)
 
