@@ -17,6 +17,7 @@ positions from the same numpy stream, fp16 and bf16 round as the codecs do.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -347,11 +348,13 @@ def _top_keys(magnitudes: torch.Tensor, positions: torch.Tensor, n: int, k: int)
     return torch.topk((bits << 32) | (n - 1 - positions), k, sorted=False).indices
 
 
+@functools.lru_cache(maxsize=256)
 def sample_positions(n: int, device=None) -> torch.Tensor:
     """The positions of a tensor of ``n`` values whose magnitudes the device path's TopK
     samples: one in each of as many equal strata as the numpy path samples, scattered
     in them by a fixed multiplicative hash (the selected set never depends on them,
-    only the candidates do)."""
+    only the candidates do). Kept per size and device (32 KB each, at most): a step
+    samples the same tensors every time."""
     count = min(TopK.SAMPLE, max(TopK.MIN_SAMPLE, n >> 8))
     stride = n // count
     strata = torch.arange(0, count * stride, stride, device=device)
