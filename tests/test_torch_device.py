@@ -8,6 +8,8 @@ import pickle
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -135,6 +137,22 @@ def test_topk_on_device_takes_numpy_topk_set_from_its_sample(case, dtype):
     values = values.to(dtype)
     want = dr.TopK(k=k, exact=True)(values.float().numpy()).indices
     assert np.array_equal(select_on_device(dr.TopK(k=k), values).numpy(), want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(extra=st.integers(0, 3 * SAMPLED_FROM), k=st.integers(1, 20_000),
+       levels=st.sampled_from([None, 3, 50]), seed=st.integers(0, 2**32 - 1),
+       dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_topk_on_device_from_its_sample_is_numpy_topk(extra, k, levels, seed, dtype):
+    """Above SAMPLED_FROM values, any k, with values from a few levels (ties at the k-th
+    magnitude) or continuous, signs, NaN and infinities: numpy's exact TopK set."""
+    n = SAMPLED_FROM + extra
+    rng = np.random.default_rng(seed)
+    host = rng.standard_normal(n) if levels is None else rng.integers(-levels, levels, n) / 7
+    host[rng.integers(0, n, 20)] = rng.choice([np.nan, np.inf, -np.inf, 0.0], 20)
+    values = torch.from_numpy(host.astype(np.float32)).to(dtype)
+    want = dr.TopK(k=min(k, n), exact=True)(values.float().numpy()).indices
+    assert np.array_equal(select_on_device(dr.TopK(k=min(k, n)), values).numpy(), want)
 
 
 def test_small_tensors_come_from_the_host():
