@@ -39,6 +39,10 @@ host and back, twice the dense bytes when the buckets are not on the CPU (on the
 it moves nothing: the figure is what it would move); PowerSGD and fp16 stay on the
 device.
 
+Then the device path's Top-k alone (:func:`measure_topk`): on tensors of 16K to 4M
+values, from a sampled threshold against over all values, which tells where
+``deepreduce.torch.device.SAMPLED_FROM`` should lie on this device.
+
 Writes ``benchmarks/results/device_step.md`` and ``.json``::
 
     python -m benchmarks.device_step                         # ResNet-50, GPT-2 small, MLP; P 2, 8
@@ -407,6 +411,47 @@ def measure_model(name, ranks, steps, warmup, device, seed=0):
     return model, rows
 
 
+#: Tensor sizes of the Top-k comparison (:func:`measure_topk`): ResNet-50's range and
+#: GPT-2 small's largest matrices.
+TOPK_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+
+
+def measure_topk(device, repeats: int, sizes=TOPK_SIZES, seed=0) -> list[dict]:
+    """The device path's Top-k 1% of Gaussian tensors of ``sizes`` values, from a sampled
+    threshold and over all values (``SAMPLED_FROM`` set below and above the size), the
+    two in turns: median ms of ``repeats`` calls each, device synchronised, after one
+    warm-up call; each call checks that both take the same set."""
+    from unittest import mock
+
+    import deepreduce as dr
+    from deepreduce.torch import device as device_module
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rows = []
+    for n in sizes:
+        values = torch.randn(n, device=device, generator=generator)
+        k = max(1, round(RATIO * n))
+        times = {"sampled": [], "all": []}
+        for call in range(repeats + 1):
+            chosen = {}
+            for way, sampled_from in (("sampled", 0), ("all", n + 1)):
+                with mock.patch.object(device_module, "SAMPLED_FROM", sampled_from):
+                    synchronize(device)
+                    start = time.perf_counter()
+                    chosen[way] = device_module.select_on_device(dr.TopK(k=k), values)
+                    synchronize(device)
+                if call:
+                    times[way].append(time.perf_counter() - start)
+            if not torch.equal(chosen["sampled"], chosen["all"]):
+                raise AssertionError(f"Top-k of {n} values: the sampled and full selections "
+                                     "differ")
+        low = device_module._sampled_low(
+            device_module._magnitudes(values[device_module.sample_positions(n, device)]), k, n)
+        rows.append({"n": n, "k": k, "candidates": int((values.abs() >= low).sum()),
+                     **{f"{way}_ms": 1e3 * statistics.median(t) for way, t in times.items()}})
+    return rows
+
+
 # -- the report -------------------------------------------------------------------------------
 
 def megabytes(nbytes):
@@ -471,6 +516,18 @@ def report(record) -> str:
                          megabytes(r["sent_bytes"]), host, megabytes(r["dense_bytes"])])
         lines += table(header, body, right_aligned=True) + [""]
     lines += ["## Which path serves which device", ""] + paths_note(record) + [""]
+    if record.get("topk"):
+        lines += ["## Top-k on the device: from a sampled threshold or over all values", "",
+                  "`select_on_device(TopK(k))` of Gaussian tensors, k = 1% of them: with the "
+                  "sampled threshold (the candidates that reach it, then the exact selection "
+                  "among them) and with the exact selection over all values, in turns; median "
+                  f"of {record['topk_repeats']} calls each, the device synchronised around each."
+                  f" The device path samples from {record['sampled_from']:,} values up.", ""]
+        body = [[f"{r['n']:,}", f"{r['k']:,}", f"{r['candidates']:,}", f"{r['sampled_ms']:,.3f}",
+                 f"{r['all_ms']:,.3f}", f"{r['all_ms'] / r['sampled_ms']:.2f}x"]
+                for r in record["topk"]]
+        lines += table(["values", "k", "candidates", "sampled ms", "all values ms",
+                        "sampled faster by"], body, right_aligned=True) + [""]
     return "\n".join(lines)
 
 
@@ -533,8 +590,12 @@ def main(argv=None):
                              f"{POWERSGD_START})")
     parser.add_argument("--device", default=None,
                         help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--topk-repeats", type=int, default=20,
+                        help="calls per way of the Top-k comparison (0: none)")
     parser.add_argument("--out", default=str(RESULTS / "device_step.md"))
     args = parser.parse_args(argv)
+    import deepreduce.torch.device as device_module
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -548,6 +609,7 @@ def main(argv=None):
             model["steps"] = args.steps
             models.append(model)
             rows += model_rows
+        topk = measure_topk(device, args.topk_repeats) if args.topk_repeats else []
     finally:
         dist.destroy_process_group()
     record = {"argv": list(argv if argv is not None else sys.argv[1:]),
@@ -557,7 +619,8 @@ def main(argv=None):
               "torch": torch.__version__, "threads": torch.get_num_threads(),
               "cpus": os.cpu_count(), "machine": platform.platform(),
               "ranks": args.ranks, "warmup": args.warmup,
-              "models": models, "rows": rows}
+              "models": models, "rows": rows, "topk": topk, "topk_repeats": args.topk_repeats,
+              "sampled_from": device_module.SAMPLED_FROM}
     out = write_report(args.out, report(record), record)
     print(f"wrote {out}")
 

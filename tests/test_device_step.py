@@ -18,7 +18,7 @@ needs_checkout = pytest.mark.skipif(not (REPO / "benchmarks" / "device_step.py")
 def test_device_step_benchmark_reports_every_scheme(tmp_path):
     out = tmp_path / "device_step.md"
     subprocess.run([sys.executable, "-m", "benchmarks.device_step", "--models", "mlp",
-                    "--ranks", "2", "--steps", "1", "--out", str(out)],
+                    "--ranks", "2", "--steps", "1", "--topk-repeats", "1", "--out", str(out)],
                    cwd=REPO, timeout=120, capture_output=True, text=True, check=True)
     text = out.read_text()
     assert "8,546,314 parameters" in text
@@ -34,3 +34,9 @@ def test_device_step_benchmark_reports_every_scheme(tmp_path):
     assert numpy_path["sent_bytes"] == device_path["sent_bytes"] < dense / 50
     assert numpy_path["host_device_bytes"] == 2 * dense
     assert 0 < device_path["host_device_bytes"] < dense / 5
+    # the Top-k comparison: both ways timed (and checked to agree) at every size
+    topk = json.loads(out.with_suffix(".json").read_text())["topk"]
+    assert [r["n"] for r in topk] == [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22]
+    assert all(r["sampled_ms"] > 0 and r["all_ms"] > 0 and r["k"] <= r["candidates"]
+               for r in topk)
+    assert "## Top-k on the device" in text
