@@ -41,6 +41,7 @@ from the hook state's stats) and set it against its physical limit. Writes
 
     python -m benchmarks.torch_e2e                      # 1 Gbit/s, 10 Gbit/s, 100 Mbit/s
     python -m benchmarks.torch_e2e --rates 1gbit --steps 6 --rounds 2     # quicker
+    python -m benchmarks.torch_e2e --from-json benchmarks/results/torch_e2e.json  # re-render
 """
 
 from __future__ import annotations
@@ -467,6 +468,8 @@ def parse_args(argv=None):
     parser.add_argument("--schemes", nargs="*", default=None,
                         help="only the schemes whose label contains one of these words")
     parser.add_argument("--out", default=str(RESULTS / "torch_e2e.md"))
+    parser.add_argument("--from-json", metavar="TORCH_E2E_JSON",
+                        help="only re-render the report and plot of an earlier run's json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--link-gbits", type=float, help=argparse.SUPPRESS)
@@ -478,6 +481,10 @@ def main(argv=None):
     if args.worker:
         spawn_workers(args)
         return 0
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        args = argparse.Namespace(**{**saved["args"], "out": args.out})
+        return write_results(saved["runs"], args, report, plot)
     runs = run_rates(args, run_rate, NAMESPACE, "torch_e2e")
     return 2 if runs is None else write_results(runs, args, report, plot)
 
