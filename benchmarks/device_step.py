@@ -287,7 +287,7 @@ def build_schemes(ranks, device):
 
 
 class SelectionClock:
-    """Seconds spent in :func:`deepreduce.torch.device.select_on_device` (the device path's
+    """Seconds spent in :func:`deepreduce.torch.device.propose_on_device` (the device path's
     sparsifier), wrapped while the clock is installed; on a GPU, launch time only."""
 
     def __init__(self):
@@ -296,7 +296,7 @@ class SelectionClock:
 
     def __enter__(self):
         import deepreduce.torch.device as device_module
-        self._module, self._original = device_module, device_module.select_on_device
+        self._module, self._original = device_module, device_module.propose_on_device
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -305,11 +305,11 @@ class SelectionClock:
             finally:
                 with self._lock:
                     self.seconds += time.perf_counter() - start
-        device_module.select_on_device = timed
+        device_module.propose_on_device = timed
         return self
 
     def __exit__(self, *exc):
-        self._module.select_on_device = self._original
+        self._module.propose_on_device = self._original
 
 
 def synchronize(device):
@@ -445,7 +445,7 @@ def measure_topk(device, repeats: int, sizes=TOPK_SIZES, seed=0) -> list[dict]:
             if not torch.equal(chosen["sampled"], chosen["all"]):
                 raise AssertionError(f"Top-k of {n} values: the sampled and full selections "
                                      "differ")
-        low = device_module._sampled_low(
+        low, _ = device_module._sampled_low(
             device_module._magnitudes(values[device_module.sample_positions(n, device)]), k, n)
         rows.append({"n": n, "k": k, "candidates": int((values.abs() >= low).sum()),
                      **{f"{way}_ms": 1e3 * statistics.median(t) for way, t in times.items()}})
@@ -543,7 +543,7 @@ def paths_note(record) -> list[str]:
                               rows[True]["select_ms"]))
     cells = "; ".join(f"{m} P={p}: {numpy_ms:,.1f} ms numpy/C, {device_ms:,.1f} ms device "
                       f"({device_ms / numpy_ms:.2f}x; {select_ms:,.1f} ms of it in "
-                      "`select_on_device`)" for m, p, numpy_ms, device_ms, select_ms in pairs)
+                      "`propose_on_device`)" for m, p, numpy_ms, device_ms, select_ms in pairs)
     faster = sum(device < numpy for _, _, numpy, device, _ in pairs)
     if record["device"] == "cpu":
         verdict = ("On the CPU the device path was faster in "

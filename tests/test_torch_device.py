@@ -15,9 +15,10 @@ torch = pytest.importorskip("torch")
 
 import deepreduce as dr  # noqa: E402
 from deepreduce.exchange import GradientExchange  # noqa: E402
+from deepreduce.torch import device as device_module  # noqa: E402
 from deepreduce.torch.device import (DeviceSelector, HostLink, from_host,  # noqa: E402
-                                     SAMPLED_FROM, host_array, sample_positions,
-                                     select_on_device)
+                                     SAMPLED_FROM, host_array, propose_on_device,
+                                     sample_positions, select_on_device)
 
 #: (name, shape): one with its own payload, two that share one, one below min_size
 SHAPES = [("w", (300, 400)), ("v", (64, 40)), ("u", (2000,)), ("b", (100,))]
@@ -118,25 +119,75 @@ def test_topk_on_device_takes_numpy_topk_set(dtype, k):
     assert np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", ["gaussian", "ties", "sample misleads", "nan"])
-def test_topk_on_device_takes_numpy_topk_set_from_its_sample(case, dtype):
-    """Tensors of SAMPLED_FROM values and more select among the candidates reaching a
-    sample's threshold, or among all values when fewer than k reach it."""
-    n, k = SAMPLED_FROM * 4, 5000
+def sampled_case(case, n):
+    """A tensor of ``n`` values whose sampled threshold works (gaussian, ties, nan) or
+    misleads: too few values reach it, or too many for the candidates' room."""
     values = torch.from_numpy(np.random.default_rng(7).standard_normal(n, np.float32))
     if case == "ties":
         values[::7] = 2.5            # the k-th magnitude, held by many more than k
-    elif case == "sample misleads":
-        # large values at the sampled positions alone: fewer than k reach the threshold
+    elif case == "too few reach":
+        # large values at the sampled positions alone
         values = torch.rand(n, generator=torch.Generator().manual_seed(7))
         values[sample_positions(n)] = 3.0
-        assert int((values >= 3.0).sum()) < k
+    elif case == "too many reach":
+        # small values at the sampled positions alone
+        values = torch.rand(n, generator=torch.Generator().manual_seed(7)) + 2.0
+        values[sample_positions(n)] = 1e-3
     elif case == "nan":
         values[::3] = float("nan")
-    values = values.to(dtype)
+    return values
+
+
+SAMPLED_CASES = ["gaussian", "ties", "too few reach", "too many reach", "nan"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", SAMPLED_CASES)
+def test_topk_on_device_takes_numpy_topk_set_from_its_sample(case, dtype):
+    """Tensors of SAMPLED_FROM values and more select among the candidates reaching a
+    sample's threshold, or among all values when the sample misled."""
+    n, k = SAMPLED_FROM * 4, 5000
+    values = sampled_case(case, n).to(dtype)
     want = dr.TopK(k=k, exact=True)(values.float().numpy()).indices
+    positions, exact = propose_on_device(dr.TopK(k=k), values)
+    # whether the candidates held the top k is known on the device, counted there: not
+    # when the k-th magnitude's ties alone outnumber the candidates' room
+    assert exact.dtype == torch.bool and bool(exact) == (case in ("gaussian", "nan"))
+    if bool(exact):
+        assert np.array_equal(positions.numpy(), want)
     assert np.array_equal(select_on_device(dr.TopK(k=k), values).numpy(), want)
+
+
+@pytest.mark.parametrize("case", SAMPLED_CASES)
+def test_topk_on_device_without_nonzero_static_counts_its_candidates(case, monkeypatch):
+    """Where torch has no nonzero_static for the device (CUDA before torch 2.6), the
+    candidates come from torch.nonzero, which counts them at once: the same sets."""
+    def missing(*args, **kwargs):
+        raise NotImplementedError("aten::nonzero_static on this backend")
+
+    monkeypatch.setattr(torch, "nonzero_static", missing)
+    monkeypatch.setattr(device_module, "_COUNTS_NONZERO", set())
+    n, k = SAMPLED_FROM * 2, 3000
+    values = sampled_case(case, n)
+    want = dr.TopK(k=k, exact=True)(values.numpy()).indices
+    positions, exact = propose_on_device(dr.TopK(k=k), values)
+    assert exact is None and np.array_equal(positions.numpy(), want)
+    assert device_module._COUNTS_NONZERO == {"cpu"}
+
+
+@pytest.mark.parametrize("case", ["too few reach", "too many reach"])
+def test_device_path_codes_the_same_bits_when_the_sample_misleads(case):
+    """The selection that finds, in the pairs' copy, that its candidates missed selects
+    again among all values: the same payload and residual as the numpy path."""
+    n = SAMPLED_FROM * 2
+    settings = dict(sparsifier=dr.TopK(0.01), value="fp16")
+    host = GradientExchange(min_size=MIN_SIZE, **settings)
+    device = GradientExchange(min_size=MIN_SIZE, selector=DeviceSelector, **settings)
+    for step in range(2):
+        values = sampled_case(case, n) * (step + 1)
+        sent = host.encode_bundle(["g"], [values.numpy().copy()])
+        assert device.encode_bundle(["g"], [values.clone()]) == sent
+        assert residuals(device) == residuals(host)
 
 
 @settings(max_examples=40, deadline=None)
@@ -153,6 +204,9 @@ def test_topk_on_device_from_its_sample_is_numpy_topk(extra, k, levels, seed, dt
     values = torch.from_numpy(host.astype(np.float32)).to(dtype)
     want = dr.TopK(k=min(k, n), exact=True)(values.float().numpy()).indices
     assert np.array_equal(select_on_device(dr.TopK(k=min(k, n)), values).numpy(), want)
+    positions, exact = propose_on_device(dr.TopK(k=min(k, n)), values)
+    if exact is None or bool(exact):  # what it vouches for is the set
+        assert np.array_equal(positions.numpy(), want)
 
 
 def test_small_tensors_come_from_the_host():
@@ -172,6 +226,14 @@ def test_host_link_counts_what_crosses():
     back = link.to_device(array, "cpu", torch.float32)
     assert (link.to_host_bytes, link.to_device_bytes) == (80, 80)
     assert back.dtype == torch.float32 and back.tolist() == list(range(10))
+    # pairs and their check in one copy: 3 int64 positions, 3 float16 values, 1 byte
+    positions, values, check = link.pairs_to_host(
+        torch.tensor([1, 5, 9], dtype=torch.int32), torch.tensor([0.5, -2.0, 3.0]).half(),
+        torch.tensor(False))
+    assert link.to_host_bytes == 80 + 24 + 6 + 1
+    assert positions.tolist() == [1, 5, 9] and values.tolist() == [0.5, -2.0, 3.0]
+    assert check is False
+    assert link.pairs_to_host(torch.tensor([2]), torch.tensor([1.0]))[2] is True
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])

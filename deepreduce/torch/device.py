@@ -69,14 +69,21 @@ class HostLink:
         """A numpy array of ``tensor``'s values (a view when it already lives on the CPU)."""
         return host_array(self._copy_to_host(tensor))
 
-    def pairs_to_host(self, positions: torch.Tensor, values: torch.Tensor):
-        """``(positions, values)`` as numpy arrays (int64 positions), both in one copy: a
-        copy to the host waits for the device's work so far, and one wait serves both."""
+    def pairs_to_host(self, positions: torch.Tensor, values: torch.Tensor, check=None):
+        """``(positions, values, check)``: the pairs as numpy arrays (int64 positions) and
+        ``check`` (a 0-d bool tensor on their device, or None) as a bool (True for None),
+        all in one copy: a copy to the host waits for the device's work so far, and one
+        wait serves them all."""
         positions = positions.to(torch.int64)
         split = positions.numel() * positions.element_size()
-        both = self._copy_to_host(torch.cat([positions.view(torch.uint8),
-                                             values.contiguous().view(torch.uint8)]))
-        return host_array(both[:split].view(torch.int64)), host_array(both[split:].view(values.dtype))
+        end = split + values.numel() * values.element_size()
+        parts = [positions.view(torch.uint8), values.contiguous().view(torch.uint8)]
+        if check is not None:
+            parts.append(check.to(torch.uint8).view(1))
+        both = self._copy_to_host(torch.cat(parts))
+        return (host_array(both[:split].view(torch.int64)),
+                host_array(both[split:end].view(values.dtype)),
+                check is None or bool(both[end]))
 
     def _copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         self.to_host_bytes += tensor.numel() * tensor.element_size()
@@ -188,9 +195,13 @@ class DeviceSelector(Selector):
         if self.memory is not None and name is not None:
             corrected = x = self.memory.accumulate(name, x)
         flat = x.reshape(-1)
-        positions = select_on_device(pipeline.sparsifier, flat)
+        positions, exact = propose_on_device(pipeline.sparsifier, flat)
         values = flat[positions]
-        host_positions, host_values = self.link.pairs_to_host(positions, values)
+        host_positions, host_values, exact = self.link.pairs_to_host(positions, values, exact)
+        if not exact:  # the sampled threshold missed (rare): the selection over all values
+            positions = exact_top_k(pipeline.sparsifier, flat)
+            values = flat[positions]
+            host_positions, host_values, _ = self.link.pairs_to_host(positions, values)
         selected = SparseTensor._trusted(host_values, host_positions, tuple(x.shape))
         return DeviceSelection(name, pipeline, selected, corrected, positions, values)
 
@@ -261,9 +272,8 @@ def _cast(values: torch.Tensor, dtype) -> torch.Tensor:
 
 #: Tensors of this many values and more take TopK's sampled threshold first (the
 #: numpy path's fast mode): the exact selection then runs on the candidates that reach
-#: it, about 1.5 k of them, instead of on every value. Smaller ones are selected among
-#: all their values, which on a CPU costs about as much at 16K values and on a GPU
-#: saves the wait for the device that ``torch.nonzero`` makes
+#: it, 1.6-2.8 k of them, instead of on every value. Smaller ones are selected among
+#: all their values, which on a CPU costs about as much at 16K values
 #: (``benchmarks/device_step.py`` measures the device path).
 SAMPLED_FROM = 1 << 16
 
@@ -271,9 +281,36 @@ SAMPLED_FROM = 1 << 16
 def select_on_device(sparsifier, flat: torch.Tensor) -> torch.Tensor:
     """Sorted flat positions that ``sparsifier`` (a deepreduce sparsifier) takes from
     ``flat``, computed on ``flat``'s device: the positions the numpy sparsifier takes."""
+    positions, exact = propose_on_device(sparsifier, flat)
+    if exact is not None and not bool(exact):  # (waits for the device)
+        positions = exact_top_k(sparsifier, flat)
+    return positions
+
+
+def propose_on_device(sparsifier, flat: torch.Tensor):
+    """``(positions, exact)``: :func:`select_on_device`'s positions without waiting for
+    the device. ``exact`` is None when they are the sparsifier's for sure, else a 0-d
+    bool tensor on the device that says whether they are: TopK from a sampled threshold
+    (:data:`SAMPLED_FROM` values and more) knows it only once the candidates are
+    counted, and when they are not, :func:`exact_top_k` gives them."""
     n = flat.numel()
     if isinstance(sparsifier, TopK):
-        return _top_k(flat, _count(sparsifier.ratio, sparsifier.k, n, "TopK"))
+        k = _count(sparsifier.ratio, sparsifier.k, n, "TopK")
+        if SAMPLED_FROM <= n < 1 << 32 and 0 < k < n and flat.dtype != torch.float64:
+            return _sampled_top_k(flat, k)
+        return _largest(_magnitudes(flat), k), None
+    return _select_exactly(sparsifier, flat), None
+
+
+def exact_top_k(sparsifier: TopK, flat: torch.Tensor) -> torch.Tensor:
+    """Sorted positions of :class:`~deepreduce.TopK`'s set, selected among all values."""
+    return _largest(_magnitudes(flat), _count(sparsifier.ratio, sparsifier.k, flat.numel(),
+                                              "TopK"))
+
+
+def _select_exactly(sparsifier, flat: torch.Tensor) -> torch.Tensor:
+    """:func:`select_on_device` for the sparsifiers other than TopK."""
+    n = flat.numel()
     if isinstance(sparsifier, NonZero):
         return torch.nonzero(flat).view(-1)
     if isinstance(sparsifier, Threshold):
@@ -304,20 +341,43 @@ def _magnitudes(values: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(magnitudes, nan=-math.inf, posinf=math.inf)
 
 
-def _top_k(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted positions of the ``k`` values of largest magnitude in the 1-D ``values``:
-    the set of :class:`deepreduce.TopK` (NaN ranked lowest, ties to the lowest
-    positions)."""
+def _sampled_top_k(values: torch.Tensor, k: int):
+    """``(positions, exact)`` of the ``k`` values of largest magnitude in the 1-D
+    ``values`` (NaN ranked lowest, ties to the lowest positions), chosen among those
+    that reach a sampled threshold (``exact``: whether they held the k)."""
     n = values.numel()
-    if SAMPLED_FROM <= n < 1 << 32 and 0 < k < n and values.dtype != torch.float64:
-        low = _sampled_low(_magnitudes(values[sample_positions(n, values.device)]), k, n)
-        # (NaN reaches no threshold: it ranks lowest; nonzero's count waits for the
-        # device, as the pairs' copy to the host right after the selection does anyway)
-        candidates = torch.nonzero(values.abs() >= low).view(-1)
-        if candidates.numel() >= k:  # else the sample misled: select among all
-            chosen = _top_keys(_magnitudes(values[candidates]), candidates, n, k)
-            return candidates[chosen].sort().values
-    return _largest(_magnitudes(values), k)
+    low, most = _sampled_low(_magnitudes(values[sample_positions(n, values.device)]), k, n)
+    reach = values.abs() >= low  # (NaN reaches no threshold: it ranks lowest)
+    # room for `most` candidates, padded with -1: no count to wait for, where
+    # torch.nonzero would make the host wait for the device to know its size
+    candidates = _nonzero_padded(reach, max(k, most))
+    if candidates is None:  # (a device without nonzero_static: they are counted now)
+        candidates, exact = torch.nonzero(reach).view(-1), None
+        if candidates.numel() < k:  # the sample misled: select among all
+            return _largest(_magnitudes(values), k), None
+    else:
+        count = reach.sum()
+        exact = (count >= k) & (count <= candidates.numel())
+    magnitudes = _magnitudes(values[candidates])
+    # padding ranks below every candidate (a candidate's magnitude is a number)
+    magnitudes = torch.where(candidates >= 0, magnitudes, -math.inf)
+    chosen = _top_keys(magnitudes, candidates, n, k)
+    return candidates[chosen].sort().values, exact
+
+
+#: Device types whose torch has no ``nonzero_static`` (CUDA before torch 2.6).
+_COUNTS_NONZERO: set = set()
+
+
+def _nonzero_padded(mask: torch.Tensor, size: int) -> torch.Tensor | None:
+    """The first ``size`` positions where ``mask`` holds, padded with -1, without a wait
+    for the device; None where torch cannot."""
+    if mask.device.type not in _COUNTS_NONZERO:
+        try:
+            return torch.nonzero_static(mask, size=size, fill_value=-1).view(-1)
+        except (AttributeError, NotImplementedError):
+            _COUNTS_NONZERO.add(mask.device.type)
+    return None
 
 
 def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
@@ -363,11 +423,15 @@ def sample_positions(n: int, device=None) -> torch.Tensor:
     return strata + (strata // stride * 0x9E3779B1) % stride
 
 
-def _sampled_low(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
-    """A magnitude (a 0-d tensor on their device) that about ``k`` plus a safe margin of
-    a tensor's ``n`` magnitudes reach, from the magnitudes ``sample`` of it: the rule of
-    :class:`deepreduce.TopK`'s fast mode."""
+def _sampled_low(sample: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, int]:
+    """``(low, most)``: a magnitude (a 0-d tensor on their device) that about ``k`` plus a
+    safe margin of a tensor's ``n`` magnitudes reach, from the magnitudes ``sample`` of
+    it (the rule of :class:`deepreduce.TopK`'s fast mode), and how many reach it at
+    most, but with a chance far below one in a million."""
     count = sample.numel()
     expected = count * k / n
     j = min(count, int(expected + 4 * math.sqrt(expected) + 2))
-    return torch.kthvalue(sample, count - j + 1).values  # the j-th largest
+    # j of the sample reach low: the tensor's share that does is about j / count, give
+    # or take sqrt(j) / count
+    most = min(n, math.ceil(n * (j + 6 * math.sqrt(j) + 6) / count))
+    return torch.kthvalue(sample, count - j + 1).values, most  # the j-th largest
