@@ -244,8 +244,10 @@ class DeviceSelector(Selector):
                                  values[start:start + part.nnz])
                 start += part.nnz
             if scale is not None:
-                where = positions.unique()
-                total[where] = (total[where].double() * scale).to(accumulator)
+                # every rank's positions, repeats included: each repeat reads the same sum
+                # before any is written, and writes the same scaled value (a unique()
+                # would wait for the device to size its result)
+                total[positions] = (total[positions].double() * scale).to(accumulator)
         if total is not flat:
             flat.copy_(total)
 
