@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 
 import deepreduce as dr  # noqa: E402
 from deepreduce.exchange import GradientExchange  # noqa: E402
-from deepreduce.torch.device import DeviceSelector  # noqa: E402
+from deepreduce.torch.device import (DeviceSelector, propose_on_device,  # noqa: E402
+                                     select_on_device)
 
 import test_torch_device as on_cpu  # noqa: E402
 
@@ -48,6 +49,17 @@ def test_device_path_on_cuda_codes_and_sums_the_same_bits(settings):
             got = device.memory.residual(name)
             got = got.cpu().numpy() if isinstance(got, torch.Tensor) else got
             assert got.tobytes() == host.memory.residual(name).tobytes()
+
+
+@pytest.mark.parametrize("case", on_cpu.SAMPLED_CASES)
+def test_topk_on_cuda_takes_numpy_topk_set_from_its_sample(case):
+    n, k = on_cpu.SAMPLED_FROM * 4, 5000
+    values = on_cpu.sampled_case(case, n)
+    want = dr.TopK(k=k, exact=True)(values.numpy()).indices
+    _, exact = propose_on_device(dr.TopK(k=k), values.cuda())
+    # counted on the GPU (by torch.nonzero at once before torch 2.6: None)
+    assert exact is None or exact.is_cuda
+    assert np.array_equal(select_on_device(dr.TopK(k=k), values.cuda()).cpu().numpy(), want)
 
 
 def test_exchange_keeps_its_residuals_on_the_gpu():
