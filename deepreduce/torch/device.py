@@ -350,16 +350,16 @@ def _sampled_top_k(values: torch.Tensor, k: int):
     n = values.numel()
     low, most = _sampled_low(_magnitudes(values[sample_positions(n, values.device)]), k, n)
     reach = values.abs() >= low  # (NaN reaches no threshold: it ranks lowest)
-    # room for `most` candidates, padded with -1: no count to wait for, where
-    # torch.nonzero would make the host wait for the device to know its size
-    candidates = _nonzero_padded(reach, max(k, most))
+    # room for one more than `most` candidates, padded with -1: no count to wait for,
+    # where torch.nonzero would make the host wait for the device to know its size
+    room = max(k, most) + 1
+    candidates = _nonzero_padded(reach, room)
     if candidates is None:  # (a device without nonzero_static: they are counted now)
         candidates, exact = torch.nonzero(reach).view(-1), None
         if candidates.numel() < k:  # the sample misled: select among all
             return _largest(_magnitudes(values), k), None
-    else:
-        count = reach.sum()
-        exact = (count >= k) & (count <= candidates.numel())
+    else:  # they held the top k when k of them were found and the last slot is padding
+        exact = (candidates[k - 1] >= 0) & (candidates[room - 1] < 0)
     magnitudes = _magnitudes(values[candidates])
     # padding ranks below every candidate (a candidate's magnitude is a number)
     magnitudes = torch.where(candidates >= 0, magnitudes, -math.inf)
