@@ -222,10 +222,14 @@ def test_lossy_index_codecs_take_the_host_path():
 
 def test_host_link_counts_what_crosses():
     link = HostLink()
-    array = link.to_host(torch.arange(10, dtype=torch.int64))
-    back = link.to_device(array, "cpu", torch.float32)
+    arrays = link.to_host([torch.arange(4, dtype=torch.int64),
+                           torch.arange(4, 10, dtype=torch.int64).view(2, 3)])
+    assert [a.tolist() for a in arrays] == [[0, 1, 2, 3], [[4, 5, 6], [7, 8, 9]]]
+    back = link.to_device(np.concatenate([a.reshape(-1) for a in arrays]), "cpu",
+                          torch.float32)
     assert (link.to_host_bytes, link.to_device_bytes) == (80, 80)
     assert back.dtype == torch.float32 and back.tolist() == list(range(10))
+    assert link.to_host([]) == [] and link.to_host_bytes == 80
     # pairs and their check in one copy: 3 int64 positions, 3 float16 values, 1 byte
     positions, values, check = link.pairs_to_host(
         torch.tensor([1, 5, 9], dtype=torch.int32), torch.tensor([0.5, -2.0, 3.0]).half(),

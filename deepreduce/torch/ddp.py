@@ -474,9 +474,12 @@ def _device_step(state, last, buffer, layout):
     exchange = state.exchange
     if state._compresses_layout(layout):
         link = exchange.selector.link
-        # small tensors travel losslessly from the host: they are small
-        inputs = [view if view.numel() >= exchange.min_size else link.to_host(view)
-                  for view in views]
+        # small tensors travel losslessly from the host: they are small, and cross in one
+        # copy
+        inputs = list(views)
+        small = [i for i, view in enumerate(views) if view.numel() < exchange.min_size]
+        for i, array in zip(small, link.to_host([views[i] for i in small])):
+            inputs[i] = array
         # (encoding copies what it needs before this returns: the sums may overwrite)
         started = exchange.reduce_async(keys, inputs, state._guarded, "average", out=views)
     else:

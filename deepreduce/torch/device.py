@@ -65,9 +65,17 @@ class HostLink:
     def reset(self) -> None:
         self.to_host_bytes = self.to_device_bytes = 0
 
-    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
-        """A numpy array of ``tensor``'s values (a view when it already lives on the CPU)."""
-        return host_array(self._copy_to_host(tensor))
+    def to_host(self, tensors) -> list[np.ndarray]:
+        """Numpy arrays of the values of ``tensors`` (of one dtype), all in one copy: each
+        copy to the host waits for the device."""
+        if not tensors:
+            return []
+        flat = self._copy_to_host(torch.cat([tensor.reshape(-1) for tensor in tensors]))
+        arrays, start = [], 0
+        for tensor in tensors:
+            arrays.append(host_array(flat[start:start + tensor.numel()]).reshape(tensor.shape))
+            start += tensor.numel()
+        return arrays
 
     def pairs_to_host(self, positions: torch.Tensor, values: torch.Tensor, check=None):
         """``(positions, values, check)``: the pairs as numpy arrays (int64 positions) and
