@@ -145,6 +145,17 @@ class AllgatherExchange:
         # in a training step took 2-3x its warm time. Per payload: its coding
         # (pipeline, selection, dense source), and whose it is (tensor positions,
         # their shapes when they share it, the selections to settle).
+        # (the selections all at once, in the order the payloads take them: a selector
+        # on a device then brings them to the host in one copy)
+        requests = []
+        for t, (name, x) in enumerate(zip(names, tensors)):
+            group = sharing.get(t)
+            if group is None:
+                if not isinstance(x, SparseTensor):
+                    requests.append((name, x))
+            elif t == group[1][0][0] and group[0]:
+                requests += [(names[m], array) for m, array in group[1]]
+        selections = iter(self.selector.select_all(requests))
         codings, owners = [], []
         for t, (name, x) in enumerate(zip(names, tensors)):
             group = sharing.get(t)
@@ -153,12 +164,12 @@ class AllgatherExchange:
                 continue
             slots.append(len(codings))
             if group is not None:
-                coding, owner = self._select_shared(*group, names)
+                coding, owner = self._select_shared(*group, selections)
             elif isinstance(x, SparseTensor):  # coded after the others, see below
                 sparse.append((len(codings), t))
                 coding, owner = None, ([t], None, None)
             else:
-                selection = self.selector.select(name, x)
+                selection = next(selections)
                 coding = (selection.pipeline, selection.selected, selection.dense)
                 owner = ([t], None, [selection])
             codings.append(coding)
@@ -246,10 +257,11 @@ class AllgatherExchange:
         return [(selects, members) for (selects, *_), payloads in groups.items()
                 for _, members in payloads if len(members) > 1]
 
-    def _select_shared(self, selects: bool, members, names) -> tuple[tuple, tuple]:
+    def _select_shared(self, selects: bool, members, selections) -> tuple[tuple, tuple]:
         """``(coding, owner)`` of the payload ``members`` share (see
         :meth:`_shared_payloads`): its ``(pipeline, selection, dense)``, and ``(positions,
-        shapes, selections)`` of its tensors (``selections`` None when it is lossless)."""
+        shapes, selections)`` of its tensors (``selections`` None when it is lossless).
+        ``selections``: an iterator whose next ones are the members' (when they select)."""
         shapes = [tuple(array.shape) for _, array in members]
         positions = [t for t, _ in members]
         if not selects:
@@ -258,10 +270,10 @@ class AllgatherExchange:
             return ((selection.pipeline, selection.selected, selection.dense),
                     (positions, shapes, None))
         # each tensor's own error feedback and selection, then one coding of them all
-        selections, values, indices, offset = [], [], [], 0
-        for t, array in members:
-            selection = self.selector.select(names[t], array)
-            selections.append(selection)
+        own, values, indices, offset = [], [], [], 0
+        for _, array in members:
+            selection = next(selections)
+            own.append(selection)
             values.append(selection.selected.values)
             indices.append(selection.selected.indices + offset)
             offset += self.selector.size(array)
@@ -269,7 +281,7 @@ class AllgatherExchange:
         # (coded with its first tensor's pipeline, whose auto index codec remembers the
         # payload's last choice, see codecs/auto.py's RECHECK: its tensors are the same
         # from step to step)
-        return (selections[0].pipeline, whole, None), (positions, shapes, selections)
+        return (own[0].pipeline, whole, None), (positions, shapes, own)
 
     def _threads(self, codings) -> int:
         """The threads for ``codings`` (``(pipeline, ...)``): :attr:`codec_threads`, or one

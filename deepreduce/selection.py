@@ -137,6 +137,12 @@ class Selector:
         return Selection(name, pipeline, selected, _as_float_array(corrected).reshape(-1),
                          corrected)
 
+    def select_all(self, requests) -> list[Selection]:
+        """:meth:`select` of each ``(name, x)`` of ``requests``, in order: what an exchange
+        sends of a step's tensors. (A selector of tensors on a device brings their
+        selections to the host together.)"""
+        return [self.select(name, x) for name, x in requests]
+
     def settle(self, selection: Selection, received: SparseTensor,
                selected: SparseTensor | None = None) -> None:
         """Finish error feedback: the residual becomes ``corrected - received``.

@@ -178,16 +178,23 @@ def test_topk_on_device_without_nonzero_static_counts_its_candidates(case, monke
 @pytest.mark.parametrize("case", ["too few reach", "too many reach"])
 def test_device_path_codes_the_same_bits_when_the_sample_misleads(case):
     """The selection that finds, in the pairs' copy, that its candidates missed selects
-    again among all values: the same payload and residual as the numpy path."""
+    again among all values, beside tensors whose sample did not mislead and a small one
+    from the host: the same payloads and residuals as the numpy path."""
     n = SAMPLED_FROM * 2
     settings = dict(sparsifier=dr.TopK(0.01), value="fp16")
     host = GradientExchange(min_size=MIN_SIZE, **settings)
     device = GradientExchange(min_size=MIN_SIZE, selector=DeviceSelector, **settings)
+    names = ["gaussian", "misled", "gaussian too", "small"]
     for step in range(2):
-        values = sampled_case(case, n) * (step + 1)
-        sent = host.encode_bundle(["g"], [values.numpy().copy()])
-        assert device.encode_bundle(["g"], [values.clone()]) == sent
+        tensors = [sampled_case("gaussian", n), sampled_case(case, n) * (step + 1),
+                   sampled_case("gaussian", n) * 2, torch.randn(100)]
+        sent = host.encode_bundle(names, [t.numpy().copy() for t in tensors])
+        on_device = [t.clone() for t in tensors[:3]] + [tensors[3].numpy().copy()]
+        copies = device.selector.link.to_host_copies
+        assert device.encode_bundle(names, on_device) == sent
         assert residuals(device) == residuals(host)
+        # the three tensors' pairs in one copy, the misled one's again in a second
+        assert device.selector.link.to_host_copies - copies == 2
 
 
 @settings(max_examples=40, deadline=None)
@@ -220,6 +227,14 @@ def test_lossy_index_codecs_take_the_host_path():
         GradientExchange(index="bloom", selector=DeviceSelector)
 
 
+def test_a_steps_selections_cross_to_the_host_in_one_copy():
+    settings = dict(sparsifier=dr.TopK(0.01), value="fp16")
+    device = GradientExchange(min_size=MIN_SIZE, selector=DeviceSelector, **settings)
+    names = [name for name, _ in SHAPES]
+    device.encode_bundle(names, device_inputs(gradients(0)))
+    assert device.selector.link.to_host_copies == 1
+
+
 def test_host_link_counts_what_crosses():
     link = HostLink()
     arrays = link.to_host([torch.arange(4, dtype=torch.int64),
@@ -231,13 +246,18 @@ def test_host_link_counts_what_crosses():
     assert back.dtype == torch.float32 and back.tolist() == list(range(10))
     assert link.to_host([]) == [] and link.to_host_bytes == 80
     # pairs and their check in one copy: 3 int64 positions, 3 float16 values, 1 byte
-    positions, values, check = link.pairs_to_host(
-        torch.tensor([1, 5, 9], dtype=torch.int32), torch.tensor([0.5, -2.0, 3.0]).half(),
-        torch.tensor(False))
-    assert link.to_host_bytes == 80 + 24 + 6 + 1
+    # several tensors' pairs and checks in one copy, each part from a multiple of 8
+    # bytes: 3 int64 positions, 3 float16 values (+2), a check (+7); 1 position, 1
+    # float32 value (+4)
+    (positions, values, check), (one, value, unchecked) = link.pairs_to_host([
+        (torch.tensor([1, 5, 9], dtype=torch.int32), torch.tensor([0.5, -2.0, 3.0]).half(),
+         torch.tensor(False)),
+        (torch.tensor([2]), torch.tensor([1.5]), None)])
+    assert link.to_host_bytes == 80 + (24 + 8 + 8) + (8 + 8)
     assert positions.tolist() == [1, 5, 9] and values.tolist() == [0.5, -2.0, 3.0]
-    assert check is False
-    assert link.pairs_to_host(torch.tensor([2]), torch.tensor([1.0]))[2] is True
+    assert values.dtype == np.float16 and check is False
+    assert one.tolist() == [2] and value.tolist() == [1.5] and unchecked is True
+    assert link.pairs_to_host([]) == [] and link.to_host_copies == 2
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])

@@ -17,6 +17,7 @@ positions from the same numpy stream, fp16 and bf16 round as the codecs do.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -57,13 +58,15 @@ class HostLink:
     ----------
     to_host_bytes, to_device_bytes : int
         Bytes copied each way since the link was made (or :meth:`reset`).
+    to_host_copies : int
+        Copies to the host since then: on a GPU, each waits for the device.
     """
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self.to_host_bytes = self.to_device_bytes = 0
+        self.to_host_bytes = self.to_device_bytes = self.to_host_copies = 0
 
     def to_host(self, tensors) -> list[np.ndarray]:
         """Numpy arrays of the values of ``tensors`` (of one dtype), all in one copy: each
@@ -77,24 +80,39 @@ class HostLink:
             start += tensor.numel()
         return arrays
 
-    def pairs_to_host(self, positions: torch.Tensor, values: torch.Tensor, check=None):
-        """``(positions, values, check)``: the pairs as numpy arrays (int64 positions) and
-        ``check`` (a 0-d bool tensor on their device, or None) as a bool (True for None),
-        all in one copy: a copy to the host waits for the device's work so far, and one
-        wait serves them all."""
-        positions = positions.to(torch.int64)
-        split = positions.numel() * positions.element_size()
-        end = split + values.numel() * values.element_size()
-        parts = [positions.view(torch.uint8), values.contiguous().view(torch.uint8)]
-        if check is not None:
-            parts.append(check.to(torch.uint8).view(1))
-        both = self._copy_to_host(torch.cat(parts))
-        return (host_array(both[:split].view(torch.int64)),
-                host_array(both[split:end].view(values.dtype)),
-                check is None or bool(both[end]))
+    def pairs_to_host(self, pairs) -> list[tuple]:
+        """For each ``(positions, values, check)`` of ``pairs`` (``check``: a 0-d bool
+        tensor on their device, or None), the same on the host: numpy arrays (int64
+        positions) and a bool (True for None). All in one copy: a copy to the host waits
+        for the device's work so far, and one wait serves them all."""
+        chunks, layout = [], []
+        for positions, values, check in pairs:
+            parts = [positions.to(torch.int64).view(torch.uint8),
+                     values.contiguous().view(torch.uint8)]
+            if check is not None:
+                parts.append(check.to(torch.uint8).view(1))
+            for part in parts:  # each part from a multiple of 8 bytes: its view aligned
+                chunks += [part, part.new_zeros(-part.numel() % 8)]
+            layout.append((positions.numel(), values.numel(), values.dtype, check is not None))
+        if not chunks:
+            return []
+        flat, at, out = self._copy_to_host(torch.cat(chunks)), 0, []
+
+        def take(count, dtype):
+            nonlocal at
+            nbytes = count * dtype.itemsize
+            array = host_array(flat[at:at + nbytes].view(dtype))
+            at += nbytes + -nbytes % 8
+            return array
+
+        for positions, values, dtype, checked in layout:
+            out.append((take(positions, torch.int64), take(values, dtype),
+                        not checked or bool(take(1, torch.uint8)[0])))
+        return out
 
     def _copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         self.to_host_bytes += tensor.numel() * tensor.element_size()
+        self.to_host_copies += 1
         return tensor.detach().cpu()
 
     def to_device(self, array: np.ndarray, device, dtype=None) -> torch.Tensor:
@@ -161,6 +179,24 @@ class DeviceSelection(Selection):
         self.positions, self.values = positions, values
 
 
+@dataclasses.dataclass
+class _Proposal:
+    """A tensor's selection on the device, before its pairs reach the host."""
+
+    slot: int
+    name: str | None
+    pipeline: object
+    corrected: torch.Tensor | None
+    flat: torch.Tensor
+    shape: tuple
+    positions: torch.Tensor
+    values: torch.Tensor
+    exact: torch.Tensor | None
+
+    def pair(self) -> tuple:
+        return self.positions, self.values, self.exact
+
+
 class DeviceSelector(Selector):
     """:class:`~deepreduce.selection.Selector` for torch tensors on any device.
 
@@ -195,23 +231,45 @@ class DeviceSelector(Selector):
     def select(self, name, x, lossless: bool = False) -> Selection:
         if not isinstance(x, torch.Tensor):
             return super().select(name, x, lossless)
-        if lossless or self.is_small(x):
+        if lossless:
             raise ValueError("small tensors travel from the host: hand them over as numpy "
                              "arrays")
-        pipeline = self.pipeline_of(name)
-        corrected = None
-        if self.memory is not None and name is not None:
-            corrected = x = self.memory.accumulate(name, x)
-        flat = x.reshape(-1)
-        positions, exact = propose_on_device(pipeline.sparsifier, flat)
-        values = flat[positions]
-        host_positions, host_values, exact = self.link.pairs_to_host(positions, values, exact)
-        if not exact:  # the sampled threshold missed (rare): the selection over all values
-            positions = exact_top_k(pipeline.sparsifier, flat)
-            values = flat[positions]
-            host_positions, host_values, _ = self.link.pairs_to_host(positions, values)
-        selected = SparseTensor._trusted(host_values, host_positions, tuple(x.shape))
-        return DeviceSelection(name, pipeline, selected, corrected, positions, values)
+        return self.select_all([(name, x)])[0]
+
+    def select_all(self, requests) -> list[Selection]:
+        """:meth:`select` of each ``(name, x)``; the selected pairs of all the tensors
+        cross to the host in one copy, the one wait for the device of a step's
+        selections (two in the rare step where a sampled Top-k threshold missed)."""
+        selections, proposals = [], []
+        for name, x in requests:
+            if not isinstance(x, torch.Tensor):
+                selections.append(super().select(name, x))
+                continue
+            if self.is_small(x):
+                raise ValueError("small tensors travel from the host: hand them over as "
+                                 "numpy arrays")
+            pipeline = self.pipeline_of(name)
+            corrected = None
+            if self.memory is not None and name is not None:
+                corrected = x = self.memory.accumulate(name, x)
+            flat = x.reshape(-1)
+            positions, exact = propose_on_device(pipeline.sparsifier, flat)
+            proposals.append(_Proposal(len(selections), name, pipeline, corrected, flat,
+                                       tuple(x.shape), positions, flat[positions], exact))
+            selections.append(None)
+        pairs = self.link.pairs_to_host([p.pair() for p in proposals])
+        missed = [p for p, (_, _, exact) in zip(proposals, pairs) if not exact]
+        for p in missed:  # the sampled threshold missed (rare): among all values
+            p.positions = exact_top_k(p.pipeline.sparsifier, p.flat)
+            p.values, p.exact = p.flat[p.positions], None
+        again = iter(self.link.pairs_to_host([p.pair() for p in missed]))
+        for p, (positions, values, exact) in zip(proposals, pairs):
+            if not exact:
+                positions, values, _ = next(again)
+            selected = SparseTensor._trusted(values, positions, p.shape)
+            selections[p.slot] = DeviceSelection(p.name, p.pipeline, selected, p.corrected,
+                                                 p.positions, p.values)
+        return selections
 
     def settle(self, selection: Selection, received: SparseTensor,
                selected: SparseTensor | None = None) -> None:
