@@ -371,6 +371,10 @@ class AllgatherExchange:
         codec_seconds = time.perf_counter() - codec_start
         results = [None] * count
         scale = 1.0 / ranks if average else None
+        # the sums into tensors on a device, all at once after the loop (the selector then
+        # copies every part's pairs there together), and the copies out of shared payloads'
+        # sums that follow them
+        device_sums, after_sums = [], []
         for positions, shapes, parts in units:
             reference = parts[rank]
             for r, part in enumerate(parts):
@@ -381,7 +385,7 @@ class AllgatherExchange:
                                       f"rank {rank} sent {reference.shape} {reference.dtype}")
             if shapes is not None:
                 self._reduce_shared(positions, shapes, parts, reference, scale, out, out_keys,
-                                    results)
+                                    results, device_sums, after_sums)
                 continue
             i = positions[0]
             if as_rows[i]:
@@ -390,7 +394,7 @@ class AllgatherExchange:
             if out is not None and out[i] is not None and not isinstance(out[i], np.ndarray):
                 # a tensor on a device: the selector sums where it lives
                 _check_holds_elements(out[i], reference.size, self.selector)
-                self.selector.sum_into(out[i], parts, scale)
+                device_sums.append((out[i], parts, scale))
                 results[i] = out[i]
                 continue
             # the sequential sum in the dtype, as Horovod's dense allreduce computes it,
@@ -418,25 +422,35 @@ class AllgatherExchange:
                 np.copyto(target, result)
                 result = target
             results[i] = result.reshape(reference.shape)
+        if device_sums:
+            self.selector.sum_all(device_sums)
+        for copy_out in after_sums:
+            copy_out()
         return results, StepStats(bytes_received=received,
                                   decode_seconds=time.perf_counter() - start,
                                   codec_seconds=codec_seconds)
 
     def _reduce_shared(self, positions, shapes, parts, reference, scale, out, out_keys,
-                       results) -> None:
+                       results, device_sums, after_sums) -> None:
         """Sum the ranks' ``parts`` of one shared payload at once, into ``results`` at
-        ``positions``: views of one dense sum, or copies into ``out``."""
+        ``positions``: views of one dense sum, or copies into ``out``. Tensors on a device
+        add their sum to ``device_sums`` and the copies of its slices to ``after_sums``."""
         first = None if out is None else out[positions[0]]
         if first is not None and not isinstance(first, np.ndarray):
             # tensors on a device: one sum there, then each tensor's slice of it
             whole = first.new_empty(reference.size)
-            self.selector.sum_into(whole, parts, scale)
-            start = 0
+            device_sums.append((whole, parts, scale))
             for t, shape in zip(positions, shapes):
-                size = math.prod(shape)
-                _check_holds_elements(out[t], size, self.selector)
-                out[t].reshape(-1).copy_(whole[start:start + size])
-                results[t], start = out[t], start + size
+                _check_holds_elements(out[t], math.prod(shape), self.selector)
+                results[t] = out[t]
+
+            def copy_out():
+                start = 0
+                for t, shape in zip(positions, shapes):
+                    size = math.prod(shape)
+                    out[t].reshape(-1).copy_(whole[start:start + size])
+                    start += size
+            after_sums.append(copy_out)
             return
         accumulator, key = _accumulator(reference.dtype), ("shared", positions[0])
         total, stale = self._sums.zeros(key, reference.size, accumulator)

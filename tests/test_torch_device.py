@@ -227,12 +227,19 @@ def test_lossy_index_codecs_take_the_host_path():
         GradientExchange(index="bloom", selector=DeviceSelector)
 
 
-def test_a_steps_selections_cross_to_the_host_in_one_copy():
+def test_a_steps_pairs_cross_in_one_copy_each_way():
+    """The selections of a step's tensors go to the host in one copy; the decoded pairs
+    of every rank and tensor come back in one for their positions and one for their
+    values (of one dtype)."""
     settings = dict(sparsifier=dr.TopK(0.01), value="fp16")
     device = GradientExchange(min_size=MIN_SIZE, selector=DeviceSelector, **settings)
     names = [name for name, _ in SHAPES]
-    device.encode_bundle(names, device_inputs(gradients(0)))
-    assert device.selector.link.to_host_copies == 1
+    sent = device.encode_bundle(names, device_inputs(gradients(0)))
+    link = device.selector.link
+    assert (link.to_host_copies, link.to_device_copies) == (1, 0)
+    out = [torch.zeros(shape) for _, shape in SHAPES]
+    device.decode_bundles(sent * 2, 2, 0, average=True, out=out)
+    assert (link.to_host_copies, link.to_device_copies) == (1, 2)
 
 
 def test_host_link_counts_what_crosses():
@@ -279,3 +286,22 @@ def test_half_precision_buckets_take_the_same_bits(dtype, value):
         for want, got in zip(summed, out):
             assert np.asarray(want).tobytes() == host_array(got).tobytes()
         assert residuals(device) == residuals(host)
+
+
+def test_sums_of_tensors_of_several_dtypes_come_back_together():
+    """One decode with float32 and float16 tensors: their values cross in a copy per
+    dtype, and every sum has the numpy path's bits."""
+    settings = dict(sparsifier=dr.TopK(0.05), value="raw")
+    host, device = (GradientExchange(min_size=MIN_SIZE, selector=selector, **settings)
+                    for selector in (dr.selection.Selector, DeviceSelector))
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal(5000).astype(np.float32),
+             rng.standard_normal(3000).astype(np.float16)]
+    sent = host.encode_bundle(["a", "h"], [g.copy() for g in grads])
+    assert device.encode_bundle(["a", "h"], [torch.from_numpy(g.copy()) for g in grads]) == sent
+    summed = host.decode_bundles(sent * 3, 3, 0, average=True)
+    out = [torch.zeros(5000), torch.zeros(3000, dtype=torch.float16)]
+    device.decode_bundles(sent * 3, 3, 0, average=True, out=out)
+    for want, got in zip(summed, out):
+        assert np.asarray(want).tobytes() == got.numpy().tobytes()
+    assert device.selector.link.to_device_copies == 3  # positions, float32, float16 values

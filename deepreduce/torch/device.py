@@ -58,15 +58,16 @@ class HostLink:
     ----------
     to_host_bytes, to_device_bytes : int
         Bytes copied each way since the link was made (or :meth:`reset`).
-    to_host_copies : int
-        Copies to the host since then: on a GPU, each waits for the device.
+    to_host_copies, to_device_copies : int
+        Copies each way since then: on a GPU, each waits for the device.
     """
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self.to_host_bytes = self.to_device_bytes = self.to_host_copies = 0
+        self.to_host_bytes = self.to_device_bytes = 0
+        self.to_host_copies = self.to_device_copies = 0
 
     def to_host(self, tensors) -> list[np.ndarray]:
         """Numpy arrays of the values of ``tensors`` (of one dtype), all in one copy: each
@@ -119,6 +120,7 @@ class HostLink:
         """``array`` as a tensor on ``device`` (of ``dtype`` when given, cast there)."""
         tensor = from_host(np.ascontiguousarray(array))
         self.to_device_bytes += tensor.numel() * tensor.element_size()
+        self.to_device_copies += 1
         tensor = tensor.to(device, non_blocking=False)
         return tensor if dtype is None else tensor.to(dtype)
 
@@ -288,34 +290,43 @@ class DeviceSelector(Selector):
             delivered = _cast(current, self._cast)
         self.memory.settle_at(selection.name, selection.corrected, positions, current, delivered)
 
-    def sum_into(self, target: torch.Tensor, parts: list, scale) -> None:
-        """Make ``target`` (a tensor on its device) the sum of the ranks' decoded ``parts``
-        times ``scale``: the same bits as :func:`deepreduce.collectives.base.sum_sorted_into`
-        (each rank added in turn in the accumulator's precision, scaled in double)."""
-        flat = target.view(-1)
-        accumulator = torch.float64 if target.dtype == torch.float64 else torch.float32
-        total = flat if flat.dtype == accumulator else \
-            torch.zeros(flat.numel(), dtype=accumulator, device=flat.device)
-        total.zero_()
+    def sum_all(self, jobs) -> None:
+        """For each ``(target, parts, scale)`` of ``jobs``, make ``target`` (a tensor on the
+        device of them all) the sum of the ranks' decoded ``parts`` times ``scale``: the
+        same bits as :func:`deepreduce.collectives.base.sum_sorted_into` (each rank added
+        in turn in the accumulator's precision, scaled in double). The positions of every
+        part cross in one copy, and their values in one per dtype: each copy from the
+        host's pageable memory waits for the device."""
+        parts = [part for _, job_parts, _ in jobs for part in job_parts]
         if parts:
-            # every rank's pairs in one copy each: a copy from the host's pageable memory
-            # waits for the device, once per copy
-            positions = self.link.to_device(np.concatenate([part.indices for part in parts]),
-                                            flat.device)
-            values = self.link.to_device(np.concatenate([part.values for part in parts]),
-                                         flat.device, accumulator)
-            start = 0
-            for part in parts:  # (one rank after another: the host's order of additions)
+            device = jobs[0][0].device
+            positions = self.link.to_device(np.concatenate([p.indices for p in parts]), device)
+            values = {}  # per dtype: its values, all parts', and where the next part's begin
+            for dtype in dict.fromkeys(p.values.dtype for p in parts):
+                values[dtype] = [self.link.to_device(np.concatenate(
+                    [p.values for p in parts if p.values.dtype == dtype]), device), 0]
+        start = 0
+        for target, job_parts, scale in jobs:
+            flat = target.view(-1)
+            accumulator = torch.float64 if target.dtype == torch.float64 else torch.float32
+            total = flat if flat.dtype == accumulator else \
+                torch.zeros(flat.numel(), dtype=accumulator, device=flat.device)
+            total.zero_()
+            first = start
+            for part in job_parts:  # (one rank after another: the host's order of additions)
+                where = values[part.values.dtype]
                 total.index_add_(0, positions[start:start + part.nnz],
-                                 values[start:start + part.nnz])
+                                 where[0][where[1]:where[1] + part.nnz].to(accumulator))
                 start += part.nnz
-            if scale is not None:
+                where[1] += part.nnz
+            if scale is not None and start > first:
                 # every rank's positions, repeats included: each repeat reads the same sum
                 # before any is written, and writes the same scaled value (a unique()
                 # would wait for the device to size its result)
-                total[positions] = (total[positions].double() * scale).to(accumulator)
-        if total is not flat:
-            flat.copy_(total)
+                touched = positions[first:start]
+                total[touched] = (total[touched].double() * scale).to(accumulator)
+            if total is not flat:
+                flat.copy_(total)
 
     def state_dict(self) -> dict:
         memory = self.memory
