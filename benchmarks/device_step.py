@@ -248,13 +248,14 @@ class Scheme:
         self.copies = []
 
     def counters(self):
-        """Cumulative (bytes sent, host<->device bytes, copies to the host) of the state,
-        where it counts them."""
+        """Cumulative (bytes sent, host<->device bytes, (copies to the host, to the
+        device)) of the state, where it counts them."""
         if self.kind == "deepreduce":
             sent = self.state.stats.snapshot().bytes_sent
             if self.state.device_path:
                 link = self.state.exchange.selector.link
-                return sent, link.to_host_bytes + link.to_device_bytes, link.to_host_copies
+                return (sent, link.to_host_bytes + link.to_device_bytes,
+                        (link.to_host_copies, link.to_device_copies))
             return sent, None, None
         if self.kind == "powersgd":
             return 4 * self.state.total_numel_after_compression, None, None
@@ -385,7 +386,8 @@ def measure_model(name, ranks, steps, warmup, device, seed=0):
                 scheme.select.append(selection.seconds)
                 scheme.sent.append(None if after[0] is None else after[0] - before[0])
                 scheme.host_bytes.append(None if after[1] is None else after[1] - before[1])
-                scheme.copies.append(None if after[2] is None else after[2] - before[2])
+                scheme.copies.append(None if after[2] is None else
+                                     [a - b for a, b in zip(after[2], before[2])])
         print(f"  round {round_ + 1}/{warmup + steps} at {time.perf_counter() - began:.0f} s"
               + (" (warm-up)" if round_ < warmup else ": " + ", ".join(
                   f"{s.label} {1e3 * s.wall[-1]:.0f} ms" for s in schemes)), flush=True)
@@ -395,8 +397,8 @@ def measure_model(name, ranks, steps, warmup, device, seed=0):
             sent = statistics.median(scheme.sent)
             host = (statistics.median(scheme.host_bytes) if scheme.state.device_path
                     else 2 * dense)
-            copies = (statistics.median(scheme.copies) if scheme.state.device_path
-                      else len(buckets))
+            copies = ([statistics.median(c) for c in zip(*scheme.copies)]
+                      if scheme.state.device_path else [len(buckets)] * 2)
         elif scheme.kind == "powersgd":
             sent, host, copies = statistics.median(scheme.sent), 0, None
         else:
@@ -408,7 +410,7 @@ def measure_model(name, ranks, steps, warmup, device, seed=0):
                      "cpu_ms": 1e3 * statistics.median(scheme.cpu),
                      "select_ms": 1e3 * statistics.median(scheme.select),
                      "ms_all": [1e3 * s for s in scheme.wall],
-                     "sent_bytes": sent, "host_device_bytes": host, "to_host_copies": copies,
+                     "sent_bytes": sent, "host_device_bytes": host, "copies": copies,
                      "dense_bytes": dense})
     model = {"model": label, "parameters": parameters, "buckets": len(buckets),
              "bucket_elements": [b.buffer().numel() for b in buckets], "dense_bytes": dense}
@@ -502,13 +504,14 @@ def report(record) -> str:
                 "it moves nothing and the figure is what it would move" if on_cpu else
                 "; the numpy/C path copies each bucket to the host and back (twice the "
                 "dense bytes)")
-             + ". PowerSGD and fp16 stay on the device. `copies to host`: how many copies "
-             "to the host a step makes, each a wait for the device on a GPU (the device "
-             "path's `HostLink` count: per bucket one for its selections, and one for its "
-             "tensors below `min_size` where it has some; the numpy/C path's one per "
-             "bucket).", ""]
+             + ". PowerSGD and fp16 stay on the device. `copies`: how many copies a step "
+             "makes to the host and to the device, each a wait for the device on a GPU (the "
+             "device path's `HostLink` counts: per bucket, to the host one for its "
+             "selections and one for its tensors below `min_size` where it has some, to "
+             "the device one for the decoded positions and one for their values; the "
+             "numpy/C path's one each way per bucket).", ""]
     header = ["scheme", "P", "ms", "CPU ms", "x PowerSGD r1", "sent MB", "host<->device MB",
-              "copies to host", "dense MB"]
+              "copies to host / device", "dense MB"]
     for model in record["models"]:
         rows = [r for r in record["rows"] if r["model"] == model["model"]]
         powersgd1 = next(r["ms"] for r in rows if r["scheme"] == "PowerSGD rank 1")
@@ -524,7 +527,7 @@ def report(record) -> str:
             body.append([r["scheme"], r["ranks"] or "any", f"{r['ms']:,.1f}",
                          f"{r['cpu_ms']:,.1f}", f"{r['ms'] / powersgd1:.2f}",
                          megabytes(r["sent_bytes"]), host,
-                         "" if r.get("to_host_copies") is None else f"{r['to_host_copies']:g}",
+                         "" if r.get("copies") is None else "{:g} / {:g}".format(*r["copies"]),
                          megabytes(r["dense_bytes"])])
         lines += table(header, body, right_aligned=True) + [""]
     lines += ["## Which path serves which device", ""] + paths_note(record) + [""]
