@@ -214,8 +214,7 @@ class AllgatherExchange:
             settles += zip(selections or (), parts)
         # (if a coding raised, nothing was sent: every dense tensor's residual still
         # holds its whole corrected gradient)
-        for selection, received in settles:
-            self.selector.settle(selection, received)
+        self.selector.settle_all(settles)
         bundle = (pack_bundle(payloads, slots, [receiveds[t].shape for t in sorted(sharing)])
                   if shared else pack_bundle(payloads))
         min_size = self.selector.min_size

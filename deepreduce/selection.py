@@ -155,6 +155,11 @@ class Selector:
             self.memory.settle(selection.name, selection.corrected, received,
                                selection.selected if selected is None else selected)
 
+    def settle_all(self, settles) -> None:
+        """:meth:`settle` of each ``(selection, received)`` of ``settles``: a step's."""
+        for selection, received in settles:
+            self.settle(selection, received)
+
     def pipeline_of(self, name) -> Pipeline:
         """The pipeline of tensor ``name``: the configured one, with every random stream
         (RandomK, stochastic rounding, Bloom hashing) seeded from ``seed`` and the name,

@@ -116,13 +116,20 @@ class HostLink:
         self.to_host_copies += 1
         return tensor.detach().cpu()
 
-    def to_device(self, array: np.ndarray, device, dtype=None) -> torch.Tensor:
-        """``array`` as a tensor on ``device`` (of ``dtype`` when given, cast there)."""
-        tensor = from_host(np.ascontiguousarray(array))
-        self.to_device_bytes += tensor.numel() * tensor.element_size()
-        self.to_device_copies += 1
-        tensor = tensor.to(device, non_blocking=False)
-        return tensor if dtype is None else tensor.to(dtype)
+    def to_device(self, arrays, device) -> list[torch.Tensor]:
+        """The numpy ``arrays`` (flat) as tensors on ``device``, those of one dtype in one
+        copy: each copy from the host's pageable memory waits for the device."""
+        tensors = [None] * len(arrays)
+        for dtype in dict.fromkeys(array.dtype for array in arrays):
+            chosen = [i for i, array in enumerate(arrays) if array.dtype == dtype]
+            flat = from_host(np.concatenate([arrays[i].reshape(-1) for i in chosen]))
+            self.to_device_bytes += flat.numel() * flat.element_size()
+            self.to_device_copies += 1
+            flat, start = flat.to(device, non_blocking=False), 0
+            for i in chosen:
+                tensors[i] = flat[start:start + arrays[i].size]
+                start += arrays[i].size
+        return tensors
 
 
 class DeviceResidualMemory(ResidualMemory):
@@ -277,18 +284,34 @@ class DeviceSelector(Selector):
                selected: SparseTensor | None = None) -> None:
         if not isinstance(selection, DeviceSelection):
             return super().settle(selection, received, selected)
-        if selection.corrected is None:
+        self.settle_all([(selection, received)])
+
+    def settle_all(self, settles) -> None:
+        """:meth:`settle` of each ``(selection, received)``. What the receivers decode is
+        the selection cast, or else comes from the host: the positions and values of
+        every such tensor in one copy per dtype."""
+        fetched = []
+        for selection, received in settles:
+            if not isinstance(selection, DeviceSelection):
+                super().settle(selection, received)
+            elif selection.corrected is None:
+                continue
+            elif self._cast is False or received.nnz != selection.positions.numel() \
+                    or selection.values.dtype == torch.float64:
+                fetched.append((selection, received))
+            else:  # what the receivers decode is the selection, cast: no copy back
+                self.memory.settle_at(selection.name, selection.corrected,
+                                      selection.positions, selection.values,
+                                      _cast(selection.values, self._cast))
+        if not fetched:
             return
-        device = selection.values.device
-        if self._cast is False or received.nnz != selection.positions.numel() \
-                or selection.values.dtype == torch.float64:
-            positions = self.link.to_device(received.indices, device)
-            delivered = self.link.to_device(received.values, device)
+        arrays = [a for _, received in fetched for a in (received.indices, received.values)]
+        tensors = iter(self.link.to_device(arrays, fetched[0][0].values.device))
+        for selection, _ in fetched:
+            positions, delivered = next(tensors), next(tensors)
             current = selection.corrected.reshape(-1)[positions]
-        else:  # what the receivers decode is the selection, cast: no copy back
-            positions, current = selection.positions, selection.values
-            delivered = _cast(current, self._cast)
-        self.memory.settle_at(selection.name, selection.corrected, positions, current, delivered)
+            self.memory.settle_at(selection.name, selection.corrected, positions, current,
+                                  delivered)
 
     def sum_all(self, jobs) -> None:
         """For each ``(target, parts, scale)`` of ``jobs``, make ``target`` (a tensor on the
@@ -298,32 +321,24 @@ class DeviceSelector(Selector):
         part cross in one copy, and their values in one per dtype: each copy from the
         host's pageable memory waits for the device."""
         parts = [part for _, job_parts, _ in jobs for part in job_parts]
-        if parts:
-            device = jobs[0][0].device
-            positions = self.link.to_device(np.concatenate([p.indices for p in parts]), device)
-            values = {}  # per dtype: its values, all parts', and where the next part's begin
-            for dtype in dict.fromkeys(p.values.dtype for p in parts):
-                values[dtype] = [self.link.to_device(np.concatenate(
-                    [p.values for p in parts if p.values.dtype == dtype]), device), 0]
-        start = 0
+        arrays = [a for part in parts for a in (part.indices, part.values)]
+        tensors = iter(self.link.to_device(arrays, jobs[0][0].device) if arrays else ())
         for target, job_parts, scale in jobs:
             flat = target.view(-1)
             accumulator = torch.float64 if target.dtype == torch.float64 else torch.float32
             total = flat if flat.dtype == accumulator else \
                 torch.zeros(flat.numel(), dtype=accumulator, device=flat.device)
             total.zero_()
-            first = start
-            for part in job_parts:  # (one rank after another: the host's order of additions)
-                where = values[part.values.dtype]
-                total.index_add_(0, positions[start:start + part.nnz],
-                                 where[0][where[1]:where[1] + part.nnz].to(accumulator))
-                start += part.nnz
-                where[1] += part.nnz
-            if scale is not None and start > first:
+            touched = []
+            for _ in job_parts:  # (one rank after another: the host's order of additions)
+                positions, values = next(tensors), next(tensors)
+                total.index_add_(0, positions, values.to(accumulator))
+                touched.append(positions)
+            if scale is not None and touched:
                 # every rank's positions, repeats included: each repeat reads the same sum
                 # before any is written, and writes the same scaled value (a unique()
                 # would wait for the device to size its result)
-                touched = positions[first:start]
+                touched = torch.cat(touched)
                 total[touched] = (total[touched].double() * scale).to(accumulator)
             if total is not flat:
                 flat.copy_(total)
