@@ -93,7 +93,9 @@ class HostLink:
             if check is not None:
                 parts.append(check.to(torch.uint8).view(1))
             for part in parts:  # each part from a multiple of 8 bytes: its view aligned
-                chunks += [part, part.new_zeros(-part.numel() % 8)]
+                chunks.append(part)
+                if part.numel() % 8:
+                    chunks.append(part.new_zeros(-part.numel() % 8))
             layout.append((positions.numel(), values.numel(), values.dtype, check is not None))
         if not chunks:
             return []
