@@ -504,12 +504,12 @@ def report(record) -> str:
                 "it moves nothing and the figure is what it would move" if on_cpu else
                 "; the numpy/C path copies each bucket to the host and back (twice the "
                 "dense bytes)")
-             + ". PowerSGD and fp16 stay on the device. `copies`: how many copies a step "
-             "makes to the host and to the device, each a wait for the device on a GPU (the "
-             "device path's `HostLink` counts: per bucket, to the host one for its "
-             "selections and one for its tensors below `min_size` where it has some, to "
-             "the device one for the decoded positions and one for their values; the "
-             "numpy/C path's one each way per bucket).", ""]
+             + ". PowerSGD and fp16 stay on the device. `copies`: the copies a step makes "
+             "to the host and to the device (the device path's `HostLink` counts: per "
+             "bucket, its selections and its tensors below `min_size` to the host, the "
+             "decoded positions and values back; the numpy/C path's bucket, one each way). "
+             "On a GPU each copy to the host waits for the device; the device path's "
+             "copies to the device start from pinned memory and do not.", ""]
     header = ["scheme", "P", "ms", "CPU ms", "x PowerSGD r1", "sent MB", "host<->device MB",
               "copies to host / device", "dense MB"]
     for model in record["models"]:

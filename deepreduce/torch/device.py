@@ -59,7 +59,7 @@ class HostLink:
     to_host_bytes, to_device_bytes : int
         Bytes copied each way since the link was made (or :meth:`reset`).
     to_host_copies, to_device_copies : int
-        Copies each way since then: on a GPU, each waits for the device.
+        Copies each way since then: on a GPU, each to the host waits for the device.
     """
 
     def __init__(self):
@@ -120,14 +120,18 @@ class HostLink:
 
     def to_device(self, arrays, device) -> list[torch.Tensor]:
         """The numpy ``arrays`` (flat) as tensors on ``device``, those of one dtype in one
-        copy: each copy from the host's pageable memory waits for the device."""
+        copy. To a GPU the copies start from pinned memory and do not block: from the
+        host's pageable memory, each would wait for the device."""
         tensors = [None] * len(arrays)
+        pinned = torch.device(device).type == "cuda"
         for dtype in dict.fromkeys(array.dtype for array in arrays):
             chosen = [i for i, array in enumerate(arrays) if array.dtype == dtype]
             flat = from_host(np.concatenate([arrays[i].reshape(-1) for i in chosen]))
             self.to_device_bytes += flat.numel() * flat.element_size()
             self.to_device_copies += 1
-            flat, start = flat.to(device, non_blocking=False), 0
+            if pinned:  # (the pinned block is not reused before the copy is done)
+                flat = flat.pin_memory()
+            flat, start = flat.to(device, non_blocking=pinned), 0
             for i in chosen:
                 tensors[i] = flat[start:start + arrays[i].size]
                 start += arrays[i].size
