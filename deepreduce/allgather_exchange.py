@@ -226,6 +226,27 @@ class AllgatherExchange:
                           codec_seconds=self._codec_seconds)
         return bundle, (bundle, decoded, receiveds), stats
 
+    def encode_exact(self, tensors):
+        """:meth:`encode` of a non-finite step (see
+        :meth:`~deepreduce.exchange.GradientExchange.reduce_async`'s ``finite``): every
+        tensor whole and exact in a payload of its own (the lossless pipeline of the
+        small tensors), no error feedback, no draw from any random stream. The ranks'
+        sums are then the dense sums in rank order: non-finite where those are."""
+        start = time.perf_counter()
+        pipeline = self.selector.small_pipeline
+        payloads, receiveds = [], []
+        for x in tensors:
+            if not isinstance(x, (np.ndarray, SparseTensor)):
+                x = self.selector.floating(x)
+            payload, received = pipeline.encode_sparse(*pipeline.sparsify(x))
+            payloads.append(payload)
+            receiveds.append(received)
+        bundle = pack_bundle(payloads)
+        stats = StepStats(steps=1, tensors=len(tensors), bytes_sent=len(bundle),
+                          dense_bytes=sum(r.size * r.dtype.itemsize for r in receiveds),
+                          encode_seconds=time.perf_counter() - start, nonfinite_steps=1)
+        return bundle, (bundle, receiveds, receiveds), stats
+
     def _shared_payloads(self, tensors) -> list[tuple[bool, list]]:
         """The tensors that travel in a shared payload: ``(selects, members)`` per payload,
         ``members`` their ``(position, array)``.

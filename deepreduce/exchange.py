@@ -31,6 +31,7 @@ from deepreduce.allgather_exchange import AllgatherExchange
 from deepreduce.collectives.base import fail_collectively, op_name, signed_allgather
 from deepreduce.collectives.transport import Traffic
 from deepreduce.config import ExchangeConfig
+from deepreduce.errors import DecodeError
 from deepreduce.hierarchical_exchange import HierarchicalExchange
 from deepreduce.reducing_exchange import ReducingExchange
 from deepreduce.selection import Selector
@@ -40,6 +41,8 @@ from deepreduce.stats import CompressionStats, StepStats
 #: What a bundle travels behind over a transport (Horovod's graph path allgathers bare
 #: bundles); ranks that fail to encode send an ERROR frame instead, so none waits.
 BUNDLE_SIGNATURE = "exchange=bundles"
+#: What the one-byte answers of :meth:`GradientExchange.agree_finite` travel behind.
+FINITE_SIGNATURE = "exchange=finite"
 
 
 class GradientExchange:
@@ -178,6 +181,31 @@ class GradientExchange:
         for name, x in zip(names, tensors):
             memory.pay(name, x)
 
+    def rescale(self, factor: float) -> None:
+        """Multiply every residual by ``factor``: keep error feedback in the units of the
+        gradients when they change, as a loss scaler's gradients do when it changes its
+        scale (``factor`` = new scale / old scale; by a power of two, exact)."""
+        if self.memory is not None:
+            self.memory.rescale(factor)
+
+    def agree_finite(self, tensors, transport) -> bool:
+        """Whether every rank's ``tensors`` are finite, as :meth:`reduce_async`'s
+        ``finite`` takes it: this rank's are checked here (one read pass each), and
+        every rank's answer travels in one allgather of a byte on ``transport``, after
+        the reductions already started there; the caller waits for it. Every rank
+        calls it for the same step. (DDP's hook asks its ranks on a group of its own
+        instead, without waiting for its other reductions.)"""
+        mine = self.selector.all_finite(tensors)
+
+        def gather():
+            # (ASCII: a frame starting with byte 0 is an ERROR frame)
+            answers = signed_allgather(transport, FINITE_SIGNATURE, b"1" if mine else b"0",
+                                       Traffic(), "finite")
+            if any(bytes(answer) not in (b"0", b"1") for answer in answers):
+                raise DecodeError("a rank's answer to 'finite?' is not b'0' or b'1'")
+            return all(bytes(answer) == b"1" for answer in answers)
+        return transport.submit(gather).result()
+
     def random_state(self) -> dict:
         """Where every tensor's random streams stand."""
         return self.selector.random_state()
@@ -188,7 +216,7 @@ class GradientExchange:
 
     # -- one step ---------------------------------------------------------------------
     def reduce_async(self, names, tensors, transport, op="sum", as_rows=None, out=None,
-                     reuse_out=False):
+                     reuse_out=False, finite=True):
         """Start reducing this rank's gradients over ``transport``; return a Future.
 
         The one entry point for every communicator and every framework. The
@@ -223,6 +251,17 @@ class GradientExchange:
             reduction made non-zero are reset, not the whole array. A result
             of 1% non-zeros then costs a pass over 2% of it instead of over
             all of it. DDP's hook keeps such arrays.
+        finite : bool, default True
+            Whether every rank's tensors of this step are finite, as the ranks
+            agreed before the call (:meth:`agree_finite`; DDP's hook allreduces a
+            flag per bucket). False makes it a *non-finite step* on every rank:
+            each tensor travels whole and exact in a payload of its own, without
+            error feedback and whatever the communicator, so the results are the
+            rank-order sums, inf or NaN where dense allreduce's are, and nothing
+            a later step reads changes (no residual, random stream or ``auto``
+            memory). A loop that skips such steps (a loss scaler's overflow
+            steps) continues as if they never happened. Every rank passes the
+            same value.
 
         Returns
         -------
@@ -269,6 +308,9 @@ class GradientExchange:
         as_rows = [False] * len(tensors) if as_rows is None else list(as_rows)
         if len(as_rows) != len(tensors):
             raise ValueError(f"as_rows has {len(as_rows)} entries for {len(tensors)} tensors")
+        if not finite:
+            return self._allgather_step(names, tensors, transport, op, as_rows, out, reuse_out,
+                                        exact=True)
         if self._hierarchical is not None:
             return self._hierarchical.reduce_async(list(names), list(tensors), transport, op,
                                                    as_rows, out, self._lock, self.stats,
@@ -277,10 +319,12 @@ class GradientExchange:
             return self._reducing_step(list(names), list(tensors), transport, op, as_rows, out)
         return self._allgather_step(names, tensors, transport, op, as_rows, out, reuse_out)
 
-    def _allgather_step(self, names, tensors, transport, op, as_rows, out, reuse_out):
+    def _allgather_step(self, names, tensors, transport, op, as_rows, out, reuse_out,
+                        exact=False):
         try:
             with self._lock:
-                bundle, sent, encoded = self._allgather.encode(names, tensors)
+                bundle, sent, encoded = self._allgather.encode_exact(tensors) if exact else \
+                    self._allgather.encode(names, tensors)
         except (ValueError, TypeError) as exc:
             # the other ranks wait in the allgather: they get an ERROR frame and raise
             return transport.submit(fail_collectively, "allgather", transport,
@@ -318,19 +362,21 @@ class GradientExchange:
         return transport.submit(finish)
 
     # -- the same step in two halves, for an allgather inside a TensorFlow graph --------
-    def encode_bundle(self, names, tensors, group: int = 0) -> bytes:
+    def encode_bundle(self, names, tensors, group: int = 0, finite: bool = True) -> bytes:
         """Encode this rank's gradients (dense arrays or SparseTensors) into one bundle.
 
         A step whose gradients travel in several allgathers encodes one bundle per
         ``group`` (0, 1, ...: consecutive slices of its tensors) and decodes them
         together with :meth:`decode_groups`; the stats count them as one step.
         If a codec raises, nothing is sent and every dense gradient's residual
-        still holds all it owes.
+        still holds all it owes. ``finite``: as for :meth:`reduce_async` (False: a
+        non-finite step, the tensors whole and exact, nothing remembered).
         """
         if len(names) != len(tensors):
             raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
         with self._lock:
-            bundle, sent, encoded = self._allgather.encode(names, tensors)
+            bundle, sent, encoded = self._allgather.encode_exact(tensors) if not finite else \
+                self._allgather.encode(names, tensors)
             # what the other ranks will decode from this bundle, so that decoding it
             # again here can be skipped (decoding comes in a separate call)
             self._last_sent[group] = sent
@@ -338,7 +384,8 @@ class GradientExchange:
                                  compressed_tensors=encoded.compressed_tensors,
                                  bytes_sent=encoded.bytes_sent, dense_bytes=encoded.dense_bytes,
                                  seconds=encoded.encode_seconds,
-                                 codec_seconds=encoded.codec_seconds, group=group)
+                                 codec_seconds=encoded.codec_seconds, group=group,
+                                 nonfinite=not finite)
         return bundle
 
     def decode_bundles(self, gathered, ranks: int, rank: int, average: bool = False,
@@ -398,4 +445,4 @@ class GradientExchange:
             return self._allgather.encode_tensor(name, x)
 
 
-__all__ = ["GradientExchange", "ExchangeConfig", "BUNDLE_SIGNATURE"]
+__all__ = ["GradientExchange", "ExchangeConfig", "BUNDLE_SIGNATURE", "FINITE_SIGNATURE"]

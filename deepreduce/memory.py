@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -185,6 +186,15 @@ class ResidualMemory:
         else:
             flat[received.indices] -= delivered
         self._residuals[name] = residual
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every residual by ``factor``, in place (see
+        :meth:`deepreduce.exchange.GradientExchange.rescale`)."""
+        factor = float(factor)
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        for residual in self._residuals.values():
+            residual *= factor
 
     def residual(self, name: str) -> np.ndarray | None:
         """The stored residual of ``name`` (None before its first update).

@@ -137,6 +137,13 @@ class Selector:
         return Selection(name, pipeline, selected, _as_float_array(corrected).reshape(-1),
                          corrected)
 
+    def all_finite(self, tensors) -> bool:
+        """Whether every tensor of ``tensors`` (dense arrays or SparseTensors) holds only
+        finite values: what a step checks before it touches a residual or a random
+        stream (see :meth:`deepreduce.exchange.GradientExchange.reduce_async`'s
+        ``finite``). One read pass over each floating-point tensor."""
+        return all(all_finite(x) for x in tensors)
+
     def select_all(self, requests) -> list[Selection]:
         """:meth:`select` of each ``(name, x)`` of ``requests``, in order: what an exchange
         sends of a step's tensors. (A selector of tensors on a device brings their
@@ -229,6 +236,34 @@ class Selector:
                     part._rng.bit_generator.state = state[f"{name}/{role}.rng"]
                 if f"{name}/{role}.memory" in state:
                     part._memory = tuple(int(m) for m in state[f"{name}/{role}.memory"])
+
+
+def all_finite(x) -> bool:
+    """Whether the array or SparseTensor ``x`` holds no inf or NaN.
+
+    A sum is finite only when every term is, so one pass that reads ``x`` and writes
+    nothing answers almost always; a non-finite sum (a term that is, or finite terms
+    whose sum overflows) is checked element by element.
+
+    >>> import numpy as np
+    >>> from deepreduce.selection import all_finite
+    >>> all_finite(np.ones(3, np.float32)), all_finite(np.array([1.0, np.nan]))
+    (True, False)
+    >>> all_finite(np.full(4, 6e4, np.float16)), all_finite(np.arange(3))
+    (True, True)
+    """
+    values = np.asarray(x.values if isinstance(x, SparseTensor) else x)
+    if values.dtype.kind in "biu":  # integers are finite
+        return True
+    with np.errstate(all="ignore"):
+        wide = np.float64 if values.dtype.itemsize >= 8 else np.float32
+        try:
+            total = np.add.reduce(values.reshape(-1), dtype=wide)
+        except TypeError:  # a dtype numpy cannot sum in float32
+            total = np.nan
+        if np.isfinite(total):
+            return True
+        return bool(np.isfinite(values.astype(wide, copy=False)).all())
 
 
 def _size(x) -> int:

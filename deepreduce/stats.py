@@ -57,6 +57,11 @@ class StepStats:
         ``codec_threads``: what they add to the step, not the threads' CPU
         time. Allgather communicator only: the reducing communicators
         code inside their collectives, and leave it 0.
+    nonfinite_steps : int
+        Of the steps, those some rank's gradients made non-finite: their tensors
+        travelled whole and exact, without error feedback, and left the residuals
+        and random streams as they were (see
+        :meth:`~deepreduce.exchange.GradientExchange.reduce_async`).
 
     Examples
     --------
@@ -76,6 +81,7 @@ class StepStats:
     decode_seconds: float = 0.0
     exchange_seconds: float = 0.0
     codec_seconds: float = 0.0
+    nonfinite_steps: int = 0
 
     @property
     def ratio(self) -> float:
@@ -154,7 +160,7 @@ class CompressionStats:
 
     def record_encode(self, *, tensors: int, compressed_tensors: int, bytes_sent: int,
                       dense_bytes: int, seconds: float, codec_seconds: float = 0.0,
-                      group: int = 0) -> None:
+                      group: int = 0, nonfinite: bool = False) -> None:
         """Open a step with what the encoder did (the communicator calls this).
 
         A step whose tensors travel in several bundles records one encode per
@@ -163,10 +169,12 @@ class CompressionStats:
         """
         with self._lock:
             encoded = StepStats(1, tensors, compressed_tensors, bytes_sent, 0,
-                                dense_bytes, seconds, codec_seconds=codec_seconds)
+                                dense_bytes, seconds, codec_seconds=codec_seconds,
+                                nonfinite_steps=int(nonfinite))
             if self._pending is not None and group not in self._pending_groups:
                 encoded = self._pending + encoded
                 encoded.steps = 1
+                encoded.nonfinite_steps = min(encoded.nonfinite_steps, 1)
             else:
                 self._pending_groups = set()
             self._pending_groups.add(group)

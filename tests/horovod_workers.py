@@ -414,6 +414,50 @@ def check_custom_loop(rank, size):
             "checksum": weights_checksum(model), "steps": compression.stats.total.steps}
 
 
+def check_nonfinite_step_is_skipped(rank, size, poisoned=5):
+    """A custom loop that skips steps with non-finite gradients (as a loss scaler does):
+    an inf loss on rank 1 at one step gives every rank non-finite gradients, and the
+    run then continues bit for bit as one that never took that batch."""
+    x, y = digits_shard(rank, size)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def run(poison, skip):
+        model = small_model()
+        optimizer = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+        compression = drh.Compression(dr.TopK(0.05), index=INDEX, value="fp16")
+
+        @tf.function
+        def train_step(xb, yb, scale):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True)) * scale
+            tape = drh.DistributedGradientTape(tape, compression=compression)
+            grads = tape.gradient(loss, model.trainable_variables)
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+            if finite:
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return finite
+
+        seen = []
+        for step, start in enumerate(range(0, 12 * 32, 32)):
+            if step == skip:
+                continue
+            scale = np.inf if step == poison and rank == 1 else 1.0
+            seen.append(bool(train_step(x[start:start + 32], y[start:start + 32],
+                                        tf.constant(scale, tf.float32))))
+        residuals = compression.exchange.state_dict()["residuals"]
+        return model.get_weights(), residuals, seen, compression.stats.total.nonfinite_steps
+
+    weights, residuals, seen, nonfinite = run(poisoned, None)
+    clean_weights, clean_residuals, clean_seen, _ = run(None, poisoned)
+    return {"finite_seen": seen, "clean_finite_seen": clean_seen,
+            "nonfinite_steps": nonfinite,
+            "weights_equal": all(np.array_equal(a, b) for a, b in zip(weights, clean_weights)),
+            # (keyed by variable names, which the second model's differ in)
+            "residuals_equal": len(residuals) == len(clean_residuals) > 0 and all(
+                np.array_equal(a, b) for a, b in zip(residuals.values(),
+                                                     clean_residuals.values()))}
+
+
 def main(out_dir):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -430,7 +474,8 @@ def main(out_dir):
               ("grouped_bundles", lambda: check_grouped_bundles(rank)),
               ("misuse", lambda: check_misuse(rank)),
               ("keras_fit", lambda: check_keras_fit(rank, size, tempfile.mkdtemp())),
-              ("custom_loop", lambda: check_custom_loop(rank, size))]
+              ("custom_loop", lambda: check_custom_loop(rank, size)),
+              ("nonfinite_step", lambda: check_nonfinite_step_is_skipped(rank, size))]
     for name, check in checks:
         try:
             results[name] = check()

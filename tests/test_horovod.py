@@ -974,6 +974,16 @@ def test_keras_fit_reduces_the_loss(ranks):
         assert found[0][label]["checksum"] == found[1][label]["checksum"]
 
 
+def test_a_skipped_non_finite_step_leaves_no_trace(ranks):
+    """An inf on one rank: every rank sees non-finite gradients at that step and skips
+    it, and the run ends bit for bit as one that never took that batch."""
+    for f in findings(ranks, "nonfinite_step"):
+        assert f["finite_seen"] == [True] * 5 + [False] + [True] * 6
+        assert f["clean_finite_seen"] == [True] * 11
+        assert f["nonfinite_steps"] == 1
+        assert f["weights_equal"] and f["residuals_equal"]
+
+
 def test_custom_loop_reduces_the_loss(ranks):
     found = findings(ranks, "custom_loop")
     for f in found:

@@ -123,6 +123,16 @@ class Compression:
         on every rank, saying so. It runs eagerly and inside ``tf.function``.
     config : ExchangeConfig, optional
         All of them at once, instead.
+    check_finite : bool, default True
+        The wrappers check every step that all ranks' gradients are finite (one
+        read pass over them and a small allgather of the answers) before error
+        feedback touches them. A step with an inf or NaN on any rank goes whole and
+        exact on every rank (:meth:`~deepreduce.exchange.GradientExchange.reduce_async`'s
+        ``finite``): every rank gets the rank-order sums, inf or NaN where dense
+        allreduce's are, so a loop that skips non-finite steps (Keras'
+        ``LossScaleOptimizer``, a custom loop) skips it on every rank, and the
+        residuals and random streams stay as they were. False saves the pass and
+        the allgather; an overflow step then poisons the residuals for good.
 
     Attributes
     ----------
@@ -150,8 +160,9 @@ class Compression:
     back.
     """
 
-    def __init__(self, *args, config=None, **settings):
+    def __init__(self, *args, config=None, check_finite=True, **settings):
         self.exchange = GradientExchange(*args, config=config, **settings)
+        self.check_finite = bool(check_finite)
 
     def __repr__(self):
         return f"Compression({self.exchange!r})"
@@ -314,23 +325,32 @@ class _Reducer:
             tout += [template.dtype] if kind == "dense" else [template.values.dtype, tf.int64]
         exchange, as_rows = self.compression.exchange, [k == "rows" for k in kinds]
         average = self.op == hvd.Average
+        check_finite = getattr(self.compression, "check_finite", True)
         if exchange.communicator == "allgather":
+            finite = []  # (one flag for every group's encode, the same on every rank)
+            if check_finite:
+                (mine,) = _host_call(lambda *arrays: (np.int32(exchange.selector.all_finite(
+                    unpack(arrays))),), inputs, [tf.int32])
+                answers = hvd.allgather(tf.reshape(mine, [1]), process_set=self.process_set)
+                finite = [tf.cast(tf.reduce_min(answers), tf.int32)]
             ranks, rank = self.process_set.size(), self.process_set.rank()
             # tensor i's host arrays are inputs[starts[i]:starts[i + 1]]
             starts = np.cumsum([0] + [1 if kind == "dense" else 3 for kind in kinds]).tolist()
             gathered, ranges = [], _balanced_groups(templates, self.num_groups)
             for group, (lo, hi) in enumerate(ranges):
                 def encode(*arrays, lo=lo, hi=hi, group=group):
+                    everywhere = not check_finite or bool(arrays[-1])
+                    arrays = arrays[:-1] if check_finite else arrays
                     bundle = exchange.encode_bundle(names[lo:hi], unpack(arrays, kinds[lo:hi]),
-                                                    group)
+                                                    group, finite=everywhere)
                     return (np.frombuffer(bundle, dtype=np.uint8),)
 
                 # in a graph the groups' encodes are not chained to the allgathers (as
                 # stateful ops would be): the next group encodes while this one is on
                 # the wire. Their effects (residuals, stats) belong to the exchange,
                 # which decode_all, a stateful op after every allgather, reads.
-                (bundle,) = _host_call(encode, inputs[starts[lo]:starts[hi]], [tf.uint8],
-                                       ordered=len(ranges) == 1)
+                (bundle,) = _host_call(encode, inputs[starts[lo]:starts[hi]] + finite,
+                                       [tf.uint8], ordered=len(ranges) == 1)
                 bundle.set_shape([None])
                 gathered.append(hvd.allgather(bundle, process_set=self.process_set))
 
@@ -353,8 +373,10 @@ class _Reducer:
                                  "or run the step eagerly, or use communicator='allgather'")
 
             def reduce_all(*arrays):
-                return pack(exchange.reduce_async(names, unpack(arrays), transport, op,
-                                                  as_rows=as_rows).result()[0])
+                tensors = unpack(arrays)
+                finite = not check_finite or exchange.agree_finite(tensors, transport)
+                return pack(exchange.reduce_async(names, tensors, transport, op,
+                                                  as_rows=as_rows, finite=finite).result()[0])
 
             outputs = _host_call(reduce_all, inputs, tout)
 

@@ -243,6 +243,15 @@ class DeviceSelector(Selector):
     def floating(self, x):
         return x if isinstance(x, torch.Tensor) else super().floating(x)
 
+    def all_finite(self, tensors) -> bool:
+        """As the numpy selector's, with the torch tensors checked where they live and
+        the answer brought to the host once (a wait for the device)."""
+        tensors = list(tensors)
+        on_device = [x for x in tensors if isinstance(x, torch.Tensor)]
+        host = [x for x in tensors if not isinstance(x, torch.Tensor)]
+        return super().all_finite(host) and (
+            not on_device or bool(torch.stack([tensor_finite(x) for x in on_device]).all()))
+
     def select(self, name, x, lossless: bool = False) -> Selection:
         if not isinstance(x, torch.Tensor):
             return super().select(name, x, lossless)
@@ -354,6 +363,20 @@ class DeviceSelector(Selector):
         residuals = {} if memory is None else {name: _copy(memory.residual(name))
                                                for name in memory.names()}
         return {"residuals": residuals, "random_state": self.random_state()}
+
+
+def tensor_finite(x: torch.Tensor) -> torch.Tensor:
+    """Whether the tensor ``x`` holds no inf or NaN, as a boolean tensor on its device
+    (nothing waits for the device). As :func:`deepreduce.selection.all_finite`: a sum
+    is finite only when every term is, so one read pass answers, and only a non-finite
+    sum (finite terms may overflow it) is checked element by element."""
+    if not x.is_floating_point():
+        return torch.ones((), dtype=torch.bool, device=x.device)
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    finite_sum = torch.isfinite(x.sum(dtype=wide))
+    if x.device.type == "cpu":  # no device to wait for: the exact check only when needed
+        return finite_sum if finite_sum else torch.isfinite(x).all()
+    return finite_sum | torch.isfinite(x).all()
 
 
 def _copy(residual):
