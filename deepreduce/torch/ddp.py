@@ -37,7 +37,7 @@ from deepreduce.exchange import GradientExchange
 from deepreduce.registry import get_codec
 from deepreduce.selection import Selector
 from deepreduce.stats import StepStats
-from deepreduce.torch.device import DeviceSelector, from_host, host_array
+from deepreduce.torch.device import DeviceSelector, from_host, host_array, tensor_finite
 from deepreduce.torch.transport import TorchTransport
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "transport_of", "host_array", "from_host"]
@@ -128,11 +128,36 @@ class DeepReduceState:
         when CUDA is available, for the allgather communicator with an exact
         index codec. On CPU buckets the numpy/C path is faster
         (``benchmarks/results/device_step.md``), and both give the same bits.
+    check_finite : bool, default True
+        Before a bucket's gradients touch anything, check that every rank's are
+        finite: one read pass over the bucket and an allreduce of one flag, on a
+        group of the state's own. A bucket that holds an inf or NaN on any rank
+        is a *non-finite step* on every rank: it goes as DDP's plain allreduce of
+        the gradients as they are (so every rank gets DDP's result, inf or NaN
+        where DDP's is, and a ``GradScaler`` or
+        ``clip_grad_norm_(error_if_nonfinite=True)`` skips the step on every rank),
+        and the residuals, random streams and ``auto`` memory stay exactly as
+        they were: a loop that skips the step continues as if it never happened.
+        A backward pass with such a bucket does not count in :attr:`iter`.
+        False saves the pass and the flag, and an overflow step then poisons the
+        residuals of its bucket for good.
+    grad_scaler : torch.amp.GradScaler, optional
+        The loss scaler of the training loop. The residuals hold gradients in
+        the units of the scaled loss; when the scaler changes its scale (it
+        halves it after an overflow step, doubles it after ``growth_interval``
+        good ones), the first bucket of the next backward pass multiplies every
+        residual by new scale / old scale (powers of two: exact), so error
+        feedback stays in the units of the true gradient. Without one,
+        :meth:`rescale` does the same for a scaler of your own. Not pickled
+        (as the process group is not): set the attribute again after loading.
 
     Attributes
     ----------
     iter : int
-        Backward passes seen (counted at each iteration's last bucket).
+        Backward passes seen (counted at each iteration's last bucket), less those
+        with a non-finite bucket (see ``check_finite``).
+    nonfinite_iters : int
+        Backward passes with a non-finite bucket.
     exchange : deepreduce.exchange.GradientExchange
         The framework-neutral core doing the work.
     stats : deepreduce.stats.CompressionStats
@@ -155,7 +180,8 @@ class DeepReduceState:
     """
 
     def __init__(self, process_group=None, *args, config=None, start_iter=10,
-                 min_compression_rate=2.0, device_path=None, **settings):
+                 min_compression_rate=2.0, device_path=None, check_finite=True,
+                 grad_scaler=None, **settings):
         if isinstance(start_iter, bool) or not isinstance(start_iter, numbers.Integral) \
                 or start_iter < 0:
             raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
@@ -170,7 +196,9 @@ class DeepReduceState:
         self.process_group = process_group
         self._transport = None  # bound at the first hook call: see the transport property
         self.start_iter, self.min_compression_rate = int(start_iter), float(min_compression_rate)
-        self.iter = 0
+        self.check_finite, self.grad_scaler = bool(check_finite), grad_scaler
+        self.iter = self.nonfinite_iters = 0
+        self._loss_scale = None  # the scale the residuals are in (see grad_scaler)
         pipeline = self.exchange.pipeline
         # what every rank must share; seeds may differ (independent RandomK draws)
         self._settings = {"sparsifier": _unseeded(repr(pipeline.sparsifier)),
@@ -182,7 +210,8 @@ class DeepReduceState:
                           "use_error_feedback": self.exchange.memory is not None,
                           "start_iter": self.start_iter,
                           "min_compression_rate": self.min_compression_rate,
-                          "min_size": self.exchange.min_size}
+                          "min_size": self.exchange.min_size,
+                          "check_finite": self.check_finite}
         self._init_runtime()
 
     def _init_runtime(self):
@@ -193,24 +222,32 @@ class DeepReduceState:
         self._guarded = _GuardedTransport(self)
         self._results = {}       # bucket index -> the tensor its reductions are written into
         self._layouts = {}       # bucket index -> its _Layout (see _layout)
+        self._in_iteration = False   # a bucket of this backward pass was seen
+        self._nonfinite_iteration = False  # one of them was non-finite
+        self._flag_group = None      # see flag_group
 
     # -- checkpointing ------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The iteration, the residuals (per parameter) and the random state."""
+        """The iteration, the residuals (per parameter), the random state, and the loss
+        scale the residuals are in (see ``grad_scaler``)."""
         state = self.exchange.state_dict()
         state["residuals"] = {name: from_host(residual)
                               for name, residual in state["residuals"].items()}
-        return {"iter": self.iter, "settings": dict(self._settings), **state}
+        return {"iter": self.iter, "nonfinite_iters": self.nonfinite_iters,
+                "loss_scale": self._loss_scale, "settings": dict(self._settings), **state}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Continue from :meth:`state_dict` (of a state with the same settings)."""
-        if state_dict.get("settings") != self._settings:
-            theirs = state_dict.get("settings") or {}
+        # (checkpoints from before the setting existed checked, its default)
+        theirs = {"check_finite": True, **(state_dict.get("settings") or {})}
+        if theirs != self._settings:
             differ = [k for k in self._settings if theirs.get(k) != self._settings[k]]
             raise ValueError("the checkpoint was written with other settings: "
                              + ", ".join(f"{k} {theirs.get(k)!r} there, {self._settings[k]!r} "
                                          "here" for k in differ))
         self.iter = int(state_dict["iter"])
+        self.nonfinite_iters = int(state_dict.get("nonfinite_iters", 0))
+        self._loss_scale = state_dict.get("loss_scale")
         self.exchange.load_state_dict({
             "residuals": {name: host_array(residual.detach().cpu())
                           for name, residual in state_dict["residuals"].items()},
@@ -219,20 +256,82 @@ class DeepReduceState:
     def __getstate__(self):
         state = dict(self.__dict__)
         for runtime in ("process_group", "_transport", "_keys", "_estimates", "_agreed",
-                        "_failure", "_guarded", "_results", "_layouts"):
-            state.pop(runtime)
+                        "_failure", "_guarded", "_results", "_layouts", "_in_iteration",
+                        "_nonfinite_iteration", "_flag_group", "grad_scaler"):
+            state.pop(runtime, None)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self.process_group = None
+        self.process_group = self.grad_scaler = None
         self._transport = None    # the default group's, once the state is used
+        self.__dict__.setdefault("check_finite", True)  # (pickled before it existed)
+        self.__dict__.setdefault("nonfinite_iters", 0)
+        self.__dict__.setdefault("_loss_scale", None)
+        self._settings.setdefault("check_finite", self.check_finite)
         self._init_runtime()
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every residual by ``factor``: for a loss scaler that is not
+        ``grad_scaler``, call it with new scale / old scale between the backward pass
+        after which the scale changed and the next one."""
+        self.exchange.rescale(factor)
 
     # -- what the hook needs ---------------------------------------------------------
     @property
     def stats(self):
         return self.exchange.stats
+
+    def _begin_bucket(self):
+        """At the first bucket of a backward pass: follow the loss scaler's scale."""
+        if self._in_iteration:
+            return
+        self._in_iteration = True
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return
+        scale = float(scaler.get_scale())
+        if self._loss_scale is not None and scale != self._loss_scale:
+            self.rescale(scale / self._loss_scale)
+        self._loss_scale = scale
+
+    def _end_bucket(self, last: bool, finite: bool):
+        self._nonfinite_iteration |= not finite
+        if not last:
+            return
+        if self._nonfinite_iteration:
+            self.nonfinite_iters += 1
+        else:
+            self.iter += 1
+        self._in_iteration = self._nonfinite_iteration = False
+
+    @property
+    def flag_group(self):
+        """The group of the per-bucket "all finite?" flags: the ranks of the state's group,
+        in a group of the state's own, created (by the members alone) at the first use.
+        The flags are allreduced from the autograd thread while the transport's thread
+        may still run earlier buckets' collectives: on one group the ranks could see
+        the two in different orders."""
+        if self._flag_group is None:
+            group = dist.group.WORLD if self.process_group is None else self.process_group
+            self._flag_group = dist.new_group(dist.get_process_group_ranks(group),
+                                              use_local_synchronization=True)
+        return self._flag_group
+
+    def _finite_everywhere(self, buffer) -> bool:
+        """Whether every rank's ``buffer`` is finite (see ``check_finite``): checked here,
+        the answers allreduced on the state's flag group, from the autograd thread:
+        the group of the hook's other collectives may be busy with earlier buckets."""
+        if not self.check_finite:
+            return True
+        if not isinstance(self.transport, TorchTransport):  # (another transport: on its own)
+            return self.exchange.agree_finite([buffer], self._guarded)
+        finite = tensor_finite(buffer)
+        if self.transport.size > 1:
+            flag = finite.to(device=self.transport.device, dtype=torch.int32).reshape(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flag_group)
+            finite = flag
+        return bool(finite.item())
 
     @property
     def transport(self) -> TorchTransport:
@@ -372,6 +471,14 @@ def deepreduce_hook(state: DeepReduceState,
         raise TypeError(f"deepreduce_hook reduces floating-point gradients; bucket "
                         f"{index} holds {buffer.dtype}")
     state._agree()
+    state._begin_bucket()
+    if not state._finite_everywhere(buffer):
+        # every rank: DDP's own allreduce of the gradients as they are, nothing paid
+        size = state.transport.size
+        result = state._submit(lambda: _allreduce_average(state, buffer, buffer, True, size,
+                                                          nonfinite=True))
+        state._end_bucket(last, finite=False)
+        return _future_of(result, buffer)
     layout = state._layout(bucket, index, buffer)
     if state.device_path:
         return _device_step(state, last, buffer, layout)
@@ -408,8 +515,7 @@ def deepreduce_hook(state: DeepReduceState,
         size = state.transport.size
         started = state._submit(lambda: _allreduce_average(state, buffer, host, on_host, size))
     started.add_done_callback(deliver)
-    if last:
-        state.iter += 1
+    state._end_bucket(last, finite=True)
     return result
 
 
@@ -489,8 +595,24 @@ def _device_step(state, last, buffer, layout):
         size = state.transport.size
         started = state._submit(lambda: _allreduce_average(state, buffer, buffer, True, size))
     started.add_done_callback(deliver)
-    if last:
-        state.iter += 1
+    state._end_bucket(last, finite=True)
+    return result
+
+
+def _future_of(started, tensor):
+    """A torch Future that gets ``tensor`` when the concurrent future ``started`` is done
+    (its exception when it fails); DDP's streams wait for what was recorded on the
+    device then."""
+    result = torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda else \
+        torch.futures.Future()
+
+    def deliver(future):
+        try:
+            future.result()
+            result.set_result(tensor)
+        except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
+            result.set_exception(exc)
+    started.add_done_callback(deliver)
     return result
 
 
@@ -498,14 +620,15 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return host_array(torch.empty(0, dtype=dtype)).dtype
 
 
-def _allreduce_average(state, buffer, host, on_host, size):
+def _allreduce_average(state, buffer, host, on_host, size, nonfinite=False):
     if not on_host:  # the residuals owed were added on the host copy
         buffer.copy_(host)
     buffer.div_(size)
     dist.all_reduce(buffer, group=state.transport.group)
     nbytes = buffer.numel() * buffer.element_size()
     state.stats.record_step(StepStats(steps=1, tensors=1, bytes_sent=nbytes,
-                                      bytes_received=nbytes, dense_bytes=nbytes))
+                                      bytes_received=nbytes, dense_bytes=nbytes,
+                                      nonfinite_steps=int(nonfinite)))
 
 
 class _GuardedTransport(Transport):
