@@ -127,3 +127,16 @@ def test_check_finite_off_is_part_of_the_settings(world_of_one):
     old = on.state_dict()
     del old["settings"]["check_finite"]   # a checkpoint from before the setting
     drt.DeepReduceState(start_iter=0).load_state_dict(old)
+
+
+def test_allreduce_of_a_non_finite_tensor_is_exact_and_remembers_nothing(world_of_one):
+    state = drt.DeepReduceState(sparsifier="topk:0.1", value="fp16")
+    g = torch.randn(4096)
+    drt.allreduce(g, state, name="g")
+    residual = state.exchange.memory.residual("g").copy()
+    bad = g.clone()
+    bad[3] = float("nan")
+    reduced = drt.allreduce(bad, state, name="g")
+    assert torch.equal(torch.isnan(reduced), torch.isnan(bad))
+    assert torch.equal(reduced[~torch.isnan(bad)], bad[~torch.isnan(bad)])
+    np.testing.assert_array_equal(state.exchange.memory.residual("g"), residual)

@@ -38,8 +38,10 @@ def allreduce_async(tensor, state: DeepReduceState, name: str | None = None,
     COO tensor (the gradient of ``nn.Embedding(sparse=True)``), which is
     encoded sparse, never densified. The state's sparsifier, codecs and
     communicator apply; its ``start_iter`` and ``min_compression_rate``
-    concern only the DDP hook. Every rank must start the same reductions in
-    the same order.
+    concern only the DDP hook; its ``check_finite`` applies: a tensor with an inf
+    or NaN on any rank is reduced whole and exact on every rank (inf or NaN where a
+    dense allreduce gives them), and its residual and random streams stay as they
+    were. Every rank must start the same reductions in the same order.
 
     Parameters
     ----------
@@ -62,6 +64,7 @@ def allreduce_async(tensor, state: DeepReduceState, name: str | None = None,
         raise TypeError(f"allreduce reduces floating-point tensors, got {tensor.dtype}")
     state._agree()
     sparse = tensor.is_sparse
+    finite = state._finite_everywhere(tensor._values() if sparse else tensor.detach())
     x = _sparse_to_numpy(tensor) if sparse else host_array(tensor.detach().cpu())
     result = torch.futures.Future()
 
@@ -78,7 +81,8 @@ def allreduce_async(tensor, state: DeepReduceState, name: str | None = None,
         except Exception as exc:  # noqa: BLE001 - raised by the future's wait()
             result.set_exception(exc)
 
-    started = state.exchange.reduce_async([name], [x], state._guarded, op, as_rows=[sparse])
+    started = state.exchange.reduce_async([name], [x], state._guarded, op, as_rows=[sparse],
+                                          finite=finite)
     started.add_done_callback(deliver)
     return result
 
