@@ -64,6 +64,7 @@ NAMESPACE = "drtorch"
 RATIO = 0.01
 DEEPREDUCE = "deepreduce Top-k 1% + auto + fp16 (allgather)"
 NOTHING = "DDP, a hook that sends nothing"
+UNCHECKED = "deepreduce Top-k 1% + auto + fp16 (allgather), check_finite=False"
 #: The hierarchical scheme, in the schemes when ``args.local_size`` is set
 #: (``benchmarks/hierarchical.py``).
 HIERARCHICAL = "deepreduce Top-k 1% + auto + fp16 (hierarchical)"
@@ -174,6 +175,9 @@ def build_schemes(args, world):
         ("PowerSGD rank 4 (one bucket)", "powersgd", one_bucket, powersgd(4)),
         ("raw Top-k pairs hook (torch.topk, int32 + fp32)", "pairs", {}, raw_pairs),
         (DEEPREDUCE, "deepreduce", {}, deepreduce(sparsifier=dr.TopK(RATIO), value="fp16")),
+        # what the per-bucket non-finite check (a read pass, a flag allreduced) costs
+        (UNCHECKED, "deepreduce", {}, deepreduce(sparsifier=dr.TopK(RATIO), value="fp16",
+                                                  check_finite=False)),
         ("deepreduce Top-k 1% + auto + qsgd:bits=8 (allgather)", "deepreduce", {},
          deepreduce(sparsifier=dr.TopK(RATIO), value="qsgd:bits=8")),
         ("deepreduce Top-k 1% + auto + fp16 (sparse_allreduce)", "deepreduce", {},

@@ -214,3 +214,26 @@ def test_a_bundle_whose_coding_fails_keeps_every_residual_owed(monkeypatch):
         ex.encode_bundle(names, grads)
     for name, expected in zip(names, owed):
         np.testing.assert_array_equal(ex.memory.residual(name), expected)
+
+
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_fp16_beyond_its_range_is_carried_by_error_feedback_and_lost_without(error_feedback):
+    """fp16 saturates at +-65504: with error feedback the rest arrives in later steps,
+    without it the rest is lost (bf16, which has float32's range, loses nothing)."""
+    from deepreduce.exchange import GradientExchange
+
+    exchange = GradientExchange(dr.TopK(1), value="fp16", min_size=0,
+                                error_feedback=error_feedback)
+    gradient = np.zeros(4, np.float32)
+    gradient[2] = 200_000.0
+    delivered = 0.0
+    for step in range(5):
+        bundle = exchange.encode_bundle(["w"], [gradient if step == 0 else 0 * gradient])
+        (out,) = exchange.decode_bundles(bundle, ranks=1, rank=0)
+        delivered += float(out[2])
+        if step == 0:
+            assert out[2] == 65504.0
+    assert delivered == (200_000.0 if error_feedback else 65504.0)
+    bf16 = GradientExchange(dr.TopK(1), value="bf16", min_size=0, error_feedback=False)
+    (out,) = bf16.decode_bundles(bf16.encode_bundle(["w"], [gradient]), ranks=1, rank=0)
+    assert out[2] == 199_680.0   # bf16's nearest to 200,000: rounded, not saturated

@@ -140,3 +140,22 @@ def test_allreduce_of_a_non_finite_tensor_is_exact_and_remembers_nothing(world_o
     assert torch.equal(torch.isnan(reduced), torch.isnan(bad))
     assert torch.equal(reduced[~torch.isnan(bad)], bad[~torch.isnan(bad)])
     np.testing.assert_array_equal(state.exchange.memory.residual("g"), residual)
+
+
+def test_a_backward_pass_under_no_sync_leaves_the_residuals_alone(world_of_one):
+    """What a GAN's generator step through the discriminator's DDP should be wrapped in:
+    DDP then calls no hook, and its gradients, zeroed before the discriminator's own
+    step, leave no trace in the residuals."""
+    state = drt.DeepReduceState(sparsifier="topk:0.1", value="fp16", start_iter=0)
+    net = torch.nn.Linear(64, 64)
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    ddp.register_comm_hook(state, drt.deepreduce_hook)
+    ddp(torch.randn(4, 64)).square().sum().backward()
+    memory = state.exchange.memory
+    before = {k: memory.residual(k).copy() for k in memory.names()}
+    with ddp.no_sync():
+        ddp(torch.randn(4, 64)).sum().backward()     # the discarded pass
+    net.zero_grad()
+    assert state.iter == 1 and state.stats.total.steps == 1
+    for key, residual in before.items():
+        np.testing.assert_array_equal(memory.residual(key), residual)
