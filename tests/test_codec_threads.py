@@ -311,6 +311,7 @@ def test_a_busy_python_thread_is_seen_to_keep_the_gil():
     assert runs_beside(lambda: threading.Event().wait(0.05))
 
 
+@pytest.mark.timing
 @pytest.mark.skipif(not EXTENSIONS, reason="no compiled extension is built")
 def test_the_compiled_loops_release_the_gil(monkeypatch):
     calls = record_compiled_calls(monkeypatch)

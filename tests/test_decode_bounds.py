@@ -99,6 +99,7 @@ def repack(payload, **fields):
                           header.value_spec, parts["index"], parts["value"], header.flags)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("policy", ["p0", "conflict_sets"])
 def test_bloom_universe_of_2_40_is_refused_by_default_in_under_10_ms(policy):
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)

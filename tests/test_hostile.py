@@ -47,6 +47,7 @@ def rejected_quickly(fn, match=None):
     assert time.perf_counter() - start < QUICK
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("n", [10**9, 2**40, 2**62])
 def test_bloom_universe_beyond_max_scanned(n):
     payload = repack(small_payload(index="bloom:fpr=0.01"), shape=(n,))
@@ -61,12 +62,14 @@ def all_ones_filter(nbytes=48, k=7):
 
 @pytest.mark.parametrize("policy, n", [("random", 10**8), ("conflict_sets", 10**8),
                                        ("leftmost", 2**62), ("p0", 2**62)])
+@pytest.mark.timing
 def test_bloom_all_ones_filter_fails_its_popcount(policy, n):
     stream = all_ones_filter()
     assert len(stream) < 64
     rejected_quickly(lambda: BloomIndices(policy=policy).decode(stream, n, 10), "sets")
 
 
+@pytest.mark.timing
 def test_bloom_positives_beyond_the_declared_rate_are_never_held():
     # a filter built at fpr=0.01 under a spec declaring fpr=1e-6: its popcount
     # passes, its false positives (about 1% of the universe) do not
@@ -78,6 +81,7 @@ def test_bloom_positives_beyond_the_declared_rate_are_never_held():
         rejected_quickly(lambda: decoder.decode(data, n, indices.size), "more than")
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("nnz", [10**8, 10**9, 2**63 - 2])
 def test_value_ordered_index_stream_checked_before_the_values(nnz):
     payload = repack(small_payload(value="polyfit"), shape=(2**63 - 1,), nnz=nnz)
@@ -85,6 +89,7 @@ def test_value_ordered_index_stream_checked_before_the_values(nnz):
     rejected_quickly(lambda: dr.decompress(payload, max_nnz=None), "index stream")
 
 
+@pytest.mark.timing
 def test_polyfit_piece_lengths_cannot_wrap():
     nnz = 2**62
     # five pieces of 2**62 add up to 2**62 modulo 2**64
@@ -93,6 +98,7 @@ def test_polyfit_piece_lengths_cannot_wrap():
                                                               np.float32), "piece lengths")
 
 
+@pytest.mark.timing
 def test_deflate_values_of_an_impossible_size_are_a_decode_error(tmp_path):
     payload = repack(small_payload(value="deflate"), shape=(2**62,), nnz=2**62)
     assert len(payload) < 100
@@ -106,6 +112,7 @@ def test_deflate_values_of_an_impossible_size_are_a_decode_error(tmp_path):
         assert cli.main(command) == 1   # a message, not a traceback
 
 
+@pytest.mark.timing
 def test_zstd_frame_declaring_more_than_it_can_hold():
     from deepreduce.codecs.zstd import zstd_compress, zstd_decompress
 
@@ -120,12 +127,14 @@ def test_zstd_frame_declaring_more_than_it_can_hold():
     assert len(packed) < 100 and zstd_decompress(packed, 2**20, "test") == zeros
 
 
+@pytest.mark.timing
 def test_huffman_counts_checked_before_the_block_table():
     stream = bytes(130)
     n = nnz = 2**31 - 1
     rejected_quickly(lambda: HuffmanIndices(block=8).decode(stream, n, nnz), "cannot hold")
 
 
+@pytest.mark.timing
 def test_max_nnz_is_checked_before_anything_else():
     payload = small_payload(index="varint")
     assert dr.decompress(payload, max_nnz=10).nnz == 10

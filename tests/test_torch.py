@@ -156,6 +156,7 @@ def test_a_destroyed_group_is_not_kept_alive():
         transport.allgather(b"frame", Traffic(), "test")
 
 
+@pytest.mark.timing
 def test_exit_waits_until_no_collective_holds_the_last_tensors(world_of_one):
     # A gloo thread that drops the last reference to a Python-made tensor takes the
     # GIL to free it; while the interpreter finalises that aborts the process
