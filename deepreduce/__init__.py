@@ -12,7 +12,7 @@ from deepreduce.registry import get_codec, register_codec, registered_codecs
 import deepreduce.codecs  # noqa: F401,E402  (registers the built-in codecs)
 from deepreduce.codecs.base import Codec, IndexCodec, ValueCodec
 from deepreduce.sparse import SparseTensor
-from deepreduce.sparsifiers import BlockTopK, NonZero, RandomK, Threshold, TopK, get_sparsifier
+from deepreduce.sparsifiers import BlockTopK, ChunkTopK, NonZero, RandomK, Threshold, TopK, get_sparsifier
 from deepreduce.pipeline import Pipeline, compress, decompress, index_entropy_bits
 from deepreduce.container import read_header
 from deepreduce.memory import ResidualMemory
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DecodeError", "get_codec", "register_codec", "registered_codecs", "Codec", "IndexCodec",
-    "ValueCodec", "SparseTensor", "TopK", "RandomK", "Threshold", "BlockTopK", "NonZero",
+    "ValueCodec", "SparseTensor", "TopK", "RandomK", "Threshold", "BlockTopK", "ChunkTopK", "NonZero",
     "get_sparsifier", "Pipeline", "compress", "decompress", "index_entropy_bits", "read_header",
     "ResidualMemory", "ExchangeConfig",
 ]

@@ -7,7 +7,7 @@ come out sorted, so the index codecs see a set.
 
 Specs name them on the command line and in configs: ``topk:0.01``,
 ``topk:k=1000``, ``randomk:0.01,seed=7``, ``threshold:1e-3``,
-``blocktopk:0.01,block=256``, ``none``.
+``blocktopk:0.01,block=256``, ``chunktopk:k=64,chunk=4096``, ``none``.
 """
 
 from __future__ import annotations
@@ -425,8 +425,152 @@ class BlockTopK(Sparsifier):
         return norms
 
 
+class ChunkTopK(Sparsifier):
+    """Keep the ``k`` entries of largest magnitude in every chunk of ``chunk`` elements.
+
+    SparseLoCo's selection (Sarfi et al. 2025, arXiv 2508.15706): exactly ``k`` per
+    chunk, so that every chunk speaks and the index stream knows each chunk's count
+    (see the ``chunked`` index codec). Ties go to the lowest index, as in
+    :class:`TopK`; NaN ranks lowest.
+
+    The chunks of a tensor (its :meth:`layout`):
+
+    * **tiles**: a tensor of two or more dimensions whose last two, ``(rows, cols)``,
+      are both multiples of ``side = isqrt(chunk)``, where ``side * side == chunk``,
+      is cut into square tiles of ``side x side`` (64 x 64 for the default 4096, as
+      SparseLoCo does); leading dimensions stack matrices, whose tiles never cross
+      from one matrix to the next. Tiles are numbered row-major over the tile grid of
+      the ``(size // cols, cols)`` matrix.
+    * **flat**: every other tensor (one-dimensional, a last dimension or a row count
+      that does not divide, a chunk that is no square, ``tiles=False``) is cut into
+      consecutive chunks of ``chunk`` elements of its flattened (C-order) form; a last,
+      shorter chunk of ``L`` elements keeps ``min(k, L)``.
+
+    A chunk no larger than ``k`` is kept whole. On a :class:`SparseTensor` the choice
+    is among the stored entries of each chunk, which may be fewer than ``k``.
+
+    Parameters
+    ----------
+    k : int
+        Entries kept per chunk, ``>= 0``.
+    chunk : int, default 4096
+        Elements per chunk, ``>= 1``.
+    tiles : bool, default True
+        False cuts every tensor into flat chunks.
+
+    Examples
+    --------
+    >>> import numpy as np, deepreduce as dr
+    >>> x = np.random.default_rng(0).standard_normal((128, 192)).astype(np.float32)
+    >>> st = dr.ChunkTopK(k=64)(x)     # six 64 x 64 tiles, 64 entries each
+    >>> st.nnz, st.indices[:3].tolist()
+    (384, [138, 159, 219])
+    >>> dr.ChunkTopK(k=64).layout(x.shape)
+    ('tiles', 64, 192)
+    >>> dr.ChunkTopK(k=2, chunk=4).layout((10,)), dr.ChunkTopK(k=2, chunk=4)(np.arange(10.0)).indices
+    (('flat', 4, 10), array([2, 3, 6, 7, 8, 9]))
+    """
+
+    def __init__(self, k=None, *, chunk=4096, tiles=True):
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ValueError(f"ChunkTopK: k must be an integer >= 0, got {k!r}")
+        if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
+            raise ValueError(f"ChunkTopK: chunk must be an integer >= 1, got {chunk!r}")
+        self.k, self.chunk, self.tiles = int(k), int(chunk), bool(tiles)
+
+    def layout(self, shape) -> tuple:
+        """``("tiles", side, cols)`` or ``("flat", chunk, size)`` for a tensor of ``shape``
+        (see the class docstring)."""
+        shape = tuple(int(d) for d in shape)
+        size = math.prod(shape)
+        side = math.isqrt(self.chunk)
+        if (self.tiles and len(shape) >= 2 and side * side == self.chunk and size
+                and shape[-1] % side == 0 and shape[-2] % side == 0):
+            return "tiles", side, shape[-1]
+        return "flat", self.chunk, size
+
+    def __call__(self, x) -> SparseTensor:
+        if isinstance(x, SparseTensor):
+            keys = chunk_keys(x.indices, self.layout(x.shape))
+            positions = _largest_per_group(_magnitudes(x.values), keys // self.chunk, self.k)
+            return SparseTensor._trusted(x.values[positions], x.indices[positions], x.shape)
+        x = _as_float_array(x)
+        flat = x.reshape(-1)
+        positions = self._select_dense(flat, self.layout(x.shape))
+        return SparseTensor._trusted(flat[positions], positions, x.shape)
+
+    def _select_dense(self, flat: np.ndarray, layout) -> np.ndarray:
+        kind, side, size = layout
+        chunk, k = self.chunk, self.k
+        if kind == "tiles":
+            cols = size
+            rows = flat.size // cols
+            grid = flat.reshape(rows // side, side, cols // side, side).transpose(0, 2, 1, 3)
+            keep = _keep_largest_rows(_magnitudes(grid.reshape(-1, chunk)), k)
+            return np.flatnonzero(keep.reshape(rows // side, cols // side, side, side)
+                                  .transpose(0, 2, 1, 3))
+        full = flat.size // chunk
+        keep = np.zeros(flat.size, dtype=bool)
+        if full:
+            keep[:full * chunk] = _keep_largest_rows(
+                _magnitudes(flat[:full * chunk]).reshape(full, chunk), k).reshape(-1)
+        if flat.size > full * chunk:  # the last, shorter chunk
+            rest = _magnitudes(flat[full * chunk:])
+            keep[full * chunk:] = _keep_largest_rows(rest.reshape(1, -1), min(k, rest.size))[0]
+        return np.flatnonzero(keep)
+
+    def __repr__(self):
+        return f"ChunkTopK(k={self.k}, chunk={self.chunk}, tiles={self.tiles})"
+
+
+def chunk_keys(indices: np.ndarray, layout) -> np.ndarray:
+    """``chunk * chunk_number + position within the chunk`` of each flat index, for a
+    :meth:`ChunkTopK.layout` (tiles: row-major within the tile)."""
+    indices = np.asarray(indices, dtype=np.int64)
+    kind, side, cols = layout
+    if kind == "flat":
+        return indices
+    row, col = np.divmod(indices, cols)
+    tile_row, local_row = np.divmod(row, side)
+    tile_col, local_col = np.divmod(col, side)
+    return ((tile_row * (cols // side) + tile_col) * side + local_row) * side + local_col
+
+
+def _keep_largest_rows(mag: np.ndarray, k: int) -> np.ndarray:
+    """Boolean mask of the ``k`` largest entries of every row of ``mag`` (2-D), ties
+    to the lowest column: one partition along the rows, the ties settled where a
+    row has more of them than it keeps."""
+    rows, width = mag.shape
+    if k >= width:
+        return np.ones(mag.shape, dtype=bool)
+    if k == 0 or rows == 0:
+        return np.zeros(mag.shape, dtype=bool)
+    kth = np.partition(mag, width - k, axis=1)[:, width - k:width - k + 1]
+    keep = mag > kth
+    tied = mag == kth
+    missing = k - np.count_nonzero(keep, axis=1)
+    crowded = np.flatnonzero(np.count_nonzero(tied, axis=1) > missing)
+    if crowded.size:  # more ties than places: the first ones, by column
+        ranks = np.cumsum(tied[crowded], axis=1)
+        tied[crowded] &= ranks <= missing[crowded, None]
+    keep |= tied
+    return keep
+
+
+def _largest_per_group(mag: np.ndarray, groups: np.ndarray, k: int) -> np.ndarray:
+    """Sorted positions of the ``k`` largest ``mag`` within each group (``groups`` of
+    the same size), ties to the lowest position."""
+    if mag.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.lexsort((np.arange(mag.size), -mag.astype(np.float64), groups))
+    sorted_groups = groups[order]
+    starts = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])
+    rank = np.arange(mag.size) - np.repeat(starts, np.diff(np.r_[starts, mag.size]))
+    return np.sort(order[rank < k])
+
+
 _SPARSIFIERS = {"topk": TopK, "randomk": RandomK, "threshold": Threshold,
-                "blocktopk": BlockTopK, "none": NonZero, "nonzero": NonZero}
+                "blocktopk": BlockTopK, "chunktopk": ChunkTopK, "none": NonZero, "nonzero": NonZero}
 
 
 def get_sparsifier(spec):
@@ -439,6 +583,8 @@ def get_sparsifier(spec):
     TopK(ratio=0.01, exact=False)
     >>> get_sparsifier("blocktopk:0.1,block=64")
     BlockTopK(ratio=0.1, block=64)
+    >>> get_sparsifier("chunktopk:k=64,chunk=4096")
+    ChunkTopK(k=64, chunk=4096, tiles=True)
     """
     if spec is None:
         return NonZero()
