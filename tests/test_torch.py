@@ -97,6 +97,14 @@ def test_transport_moves_frames_of_any_length(two_ranks):
     assert rank0["empty"] == rank1["empty"] == [0, 0]
 
 
+def test_find_unused_parameters_trains_as_ddp_allreduce(two_ranks):
+    # DDP's own bookkeeping allreduce on the model's group, from the autograd thread,
+    # does not meet the hook's collectives: those run on groups of deepreduce's own
+    for found in findings(two_ranks, "check_find_unused"):
+        # 8 iterations, 2 before start_iter, 3 parameters of >= min_size each
+        assert found == {"identical": True, "iter": 8, "compressed": 18, "own_groups": True}
+
+
 def test_ranks_configured_differently_fail_everywhere_naming_the_difference(two_ranks):
     for found in findings(two_ranks, "check_misconfigured"):
         assert found["raised"] is True
@@ -184,6 +192,53 @@ def test_non_float_tensors_are_refused(world_of_one):
     state = drt.DeepReduceState()
     with pytest.raises(TypeError, match="floating-point"):
         drt.allreduce(torch.arange(10), state)
+
+
+def test_a_failed_collective_reaches_backward_named_and_chained(world_of_one, monkeypatch):
+    # DDP casts the value of the hook's future to a tensor in C++: an exception set with
+    # Future.set_exception arrived as "Unable to cast <its message> to Tensor"
+    state = drt.DeepReduceState(sparsifier=dr.TopK(0.1), start_iter=0, min_compression_rate=0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+    model.register_comm_hook(state, drt.deepreduce_hook)
+    transport = state.transport
+
+    def broken(frame, traffic, stage):
+        raise RuntimeError(f"gloo says no ({stage})")
+    monkeypatch.setattr(transport, "_allgather", broken)
+    with pytest.raises(transport_module.CollectiveError) as raised:
+        model(torch.ones(2, 64)).sum().backward()
+    assert str(raised.value) == ("deepreduce hook, rank 0, bucket 0, allgather of 'settings' "
+                                 "failed: gloo says no (settings)")
+    assert raised.value.bucket == 0 and raised.value.what == "allgather of 'settings'"
+    transport_error = raised.value.__cause__     # the transport's, and torch's under it
+    assert str(transport_error) == "rank 0, allgather of 'settings' failed: gloo says no " \
+        "(settings)"
+    assert str(transport_error.__cause__) == "gloo says no (settings)"
+    # without DDP: the transport's error, from the future's wait()
+    with pytest.raises(transport_module.CollectiveError, match="^rank 0, allgather of 'settings"):
+        drt.allreduce(torch.ones(10), drt.DeepReduceState(sparsifier=None, value="raw"))
+
+
+@pytest.mark.parametrize("check_finite, collective", [
+    (False, "allgather of 'bundles'"),           # on the transport's thread
+    (True, "allreduce of the all-finite flag"),  # on the autograd thread
+])
+def test_a_dead_peer_fails_the_hook_naming_rank_bucket_and_collective(tmp_path, check_finite,
+                                                                       collective):
+    # rank 1 dies after two steps; rank 0's next backward pass raises at once
+    subprocess.run([sys.executable, os.path.join(HERE, "torch_failure_worker.py"),
+                    str(tmp_path), str(free_port()), str(int(check_finite))],
+                   check=True, timeout=180)
+    found = json.loads((tmp_path / "rank0.json").read_text())
+    assert found["raised"] is True and found["type"] == "CollectiveError", found
+    assert found["message"].startswith(
+        f"deepreduce hook, rank 0, bucket {found['first_bucket']}, {collective} failed: ")
+    assert found["bucket"] == found["first_bucket"]
+    # gloo's own message, chained under the transport's error
+    assert found["causes"][0].startswith(f"CollectiveError: rank 0, {collective} failed: ")
+    assert found["causes"][-1].split(":")[0] in ("RuntimeError", "DistBackendError",
+                                                 "DistNetworkError")
+    assert found["causes"][-1].split(": ", 1)[1] in found["message"]
 
 
 def test_one_rank_hook_matches_plain_training(world_of_one):

@@ -292,8 +292,56 @@ def check_misconfigured(rank):
     return {"raised": False, "message": ""}
 
 
+class Branchy(torch.nn.Module):
+    """A model with branches that some steps leave out: ``b`` on odd steps on every rank,
+    ``c`` on the ranks where ``(step + rank) % 3`` is not 0 (used on another rank)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 64)
+        self.c, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)
+
+    def forward(self, x, step, rank):
+        h = torch.relu(self.a(x))
+        if step % 2 == 0:
+            h = torch.relu(self.b(h))
+        if (step + rank) % 3 == 0:
+            h = torch.relu(self.c(h))
+        return self.head(h)
+
+
+def check_find_unused(rank):
+    """DDP(find_unused_parameters=True), whose own bookkeeping allreduce runs on the
+    model's group from the autograd thread: a lossless hook trains exactly as DDP's
+    allreduce (the hook's collectives run on groups of deepreduce's own)."""
+    data = batches(rank, 8, seed=9)
+
+    def run(hooked):
+        # small buckets: several collectives of the hook's per step, beside DDP's
+        ddp = DDP(Branchy(), find_unused_parameters=True, bucket_cap_mb=0.01)
+        state = None
+        if hooked:
+            state = drt.DeepReduceState(**LOSSLESS, start_iter=2, min_compression_rate=0)
+            ddp.register_comm_hook(state, drt.deepreduce_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for step, (x, y) in enumerate(data):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x, step, rank), y).backward()
+            opt.step()
+        return params(ddp), state
+
+    reference, _ = run(False)
+    trained, state = run(True)
+    return {"identical": same(trained, reference), "iter": state.iter,
+            "compressed": state.stats.total.compressed_tensors,
+            "own_groups": state.transport.group is not dist.group.WORLD
+            and state.flag_group is not state.transport.group}
+
+
 CHECKS = [check_transport, check_lossless, check_error_feedback, check_gradient_layouts,
-          check_device_path, check_resume, check_allreduce, check_misconfigured]
+          check_device_path, check_resume, check_allreduce, check_misconfigured,
+          check_find_unused]
 
 
 def main(rank, out_dir, port, only=None):

@@ -25,9 +25,10 @@ import torch
 from deepreduce.sparse import SparseTensor
 from deepreduce.torch.ddp import (DeepReduceState, deepreduce_hook, from_host, host_array,
                                   transport_of)
+from deepreduce.torch.transport import CollectiveError
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "allreduce", "allreduce_async",
-           "transport_of"]
+           "transport_of", "CollectiveError"]
 
 
 def allreduce_async(tensor, state: DeepReduceState, name: str | None = None,

@@ -38,7 +38,7 @@ from deepreduce.registry import get_codec
 from deepreduce.selection import Selector
 from deepreduce.stats import StepStats
 from deepreduce.torch.device import DeviceSelector, from_host, host_array, tensor_finite
-from deepreduce.torch.transport import TorchTransport
+from deepreduce.torch.transport import CollectiveError, TorchTransport
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "transport_of", "host_array", "from_host"]
 
@@ -52,7 +52,13 @@ def transport_of(process_group=None) -> TorchTransport:
 
     One per group and process, so every deepreduce collective of that group
     (the hook's, :func:`deepreduce.torch.allreduce`'s) runs on one thread, in
-    the order it was started, which is the same on every rank.
+    the order it was started, which is the same on every rank. It runs them on
+    a process group of its own with the same members, and has a second one,
+    ``flag_group`` (:meth:`TorchTransport.private
+    <deepreduce.torch.transport.TorchTransport.private>`), both created by the
+    first call for ``process_group``, which every member must make: collectives
+    of DDP's own on ``process_group`` (``find_unused_parameters=True``'s
+    bookkeeping, from the autograd thread) then never meet deepreduce's.
     """
     group = dist.group.WORLD if process_group is None else process_group
     if group is None:  # torch.distributed is not initialised: TorchTransport says so
@@ -60,7 +66,7 @@ def transport_of(process_group=None) -> TorchTransport:
     with _TRANSPORTS_LOCK:
         transport = _TRANSPORTS.get(group)
         if transport is None:
-            transport = _TRANSPORTS[group] = TorchTransport(group)
+            transport = _TRANSPORTS[group] = TorchTransport.private(group)
         return transport
 
 
@@ -224,7 +230,6 @@ class DeepReduceState:
         self._layouts = {}       # bucket index -> its _Layout (see _layout)
         self._in_iteration = False   # a bucket of this backward pass was seen
         self._nonfinite_iteration = False  # one of them was non-finite
-        self._flag_group = None      # see flag_group
 
     # -- checkpointing ------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -257,7 +262,7 @@ class DeepReduceState:
         state = dict(self.__dict__)
         for runtime in ("process_group", "_transport", "_keys", "_estimates", "_agreed",
                         "_failure", "_guarded", "_results", "_layouts", "_in_iteration",
-                        "_nonfinite_iteration", "_flag_group", "grad_scaler"):
+                        "_nonfinite_iteration", "grad_scaler"):
             state.pop(runtime, None)
         return state
 
@@ -307,21 +312,21 @@ class DeepReduceState:
 
     @property
     def flag_group(self):
-        """The group of the per-bucket "all finite?" flags: the ranks of the state's group,
-        in a group of the state's own, created (by the members alone) at the first use.
-        The flags are allreduced from the autograd thread while the transport's thread
-        may still run earlier buckets' collectives: on one group the ranks could see
-        the two in different orders."""
-        if self._flag_group is None:
-            group = dist.group.WORLD if self.process_group is None else self.process_group
-            self._flag_group = dist.new_group(dist.get_process_group_ranks(group),
-                                              use_local_synchronization=True)
-        return self._flag_group
+        """The group of the per-bucket "all finite?" flags: the ranks of the state's group
+        in a second group of deepreduce's own (:attr:`TorchTransport.flag_group
+        <deepreduce.torch.transport.TorchTransport.flag_group>`), created with the
+        transport's when the state binds its group (see :attr:`transport`). The flags
+        are allreduced from the autograd thread while the transport's thread may still
+        run earlier buckets' collectives, and DDP's own bookkeeping allreduce runs on
+        the state's group: on one group the ranks could see them in different orders.
+        Held weakly, as the transport's; RuntimeError once destroyed."""
+        return self.transport.flag_group
 
-    def _finite_everywhere(self, buffer) -> bool:
-        """Whether every rank's ``buffer`` is finite (see ``check_finite``): checked here,
-        the answers allreduced on the state's flag group, from the autograd thread:
-        the group of the hook's other collectives may be busy with earlier buckets."""
+    def _finite_everywhere(self, buffer, index=None) -> bool:
+        """Whether every rank's ``buffer`` (bucket ``index``) is finite (see
+        ``check_finite``): checked here, the answers allreduced on the state's flag
+        group, from the autograd thread: the group of the hook's other collectives may
+        be busy with earlier buckets."""
         if not self.check_finite:
             return True
         if not isinstance(self.transport, TorchTransport):  # (another transport: on its own)
@@ -329,13 +334,20 @@ class DeepReduceState:
         finite = tensor_finite(buffer)
         if self.transport.size > 1:
             flag = finite.to(device=self.transport.device, dtype=torch.int32).reshape(1)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flag_group)
+            try:
+                with self.transport.failing_as("allreduce of the all-finite flag"):
+                    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flag_group)
+            except CollectiveError as exc:  # raised from the hook: named as its futures'
+                raise _named(exc, self, index) from exc
             finite = flag
         return bool(finite.item())
 
     @property
     def transport(self) -> TorchTransport:
-        """The transport every collective of this state runs on."""
+        """The transport every collective of this state runs on: bound at the first use
+        (the first hook call, or :func:`deepreduce.torch.allreduce`), on every rank,
+        to :func:`transport_of` the state's group, which creates deepreduce's own
+        process groups for it then (the transport's and :attr:`flag_group`)."""
         if self._transport is None:
             self._transport = transport_of(self.process_group)
         return self._transport
@@ -472,13 +484,13 @@ def deepreduce_hook(state: DeepReduceState,
                         f"{index} holds {buffer.dtype}")
     state._agree()
     state._begin_bucket()
-    if not state._finite_everywhere(buffer):
+    if not state._finite_everywhere(buffer, index):
         # every rank: DDP's own allreduce of the gradients as they are, nothing paid
         size = state.transport.size
         result = state._submit(lambda: _allreduce_average(state, buffer, buffer, True, size,
                                                           nonfinite=True))
         state._end_bucket(last, finite=False)
-        return _future_of(result, buffer)
+        return _future_of(result, buffer, state, index)
     layout = state._layout(bucket, index, buffer)
     if state.device_path:
         return _device_step(state, last, buffer, layout)
@@ -503,7 +515,7 @@ def deepreduce_hook(state: DeepReduceState,
                 buffer.copy_(host)
             result.set_result(reduced)
         except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
-            result.set_exception(exc)
+            _fail(result, exc, state, index)
 
     if compressed:
         out = views if reduced is buffer else layout.views_of(reduced)
@@ -526,6 +538,7 @@ class _Layout:
 
     def __init__(self, state, bucket, index, buffer):
         self.buffer = buffer  # (held: its memory is not handed to another buffer)
+        self.index = index
         self.storage = buffer.untyped_storage().data_ptr()
         self.params = bucket.parameters()
         keys, shapes = state._parameters(bucket)
@@ -575,7 +588,7 @@ def _device_step(state, last, buffer, layout):
             future.result()
             result.set_result(buffer)
         except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
-            result.set_exception(exc)
+            _fail(result, exc, state, layout.index)
 
     exchange = state.exchange
     if state._compresses_layout(layout):
@@ -599,10 +612,10 @@ def _device_step(state, last, buffer, layout):
     return result
 
 
-def _future_of(started, tensor):
+def _future_of(started, tensor, state, index):
     """A torch Future that gets ``tensor`` when the concurrent future ``started`` is done
-    (its exception when it fails); DDP's streams wait for what was recorded on the
-    device then."""
+    (its exception when it fails, see :func:`_fail`: ``state``'s bucket ``index``); DDP's
+    streams wait for what was recorded on the device then."""
     result = torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda else \
         torch.futures.Future()
 
@@ -611,9 +624,71 @@ def _future_of(started, tensor):
             future.result()
             result.set_result(tensor)
         except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
-            result.set_exception(exc)
+            _fail(result, exc, state, index)
     started.add_done_callback(deliver)
     return result
+
+
+def _fail(result, exc, state, index) -> None:
+    """Complete the hook's future ``result`` with the failure ``exc`` of bucket ``index``,
+    so that ``loss.backward()`` raises it as it is, its causes chained.
+
+    A collective's failure (:class:`~deepreduce.torch.transport.CollectiveError`)
+    becomes one that names this rank, the bucket and the collective: "deepreduce hook,
+    rank 1, bucket 0, allgather of 'bundles' failed: <torch's message>", the same for
+    every later bucket that does not run because of it (the bucket it failed in);
+    another exception goes as it is, with a note naming the rank and the bucket.
+
+    ``Future.set_exception`` would not do: it keeps the exception as the future's
+    value, which DDP's reducer casts to a tensor in C++; the cast fails, raising
+    "Unable to cast <str(value)> to Tensor", the exception itself lost. The cast
+    takes ``str()`` of the value for that message: :class:`_Failed` raises the
+    exception there, and it leaves the reducer, and ``backward()``, unchanged. Python's
+    ``wait()`` and ``value()`` raise it too, as after ``set_exception``.
+    """
+    result._set_unwrap_func(_raise_failure)
+    result.set_result(_Failed(_named(exc, state, index)))
+
+
+def _named(exc, state, index):
+    """``exc``, which bucket ``index`` of the hook raised, as :func:`_fail` hands it on."""
+    rank = getattr(state.transport, "global_rank", state.transport.rank)
+    if isinstance(exc, CollectiveError) and exc.bucket is None:
+        named = getattr(exc, "in_hook", None)
+        if named is None:  # the first bucket it failed in
+            named = exc.in_hook = CollectiveError(exc.what, rank, exc.reason, bucket=index)
+            named.__cause__ = exc
+        return named
+    if not isinstance(exc, CollectiveError):
+        note = f"(in deepreduce's DDP hook, rank {rank}, bucket {index})"
+        if note not in getattr(exc, "__notes__", ()):
+            exc.add_note(note)
+    return exc
+
+
+class _Failed:
+    """The value of a hook's future whose reduction failed (see :func:`_fail`)."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __str__(self):
+        # what DDP calls on a value that is not a tensor: the exception leaves from here
+        raise self.exc
+
+    def __repr__(self):
+        return f"<failed reduction: {self.exc!r}>"
+
+    def __reduce__(self):  # (a CUDA future looks for tensors in its value by pickling it)
+        return _Failed, (None,)
+
+
+def _raise_failure(value):
+    if isinstance(value, _Failed):
+        raise value.exc
+    return value
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
@@ -624,7 +699,9 @@ def _allreduce_average(state, buffer, host, on_host, size, nonfinite=False):
     if not on_host:  # the residuals owed were added on the host copy
         buffer.copy_(host)
     buffer.div_(size)
-    dist.all_reduce(buffer, group=state.transport.group)
+    transport = state.transport  # (on deepreduce's own group: see transport_of)
+    with transport.failing_as("allreduce of the whole bucket"):
+        dist.all_reduce(buffer, group=transport.group)
     nbytes = buffer.numel() * buffer.element_size()
     state.stats.record_step(StepStats(steps=1, tensors=1, bytes_sent=nbytes,
                                       bytes_received=nbytes, dense_bytes=nbytes,

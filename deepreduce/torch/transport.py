@@ -3,12 +3,14 @@
 :class:`TorchTransport` moves the byte frames of :mod:`deepreduce.collectives`'
 communicators and of :class:`~deepreduce.exchange.GradientExchange` between the
 ranks of a process group; :func:`deepreduce.torch.transport_of` gives the shared
-one of a group.
+one of a group, over process groups of its own (:meth:`TorchTransport.private`).
+A collective that fails raises :class:`CollectiveError`, naming it.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import time
 import weakref
 
@@ -18,7 +20,25 @@ import torch.distributed as dist
 
 from deepreduce.collectives.transport import Transport, members_of, split_frames
 
-__all__ = ["TorchTransport"]
+__all__ = ["TorchTransport", "CollectiveError"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective of deepreduce's failed: a peer died or left, a timeout, a destroyed
+    group. The message names the rank (global, as torchrun's log prefixes do), the
+    collective and the stage (``what``: "allgather of 'bundles'") and the reason; the
+    exception torch.distributed raised is the ``__cause__``. The DDP hook raises one
+    that also names the bucket (``bucket``; None for the transport's own).
+    """
+
+    def __init__(self, what: str, rank: int, reason: str, bucket: int | None = None):
+        where = f"rank {rank}" if bucket is None else \
+            f"deepreduce hook, rank {rank}, bucket {bucket}"
+        super().__init__(f"{where}, {what} failed: {reason}")
+        self.what, self.rank, self.reason, self.bucket = what, rank, reason, bucket
+
+    def __reduce__(self):
+        return type(self), (self.what, self.rank, self.reason, self.bucket)
 
 
 class TorchTransport(Transport):
@@ -58,11 +78,9 @@ class TorchTransport(Transport):
         # interpreter exit instead, when gloo's threads can no longer take the GIL
         # to free the tensors they hold, and the process aborts
         self._group = weakref.ref(group)
-        backend = str(dist.get_backend(group)).lower()
-        if backend not in self.BACKENDS:
-            raise ValueError(f"process group backend {backend!r} is not supported; deepreduce "
-                             f"runs over {' or '.join(self.BACKENDS)}")
-        self.rank = dist.get_rank(group)
+        self._flag_group = None  # (made by private())
+        backend = self._backend_of(group)
+        self.rank, self.global_rank = dist.get_rank(group), dist.get_rank()
         if self.rank < 0:
             raise ValueError("this process is not a member of the given process group")
         self.size = dist.get_world_size(group)
@@ -80,6 +98,54 @@ class TorchTransport(Transport):
         _WITH_HELD_TENSORS.add(self)
         self._longest = {}  # stage -> the longest frames of its last allgathers
 
+    @classmethod
+    def _backend_of(cls, group) -> str:
+        backend = str(dist.get_backend(group)).lower()
+        if backend not in cls.BACKENDS:
+            raise ValueError(f"process group backend {backend!r} is not supported; deepreduce "
+                             f"runs over {' or '.join(cls.BACKENDS)}")
+        return backend
+
+    @classmethod
+    def private(cls, process_group=None, device=None) -> "TorchTransport":
+        """A transport over a process group of its own, with the members of
+        ``process_group`` (the default group when None) ranked alike, and a second
+        such group, :attr:`flag_group`.
+
+        Collectives on the same group that two threads start can interleave in
+        another order on each rank, and the ranks then exchange the wrong tensors
+        (gloo: "Is there a distributed collective mismatch") or wait for each other
+        forever. DDP with ``find_unused_parameters=True`` runs a bookkeeping
+        allreduce of its own on the model's group from the autograd thread, while
+        the transport's collectives run on its communication thread; on groups of
+        their own they cannot meet.
+
+        Collective: every member of ``process_group`` calls it (its members alone:
+        ``new_group(..., use_local_synchronization=True)``), in the same order with
+        respect to their other ``new_group`` calls. The groups take
+        ``process_group``'s backend and timeout; torch.distributed holds them until
+        ``destroy_process_group()``, this transport only weakly.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("torch.distributed is not initialised: call "
+                               "torch.distributed.init_process_group first")
+        group = dist.group.WORLD if process_group is None else process_group
+        backend = cls._backend_of(group)
+        if dist.get_rank(group) < 0:
+            raise ValueError("this process is not a member of the given process group")
+        ranks = dist.get_process_group_ranks(group)  # global ranks, in the group's order
+        options = {} if ranks == sorted(ranks) else {"sort_ranks": False}
+        own, flags = (dist.new_group(ranks, backend=backend, timeout=_timeout_of(group),
+                                     use_local_synchronization=True, group_desc=desc,
+                                     **options)
+                      for desc in ("deepreduce", "deepreduce_flags"))
+        transport = cls(own, device)
+        transport._flag_group = weakref.ref(flags)
+        if transport.rank != dist.get_rank(group):  # (new_group ignored the order)
+            raise RuntimeError("torch.distributed ranked the new group's members otherwise "
+                               "than the given group")
+        return transport
+
     @property
     def group(self):
         """The process group; RuntimeError once it has been destroyed."""
@@ -88,6 +154,32 @@ class TorchTransport(Transport):
             raise RuntimeError("the process group of this transport has been destroyed "
                                "(torch.distributed.destroy_process_group)")
         return group
+
+    @property
+    def flag_group(self):
+        """The second group of a :meth:`private` transport: the same members, for the
+        small collectives another thread runs beside this transport's (the DDP hook's
+        all-finite flag, from the autograd thread). RuntimeError once it has been
+        destroyed, and for a transport built over a group of the caller's."""
+        if self._flag_group is None:
+            raise RuntimeError("this transport runs on a group of the caller's; "
+                               "TorchTransport.private (transport_of) makes a flag group")
+        group = self._flag_group()
+        if group is None:
+            raise RuntimeError("the flag group of this transport has been destroyed "
+                               "(torch.distributed.destroy_process_group)")
+        return group
+
+    @contextlib.contextmanager
+    def failing_as(self, what: str):
+        """Raise what fails inside as a :class:`CollectiveError` naming ``what`` (say
+        "allgather of 'bundles'") and this rank, the original exception chained."""
+        try:
+            yield
+        except CollectiveError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - named, and chained
+            raise CollectiveError(what, self.global_rank, _reason(exc)) from exc
 
     def _to_device(self, array: np.ndarray):
         return torch.from_numpy(array).to(self.device)
@@ -122,6 +214,10 @@ class TorchTransport(Transport):
         return np.stack([self._to_host(t) for t in everyone])
 
     def allgather(self, frame, traffic, stage):
+        with self.failing_as(f"allgather of {stage!r}"):
+            return self._allgather(frame, traffic, stage)
+
+    def _allgather(self, frame, traffic, stage):
         data = np.frombuffer(frame, dtype=np.uint8)
         capacity = self._capacity(stage)
         self._held = []  # a new collective: the last one's tensors are free to go
@@ -171,6 +267,10 @@ class TorchTransport(Transport):
         del recent[:-self.RECENT]
 
     def alltoall(self, frames, traffic, stage):
+        with self.failing_as(f"alltoall of {stage!r}"):
+            return self._alltoall(frames, traffic, stage)
+
+    def _alltoall(self, frames, traffic, stage):
         sizes = np.array([0 if r == self.rank else len(f) for r, f in enumerate(frames)])
         incoming = self._lengths(sizes)[:, self.rank]
         # one copy of the frames, into memory torch may own (a dense reduce-scatter moves
@@ -197,13 +297,19 @@ class TorchTransport(Transport):
         (``new_group``, which NCCL needs); in a smaller group, the members of each
         sub-group create theirs alone (``use_local_synchronization``). Members are
         ranked by ``key`` (``sort_ranks=False`` where that differs from their
-        global ranks' order).
+        global ranks' order). The sub-groups take this transport's backend and
+        timeout.
         """
+        with self.failing_as(f"split into sub-groups (color {color})"):
+            return self._split(color, key)
+
+    def _split(self, color, key):
         key = self.rank if key is None else key
         mine = np.array([color, key, dist.get_rank()], dtype=np.int64)
         table = self._lengths(mine)  # every member's (color, key, global rank)
         members = members_of(table[:, :2], self.rank)
         whole_world = self.size == dist.get_world_size()
+        settings = {"backend": self.backend, "timeout": _timeout_of(self.group)}
         created = None
         for each in sorted(set(table[:, 0].tolist())):
             if each != color and not whole_world:
@@ -212,7 +318,7 @@ class TorchTransport(Transport):
                           2].tolist()
             ordered = ranks == sorted(ranks)
             group = dist.new_group(ranks, use_local_synchronization=not whole_world,
-                                   **({} if ordered else {"sort_ranks": False}))
+                                   **settings, **({} if ordered else {"sort_ranks": False}))
             if each == color:
                 created = group
         transport = TorchTransport(created, self.device)
@@ -226,6 +332,23 @@ class TorchTransport(Transport):
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _WITH_HELD_TENSORS = weakref.WeakSet()
+
+
+def _timeout_of(group):
+    """The timeout of ``group``'s collectives; None (new_group's default) where torch
+    does not tell (``ProcessGroup._get_backend`` is private API)."""
+    for device in getattr(group, "_device_types", ()):
+        try:
+            return group._get_backend(device).options._timeout
+        except Exception:  # noqa: BLE001, S112 - the next device may tell
+            continue
+    return None
+
+
+def _reason(exc: BaseException) -> str:
+    """``exc``'s message without the C++ stack torch appends to some."""
+    text = str(exc).split("\nException raised from ", 1)[0].strip()
+    return text or type(exc).__name__
 
 
 def _held_elsewhere(tensor) -> bool:
