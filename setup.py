@@ -32,6 +32,9 @@ EXTENSIONS = [
      "tree and buckets (deepreduce.codecs.huffman through deepreduce.codecs._entropy), the "
      "Golomb code's encoder and decoder (deepreduce.codecs.golomb), the block-packed code "
      "(deepreduce.codecs.blockpack) and the runs code's fields (deepreduce.codecs.runs)"),
+    ("deepreduce.codecs._chunkc", "codecs/_chunkc.c", [],
+     "the range coder of the chunked index codec (deepreduce.codecs.chunked), a hundred "
+     "times faster than its Python loop"),
     ("deepreduce.codecs._qsgd", "codecs/_qsgd.c", EXACT,
      "the quantisation and dequantisation of the QSGD value codec (deepreduce.codecs.qsgd), "
      "which must give numpy's bits"),

@@ -20,6 +20,7 @@ from deepreduce.codecs import bloom  # noqa: F401
 from deepreduce.codecs import huffman  # noqa: F401
 from deepreduce.codecs import runs  # noqa: F401
 from deepreduce.codecs import auto  # noqa: F401
+from deepreduce.codecs import chunked  # noqa: F401
 from deepreduce.codecs import qsgd  # noqa: F401
 from deepreduce.codecs import sign  # noqa: F401
 from deepreduce.codecs import polyfit  # noqa: F401

@@ -15,14 +15,14 @@ ERROR_BOUNDS = {"fp16": 1e-3, "bf16": 1e-2, "fp32": 1e-6, "qsgd": 0.3, "sign": 1
 #: Configurations that change a stream's layout, beyond the defaults.
 VARIANTS = ["qsgd:bits=2", "qsgd:bits=8,norm=l2", "bloom:policy=leftmost",
             "bloom:policy=random", "bloom:policy=conflict_sets", "bloom:policy=naive",
-            "huffman:block=8", "golomb:mode=rice", "auto:link_gbits=10"]
+            "huffman:block=8", "golomb:mode=rice", "auto:link_gbits=10", "chunked:chunk=16"]
 
 
 def codecs():
     specs = [(family, codec_id) for family in ("index", "value")
              for codec_id in sorted(dr.registered_codecs(family))]
-    specs += [("index" if spec.startswith(("bloom", "huffman", "golomb", "auto")) else "value", spec)
-              for spec in VARIANTS]
+    index_ids = ("bloom", "huffman", "golomb", "auto", "chunked")
+    specs += [("index" if spec.startswith(index_ids) else "value", spec) for spec in VARIANTS]
     return [pytest.param(family, spec, id=f"{family}-{spec}") for family, spec in specs]
 
 

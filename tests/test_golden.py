@@ -58,6 +58,12 @@ PAYLOADS = {
                                 "bloom:fpr=0.01,policy=conflict_sets", "raw"),
     "bloom_naive_f32": ((4000,), np.float32, dr.TopK(k=200),
                         "bloom:fpr=0.01,policy=naive", "raw"),
+    # chunked's three layouts: tiles, flat chunks with a shorter last one, and auto
+    "chunked_tiles_f32": ((128, 192), np.float32, dr.ChunkTopK(k=16, chunk=1024),
+                          "chunked:chunk=1024", "raw"),
+    "chunked_flat_f32": ((3000,), np.float32, dr.ChunkTopK(k=5, chunk=256), "chunked:chunk=256",
+                         "raw"),
+    "chunked_general_f32": ((5000,), np.float32, dr.TopK(k=200), "chunked", "raw"),
 }
 
 #: Framings around payloads: the Horovod bundle and the collectives' frames.

@@ -64,6 +64,7 @@ COMPILED = [
     ("deepreduce.codecs.bloom", "SCAN_IMPLEMENTATION", "deepreduce.codecs._bloomscan"),
     ("deepreduce.codecs._entropy", "IMPLEMENTATION", "deepreduce.codecs._entropyc"),  # Huffman...
     ("deepreduce.codecs.qsgd", "IMPLEMENTATION", "deepreduce.codecs._qsgd"),
+    ("deepreduce.codecs.chunked", "IMPLEMENTATION", "deepreduce.codecs._chunkc"),
     ("deepreduce.codecs.floats", "HALF_IMPLEMENTATION", "deepreduce.codecs._halfcast"),  # F16C
     ("deepreduce.bits", None, "deepreduce._varint"),  # the core's varints
     ("deepreduce.sparsifiers", "SCAN_IMPLEMENTATION", "deepreduce._topkscan"),
