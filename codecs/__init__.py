@@ -22,6 +22,7 @@ from deepreduce.codecs import runs  # noqa: F401
 from deepreduce.codecs import auto  # noqa: F401
 from deepreduce.codecs import chunked  # noqa: F401
 from deepreduce.codecs import qsgd  # noqa: F401
+from deepreduce.codecs import statq  # noqa: F401
 from deepreduce.codecs import sign  # noqa: F401
 from deepreduce.codecs import polyfit  # noqa: F401
 from deepreduce.codecs import dexp  # noqa: F401

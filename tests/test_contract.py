@@ -9,13 +9,14 @@ from deepreduce.testing import check_codec
 #: Relative L2 error allowed on Gaussian values, per lossy value codec (documented
 #: in each codec's docstring; these are upper bounds with a margin).
 ERROR_BOUNDS = {"fp16": 1e-3, "bf16": 1e-2, "fp32": 1e-6, "qsgd": 0.3, "sign": 1.0,
-                "polyfit": 0.5, "dexp": 1.0,
+                "polyfit": 0.5, "dexp": 1.0, "statq": 0.7,
                 # one level: unbiased, but the variance of a coin flip per value
                 "qsgd:bits=2": 1.6, "qsgd:bits=8,norm=l2": 0.3}
 #: Configurations that change a stream's layout, beyond the defaults.
 VARIANTS = ["qsgd:bits=2", "qsgd:bits=8,norm=l2", "bloom:policy=leftmost",
             "bloom:policy=random", "bloom:policy=conflict_sets", "bloom:policy=naive",
-            "huffman:block=8", "golomb:mode=rice", "auto:link_gbits=10", "chunked:chunk=16"]
+            "huffman:block=8", "golomb:mode=rice", "auto:link_gbits=10", "chunked:chunk=16",
+            "statq:bits=8"]
 
 
 def codecs():

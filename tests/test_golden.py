@@ -64,6 +64,9 @@ PAYLOADS = {
     "chunked_flat_f32": ((3000,), np.float32, dr.ChunkTopK(k=5, chunk=256), "chunked:chunk=256",
                          "raw"),
     "chunked_general_f32": ((5000,), np.float32, dr.TopK(k=200), "chunked", "raw"),
+    # statq's two layouts of codes: a zstd frame of grouped codes, and packed fields
+    "chunked_statq2_f32": ((256, 256), np.float32, dr.ChunkTopK(k=64), "chunked", "statq"),
+    "raw_statq8_f64": ((1000,), np.float64, dr.TopK(k=40), "raw", "statq:bits=8,sigmas=3"),
 }
 
 #: Framings around payloads: the Horovod bundle and the collectives' frames.

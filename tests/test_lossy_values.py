@@ -1,4 +1,4 @@
-"""Lossy value codecs: qsgd, sign, polyfit (Fit-Poly) and dexp (Fit-DExp)."""
+"""Lossy value codecs: qsgd, statq, sign, polyfit (Fit-Poly) and dexp (Fit-DExp)."""
 
 import numpy as np
 import pytest
@@ -11,13 +11,15 @@ from deepreduce.codecs.floats import SUPPORTED_DTYPES
 from deepreduce.codecs.polyfit import PolyFitValues
 from deepreduce.codecs.qsgd import QSGDValues
 from deepreduce.codecs.sign import SignValues
+from deepreduce.codecs.statq import StatQuantValues
 from deepreduce.errors import DecodeError
 
 DTYPES = list(SUPPORTED_DTYPES)
 DTYPE_IDS = [d.name for d in DTYPES]
 CODECS = [QSGDValues(), QSGDValues(bits=2, bucket=7, norm="l2"), QSGDValues(bits=8, bucket=1),
           SignValues(), SignValues(bucket=3), PolyFitValues(), PolyFitValues(degree=0, segments=2),
-          DoubleExpValues()]
+          DoubleExpValues(), StatQuantValues(), StatQuantValues(bits=3, sigmas=2.5),
+          StatQuantValues(bits=8)]
 CODEC_IDS = [c.spec() for c in CODECS]
 
 
@@ -90,7 +92,9 @@ def test_corrupted_streams_raise_only_decode_error(codec, data):
 @pytest.mark.parametrize("spec", ["qsgd:bits=1", "qsgd:bits=9", "qsgd:bucket=0", "qsgd:seed=-1",
                                   "qsgd:norm=l1", "qsgd:bits=4.0", "sign:bucket=0",
                                   "sign:bucket=true", "polyfit:degree=-1", "polyfit:degree=33",
-                                  "polyfit:segments=1", "polyfit:degree=2.5", "dexp:degree=3"])
+                                  "polyfit:segments=1", "polyfit:degree=2.5", "dexp:degree=3",
+                                  "statq:bits=1", "statq:bits=9", "statq:sigmas=0",
+                                  "statq:sigmas=-1", "statq:bits=2.0", "statq:sigmas=true"])
 def test_bad_parameters_raise_value_error(spec):
     with pytest.raises(ValueError):
         dr.get_codec(spec, family="value")
@@ -177,6 +181,103 @@ def test_qsgd_rejects_non_canonical_codes():
     negative_norm[7] |= 0x80  # sign bit of the float32 norm
     with pytest.raises(DecodeError, match="negative"):
         codec.decode(bytes(negative_norm), 4, np.float32)
+
+
+# ----------------------------------------------------------------- statq
+
+def statq_bins(x, bits, sigmas):
+    """The bins of the statistical quantiser, by its definition: edges over mean +- r std."""
+    wide = x.astype(np.float64)
+    mean, std = wide.mean(), wide.std()
+    width = 2 * sigmas * std / 2**bits
+    low = mean - sigmas * std
+    return np.clip(np.floor((wide - low) / width), 0, 2**bits - 1).astype(int), low, width
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("sigmas", [6.0, 2.0])
+@pytest.mark.parametrize("data", ["gaussian", "student-t"])
+def test_statq_decodes_every_value_to_the_mean_of_its_bin(bits, sigmas, data):
+    rng = np.random.default_rng(bits)
+    x = (rng.standard_normal(5000) if data == "gaussian" else rng.standard_t(3, 5000)) + 0.3
+    codec = StatQuantValues(bits=bits, sigmas=sigmas)
+    stream, received = codec.encode_and_receive(x)
+    assert np.array_equal(codec.decode(stream, x.size, np.float64), received)
+    bins, low, width = statq_bins(x, bits, sigmas)
+    for b in np.unique(bins):
+        members = bins == b
+        assert np.all(received[members] == np.float32(x[members].mean()))
+    inside = (x >= low) & (x < low + 2**bits * width)
+    # within a bin width where the bin holds only values of its range (an edge bin that
+    # took clipped values has its mean pulled outwards)
+    clean = ~np.isin(bins, bins[~inside])
+    assert clean.sum() > x.size // 2
+    assert np.all(np.abs(x - received)[clean] <= width * (1 + 1e-6))
+    # the clipped values went to the edge bins, so their means lie beyond the inner edges
+    assert np.all(received[x < low] <= low + width) and np.all(received[x >= low + 2**bits * width]
+                                                                >= low + (2**bits - 1) * width)
+    assert abs(received.sum() - x.sum()) <= 1e-4 * np.abs(x).sum()  # bin means keep the sums
+
+
+@pytest.mark.parametrize("data", ["gaussian", "student-t"])
+def test_statq_bits_per_value_are_near_the_entropy_of_the_codes(data):
+    rng = np.random.default_rng(7)
+    g = rng.standard_normal((1024, 1024)) if data == "gaussian" else rng.standard_t(3, (1024, 1024))
+    for name, values in (("all values", g.reshape(-1)[:1 << 16].astype(np.float32)),
+                         ("chunktopk k=64/4096", dr.ChunkTopK(k=64)(g.astype(np.float32)).values)):
+        for bits in (2, 4, 8):
+            stream = StatQuantValues(bits=bits).encode(values)
+            codes, _, _ = statq_bins(values, bits, 6.0)
+            p = np.bincount(codes) / codes.size
+            entropy = -np.sum(p[p > 0] * np.log2(p[p > 0]))
+            rate = 8 * len(stream) / values.size
+            print(f"statq:bits={bits} {data} {name}: {rate:.3f} bits per value, "
+                  f"entropy of the codes {entropy:.3f}")
+            assert rate <= bits + 0.1        # never much above the packed codes
+            if bits == 2:                     # SparseLoCo's: near the entropy
+                assert rate <= entropy * 1.1 + 0.05
+
+
+def test_statq_packs_codes_when_zstd_does_not_pay():
+    x = np.random.default_rng(8).standard_normal(40)
+    stream = StatQuantValues(bits=8).encode(x)
+    used = int(np.sum(np.unpackbits(np.frombuffer(stream[1:33], np.uint8))))
+    assert stream[0] == 0 and len(stream) == 1 + 32 + 4 * used + 40
+    stream = StatQuantValues(bits=2).encode(np.random.default_rng(8).standard_normal(4000))
+    assert stream[0] == 1
+
+
+def test_statq_constant_and_non_finite_values():
+    codec = StatQuantValues()
+    for x in (np.full(10, 2.5), np.array([7.0])):
+        assert np.array_equal(codec.decode(codec.encode(x), x.size, np.float64), x)
+    out = codec.decode(codec.encode(np.array([1.0, np.nan, np.inf, 2.0])), 4, np.float32)
+    assert np.all(np.isnan(out))
+
+
+def test_statq_rejects_streams_the_encoder_cannot_write():
+    codec = StatQuantValues(bits=2)
+    clean = codec.encode(np.random.default_rng(9).standard_normal(300))
+    bad = [bytes([4]) + clean[1:], clean[:1] + bytes([clean[1] | 0xF0]) + clean[2:],
+           clean[:1] + b"\x00" + clean[2:]]
+    for stream in bad:
+        with pytest.raises(DecodeError):
+            codec.decode(stream, 300, np.float32)
+    packed = StatQuantValues(bits=8).encode(np.array([0.0, 1.0, 2.0]))   # three bins in use
+    wrong_bin = bytearray(packed)
+    wrong_bin[-1] ^= 0x01
+    with pytest.raises(DecodeError, match="other bins"):
+        StatQuantValues(bits=8).decode(bytes(wrong_bin), 3, np.float32)
+
+
+def test_statq_after_chunked_indices_in_the_pipeline():
+    x = np.random.default_rng(10).standard_normal((256, 512)).astype(np.float32)
+    pipeline = dr.Pipeline(dr.ChunkTopK(k=64), "chunked", "statq:bits=2,sigmas=6")
+    payload, received = pipeline.encode(x)
+    assert dr.decompress(payload) == received
+    header = dr.read_header(payload)
+    assert (header.index_spec, header.value_spec) == ("chunked", "statq")
+    assert 8 * len(payload) / received.nnz < 9   # 7.37 bits of index, 1.1 of value, header
 
 
 # ----------------------------------------------------------------- sign
