@@ -44,6 +44,8 @@ def _epilog() -> str:
           randomk:R,seed=S   a random fraction R (or k=K), reproducible from S
           threshold:T        entries with |x| > T
           blocktopk:R,block=B  whole blocks of B elements, the fraction R of largest L2 norm
+          chunktopk:k=K,chunk=C  exactly K of largest magnitude in every chunk of C (matrices
+                             in square tiles of side sqrt(C); best with --index chunked)
 
         index codecs (--index, default %s):
         %s
