@@ -1,9 +1,14 @@
-"""Fixtures the test modules share."""
+"""Fixtures and helpers the test modules share."""
 
+import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def free_port() -> int:
@@ -11,6 +16,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_ranks(script, out, ranks, timeout=600):
+    """Findings of ``python tests/SCRIPT OUT PORT``, a worker that spawns ``ranks`` ranks
+    which each write ``OUT/rank<r>.json``: ``{check: [rank 0's, rank 1's, ...]}``."""
+    subprocess.run([sys.executable, os.path.join(HERE, script), str(out), str(free_port())],
+                   check=True, timeout=timeout)
+    found = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return {check: [rank[check] for rank in found] for check in found[0]}
+
+
+def findings(per_check, check):
+    """One check's findings on every rank; fails with a rank's traceback if it raised."""
+    for rank, found in enumerate(per_check[check]):
+        assert "error" not in found, f"rank {rank}:\n{found['error']}"
+    return per_check[check]
 
 
 @pytest.fixture

@@ -6,12 +6,12 @@ The two-rank checks run on two gloo ranks spawned by this file itself
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import traceback
 
 import pytest
+
+from conftest import free_port
 
 HERE = os.path.abspath(__file__)
 
@@ -46,23 +46,12 @@ def check_allgather(rank):
 def worker(rank, out, port):
     import torch.distributed as dist
 
+    from torch_common import run_checks
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    found = {}
-    for check in (check_allgather,):
-        try:
-            found[check.__name__] = check(rank)
-        except Exception:  # noqa: BLE001 - reported to the pytest side
-            found[check.__name__] = {"error": traceback.format_exc()}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(found, f)
+    run_checks(rank, out, (check_allgather,))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

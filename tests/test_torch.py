@@ -9,7 +9,6 @@ import gc
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -26,30 +25,15 @@ import deepreduce.torch as drt  # noqa: E402
 from deepreduce.collectives import Traffic  # noqa: E402
 from deepreduce.torch import transport as transport_module  # noqa: E402
 from deepreduce.torch import ddp  # noqa: E402
+from conftest import findings, free_port, run_ranks  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """Findings of tests/torch_workers.py on two gloo ranks: ``{check: [rank0, rank1]}``."""
-    out = tmp_path_factory.mktemp("torch_ranks")
-    subprocess.run([sys.executable, os.path.join(HERE, "torch_workers.py"), str(out),
-                    str(free_port())], check=True, timeout=600)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    return {check: [ranks[0][check], ranks[1][check]] for check in ranks[0]}
-
-
-def findings(two_ranks, check):
-    for rank, found in enumerate(two_ranks[check]):
-        assert "error" not in found, f"rank {rank}:\n{found['error']}"
-    return two_ranks[check]
+    return run_ranks("torch_workers.py", tmp_path_factory.mktemp("torch_ranks"), 2)
 
 
 def test_lossless_hook_equals_ddp_allreduce_for_every_communicator(two_ranks):
@@ -112,14 +96,7 @@ def test_ranks_configured_differently_fail_everywhere_naming_the_difference(two_
 
 
 # ------------------------------------------------------------------ one process
-
-@pytest.fixture
-def world_of_one():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
+# (world_of_one: a gloo group of this process alone, from conftest.py)
 
 def test_docstring_examples():
     result = doctest.testmod(ddp, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -1,40 +1,20 @@
 """The hierarchical communicator on four gloo ranks as two nodes of two: the DDP hook,
 drt.allreduce and TorchTransport.split (tests/torch_hierarchical_workers.py)."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
+
+from conftest import findings, run_ranks
 
 pytest.importorskip("torch")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     """Findings of tests/torch_hierarchical_workers.py: ``{check: [rank 0, ..., rank 3]}``."""
-    out = tmp_path_factory.mktemp("torch_hierarchical")
-    subprocess.run([sys.executable, os.path.join(HERE, "torch_hierarchical_workers.py"),
-                    str(out), str(free_port())], check=True, timeout=600)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    return {check: [found[check] for found in ranks] for check in ranks[0]}
-
-
-def findings(four_ranks, check):
-    for rank, found in enumerate(four_ranks[check]):
-        assert "error" not in found, f"rank {rank}:\n{found['error']}"
-    return four_ranks[check]
+    return run_ranks("torch_hierarchical_workers.py",
+                     tmp_path_factory.mktemp("torch_hierarchical"), WORLD)
 
 
 def test_split_makes_the_node_and_the_shard_groups(four_ranks):

@@ -2,36 +2,19 @@
 rank, loss scaling (two gloo ranks, tests/torch_loop_workers.py), and what the
 state does about them on one process."""
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import deepreduce.torch as drt  # noqa: E402
-from conftest import free_port  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from conftest import findings, run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def loops(tmp_path_factory):
     """Findings of tests/torch_loop_workers.py: ``{check: [rank0, rank1]}``."""
-    out = tmp_path_factory.mktemp("torch_loops")
-    subprocess.run([sys.executable, os.path.join(HERE, "torch_loop_workers.py"), str(out),
-                    str(free_port())], check=True, timeout=600)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    return {check: [ranks[0][check], ranks[1][check]] for check in ranks[0]}
-
-
-def findings(loops, check):
-    for rank, found in enumerate(loops[check]):
-        assert "error" not in found, f"rank {rank}:\n{found['error']}"
-    return loops[check]
+    return run_ranks("torch_loop_workers.py", tmp_path_factory.mktemp("torch_loops"), 2)
 
 
 def test_an_overflow_step_is_skipped_on_every_rank_and_leaves_no_trace(loops):

@@ -17,16 +17,15 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import deepreduce as dr
 import deepreduce.torch as drt
+from torch_common import exit_now, launch, prepare
 
 
 def main(rank, out_dir, port, check_finite):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    prepare(port)
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=20))
     torch.manual_seed(0)
@@ -64,11 +63,8 @@ def main(rank, out_dir, port, check_finite):
                  "causes": causes, "seconds": time.monotonic() - start}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(found, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # (the group is broken: no destroy_process_group, no finalising)
+    exit_now()  # (the group is broken: no destroy_process_group, no finalising)
 
 
 if __name__ == "__main__":
-    mp.start_processes(main, args=(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"),
-                       nprocs=2, start_method="spawn")
+    launch(main, args=(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"))

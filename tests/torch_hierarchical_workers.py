@@ -10,38 +10,21 @@ tests/torch_workers.py stays as quick as it was.
 """
 
 import hashlib
-import io
-import json
-import os
-import sys
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import deepreduce as dr
 import deepreduce.torch as drt
 from deepreduce.collectives import Traffic
+from torch_common import (batches, launch, leave, model, prepare, raised_in_first_step,
+                          resumed, run_checks)
 
 WORLD, LOCAL = 4, 2
 LOSSLESS = {"sparsifier": None, "index": "varint", "value": "raw", "min_size": 0}
 #: The node groups and the shard groups of the reference hook, made once by every rank.
 GROUPS = {}
-
-
-def model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(32, 300), torch.nn.ReLU(),
-                               torch.nn.Linear(300, 200), torch.nn.ReLU(),
-                               torch.nn.Linear(200, 10))
-
-
-def batches(rank, steps, seed=0):
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    return [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
-            for _ in range(steps)]
 
 
 def train(ddp, data, lr=0.1):
@@ -132,34 +115,7 @@ def check_resume(rank):
     data = batches(rank, 8, seed=3)
     settings = {"sparsifier": dr.TopK(0.02), "value": "qsgd:bits=8", "start_iter": 2,
                 "min_compression_rate": 0, "communicator": "hierarchical"}
-
-    def fresh():
-        ddp = DDP(model(seed=1))
-        state = drt.DeepReduceState(**settings)
-        ddp.register_comm_hook(state, drt.deepreduce_hook)
-        return ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-
-    def steps(ddp, opt, part):
-        for x, y in part:
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-
-    ddp, state, opt = fresh()
-    steps(ddp, opt, data)
-    uninterrupted = digest(ddp.module)
-    ddp, state, opt = fresh()
-    steps(ddp, opt, data[:4])
-    buffer = io.BytesIO()
-    torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(),
-                "hook": state.state_dict()}, buffer)
-    buffer.seek(0)
-    checkpoint = torch.load(buffer, weights_only=False)
-    ddp, state, opt = fresh()
-    ddp.module.load_state_dict(checkpoint["model"])
-    opt.load_state_dict(checkpoint["opt"])
-    state.load_state_dict(checkpoint["hook"])
-    steps(ddp, opt, data[4:])
+    uninterrupted, ddp, _, checkpoint = resumed(settings, data, 4, digest)
     shapes = {k: tuple(v.shape) for k, v in checkpoint["hook"]["residuals"].items()}
     return {"identical": digest(ddp.module) == uninterrupted, "residual_shapes": shapes}
 
@@ -184,16 +140,8 @@ def check_allreduce(rank):
 
 def check_misconfigured(rank):
     """Ranks configured differently raise on every rank, naming the difference."""
-    ddp = DDP(model())
     options = {"local_size": 4} if rank == 3 else {}
-    state = hierarchical(communicator_options=options)
-    ddp.register_comm_hook(state, drt.deepreduce_hook)
-    x, y = batches(rank, 1)[0]
-    try:
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-    except Exception as exc:  # noqa: BLE001 - the message is the finding
-        return {"raised": True, "message": str(exc)}
-    return {"raised": False, "message": ""}
+    return raised_in_first_step(rank, lambda: hierarchical(communicator_options=options))
 
 
 CHECKS = [check_split, check_lossless, check_topk_trains, check_resume, check_allreduce,
@@ -201,31 +149,16 @@ CHECKS = [check_split, check_lossless, check_topk_trains, check_resume, check_al
 
 
 def main(rank, out_dir, port, only=None):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % LOCAL),
-                      LOCAL_WORLD_SIZE=str(LOCAL))
-    torch.set_num_threads(1)
+    prepare(port, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % LOCAL),
+            LOCAL_WORLD_SIZE=str(LOCAL))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     # every rank creates every group, in the same order
     GROUPS["node"] = [dist.new_group([n * LOCAL + j for j in range(LOCAL)])
                       for n in range(WORLD // LOCAL)]
     GROUPS["shard"] = [dist.new_group(list(range(j, WORLD, LOCAL))) for j in range(LOCAL)]
-    findings = {}
-    checks = [globals()[only]] if only else CHECKS
-    for check in checks:
-        try:
-            findings[check.__name__] = check(rank)
-        except Exception:  # noqa: BLE001 - reported to the pytest side
-            findings[check.__name__] = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(findings, f)
-    dist.destroy_process_group()
-    # as tests/torch_workers.py: leave before the interpreter finalises (pytorch#179291)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_checks(rank, out_dir, [globals()[only]] if only else CHECKS)
+    leave()
 
 
 if __name__ == "__main__":
-    mp.start_processes(main, args=(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4]),
-                       nprocs=WORLD, start_method="spawn")
+    launch(main, nprocs=WORLD)

@@ -3,21 +3,15 @@ tests/test_torch_loops.py: overflow steps, a NaN on one rank, loss scaling.
 
 Launched as ``python tests/torch_loop_workers.py OUT PORT``: two spawned processes
 form a gloo group, every rank runs every check and writes its findings to
-``OUT/rank<r>.json`` (the model and data helpers are tests/torch_workers.py's).
+``OUT/rank<r>.json`` (the model and data helpers are tests/torch_common.py's).
 """
-
-import json
-import os
-import sys
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import deepreduce.torch as drt
-from torch_workers import batches, model, params, same
+from torch_common import batches, launch, leave, model, params, prepare, run_checks, same
 
 #: Compression from the third step; every bucket compressed.
 SETTINGS = {"sparsifier": "topk:0.05", "value": "fp16", "start_iter": 2,
@@ -145,24 +139,11 @@ CHECKS = [check_overflow_step, check_nan_on_one_rank, check_grad_scaler]
 
 
 def main(rank, out_dir, port, only=None):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    prepare(port)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    findings = {}
-    for check in [globals()[only]] if only else CHECKS:
-        try:
-            findings[check.__name__] = check(rank)
-        except Exception:  # noqa: BLE001 - reported to the pytest side
-            findings[check.__name__] = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(findings, f)
-    dist.destroy_process_group()
-    # (as tests/torch_workers.py: leave without finalising the interpreter)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_checks(rank, out_dir, [globals()[only]] if only else CHECKS)
+    leave()
 
 
 if __name__ == "__main__":
-    mp.start_processes(main, args=(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4]), nprocs=2,
-                       start_method="spawn")
+    launch(main)

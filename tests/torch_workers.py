@@ -3,56 +3,30 @@
 Launched as ``python tests/torch_workers.py OUT PORT``: two spawned processes
 form a gloo group on 127.0.0.1:PORT, every rank runs every check and writes
 its findings to ``OUT/rank<r>.json``; the pytest side asserts on them. One
-launch holds all checks because each process pays torch's import time.
+launch holds all checks because each process pays torch's import time. The model,
+data and launch helpers the torch workers share are tests/torch_common.py's.
 """
 
-import io
-import json
 import os
 import pickle
-import sys
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import deepreduce as dr
 import deepreduce.torch as drt
 from deepreduce.collectives import Traffic
+from torch_common import (batches, launch, leave, model, params, prepare,
+                          raised_in_first_step, resumed, run_checks, same, steps)
 
 LOSSLESS = {"sparsifier": None, "index": "varint", "value": "raw"}
 
 
-def model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(32, 300), torch.nn.ReLU(),
-                               torch.nn.Linear(300, 200), torch.nn.ReLU(),
-                               torch.nn.Linear(200, 10))
-
-
-def batches(rank, steps, seed=0):
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    return [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
-            for _ in range(steps)]
-
-
 def train(ddp, data, lr=0.1):
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-    for x, y in data:
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
+    steps(ddp, opt, data)
     return opt
-
-
-def params(module):
-    return [p.detach().clone() for p in module.parameters()]
-
-
-def same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def check_lossless(rank):
@@ -120,35 +94,7 @@ def check_resume(rank):
     data = batches(rank, 10, seed=3)
     settings = {"sparsifier": dr.TopK(0.02), "value": "qsgd:bits=8", "start_iter": 2,
                 "min_compression_rate": 0}
-
-    def fresh():
-        ddp = DDP(model(seed=1))
-        state = drt.DeepReduceState(**settings)
-        ddp.register_comm_hook(state, drt.deepreduce_hook)
-        return ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-
-    def steps(ddp, opt, part):
-        for x, y in part:
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-
-    ddp, state, opt = fresh()
-    steps(ddp, opt, data)
-    uninterrupted = params(ddp)
-
-    ddp, state, opt = fresh()
-    steps(ddp, opt, data[:5])
-    buffer = io.BytesIO()
-    torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(),
-                "hook": state.state_dict()}, buffer)
-    buffer.seek(0)
-    checkpoint = torch.load(buffer, weights_only=False)
-    ddp, state, opt = fresh()
-    ddp.module.load_state_dict(checkpoint["model"])
-    opt.load_state_dict(checkpoint["opt"])
-    state.load_state_dict(checkpoint["hook"])
-    steps(ddp, opt, data[5:])
+    uninterrupted, ddp, state, _ = resumed(settings, data, 5, params)
     restored = pickle.loads(pickle.dumps(state))
     return {"identical": same(params(ddp), uninterrupted), "iter": state.iter,
             "pickled_group": restored.process_group is None,
@@ -281,15 +227,7 @@ def check_transport(rank):
 
 def check_misconfigured(rank):
     """Ranks configured differently raise on every rank, naming the difference."""
-    ddp = DDP(model())
-    state = drt.DeepReduceState(start_iter=3 + rank)
-    ddp.register_comm_hook(state, drt.deepreduce_hook)
-    x, y = batches(rank, 1)[0]
-    try:
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-    except Exception as exc:  # noqa: BLE001 - the message is the finding
-        return {"raised": True, "message": str(exc)}
-    return {"raised": False, "message": ""}
+    return raised_in_first_step(rank, lambda: drt.DeepReduceState(start_iter=3 + rank))
 
 
 class Branchy(torch.nn.Module):
@@ -345,35 +283,19 @@ CHECKS = [check_transport, check_lossless, check_error_feedback, check_gradient_
 
 
 def main(rank, out_dir, port, only=None):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    prepare(port)
     backend = os.environ.get("DEEPREDUCE_TEST_BACKEND", "gloo")
     if backend == "nccl" or os.environ.get("DEEPREDUCE_TEST_DEVICE") == "cuda":
         # frames travel between GPUs; ranks share one when there is only one
         torch.cuda.set_device(rank % torch.cuda.device_count())
     EARLY_STATES["error_feedback"] = error_feedback_state()
     dist.init_process_group(backend, rank=rank, world_size=2)
-    findings = {}
     checks = CHECKS if backend == "gloo" else [check_transport]
     if only:
         checks = [globals()[only]]
-    for check in checks:
-        try:
-            findings[check.__name__] = check(rank)
-        except Exception:  # noqa: BLE001 - reported to the pytest side
-            findings[check.__name__] = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(findings, f)
-    dist.destroy_process_group()
-    # Leave without finalising the interpreter. DDP's reducer keeps the group alive
-    # past destroy_process_group, and a gloo thread that frees a tensor while the
-    # interpreter finalises aborts the process (pytorch/pytorch#179291): a failure of
-    # torch's exit, after the findings are on disk, not of what is checked here.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_checks(rank, out_dir, checks)
+    leave()
 
 
 if __name__ == "__main__":
-    mp.start_processes(main, args=(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4]), nprocs=2,
-                       start_method="spawn")
+    launch(main)
