@@ -1,14 +1,14 @@
 """Nodes of 8 ranks: two link classes and the hierarchical scheme, a section of scale.md.
 
-The step-time model of :mod:`benchmarks.scale`, calibrated there, predicts nodes of 8
-ranks with two link classes (``cluster_cost.Cluster``: an intra-node link per rank, one
-network port per node) for P = 8 ... 1024: the dense ring, a dense hierarchical
-allreduce, PowerSGD rank 1 (network only), deepreduce's flat allgather and
-``communicator="hierarchical"`` with allgather or sparse_allreduce between nodes, for the
-MLP and for ResNet-50's size. When ``benchmarks/results/hierarchical.json`` (``python -m
-benchmarks.hierarchical``: two namespaces of two ranks) is there, the model set to that
-topology is checked against it: the bytes across the veth at every rate, and
-the steps at the rates its 10 Gbit/s run did not calibrate (target 25%).
+The step-time model of :mod:`benchmarks.scale_model` (calibrated as :mod:`benchmarks.scale`
+says) predicts nodes of 8 ranks with two link classes (``cluster_cost.Cluster``: an
+intra-node link per rank, one network port per node) for P = 8 ... 1024: the dense
+ring, a dense hierarchical allreduce, PowerSGD rank 1 (network only), deepreduce's flat
+allgather and ``communicator="hierarchical"`` with allgather or sparse_allreduce between
+nodes, for the MLP and for ResNet-50's size. When ``benchmarks/results/hierarchical.json``
+(``python -m benchmarks.hierarchical``: two namespaces of two ranks) is there, the model
+set to that topology is checked against it: the bytes across the veth at every rate,
+and the steps at the rates its 10 Gbit/s run did not calibrate (target 25%).
 
 Run by ``python -m benchmarks.scale``, which writes the whole report.
 """
@@ -21,8 +21,8 @@ import math
 from deepreduce.collectives import cluster_cost, cost
 
 from benchmarks.common import RESULTS, mlp_shapes, table
-from benchmarks.scale import (FIT_RATE, RATIO, RUNS, TARGET, VALUE_BYTES, bandwidth, calibrate,
-                              core_share, load)
+from benchmarks.scale_model import (FIT_RATE, RATIO, RUNS, TARGET, VALUE_BYTES, bandwidth,
+                                    calibrate, core_share, load)
 
 HIERARCHICAL = RESULTS / "hierarchical.json"
 LOCAL_SIZE = 8
