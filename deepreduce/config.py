@@ -16,6 +16,7 @@ import warnings
 from deepreduce import collectives
 from deepreduce.memory import ResidualMemory
 from deepreduce.pipeline import DEFAULT_INDEX
+from deepreduce.sparsifiers import Sparsifier
 
 #: Old keyword names still accepted, with a DeprecationWarning: old name -> new name.
 _RENAMED = {"memory": "error_feedback", "use_error_feedback": "error_feedback"}
@@ -152,6 +153,22 @@ min_size=0, seed=0, communicator='allgather', communicator_options={}, codec_thr
                              f"{len(args)} positional and {sorted(settings)})")
         return config
 
+    def shared_settings(self, pipeline) -> dict:
+        """What every rank's exchange of this configuration must agree on, as text:
+        the sparsifier and codecs of ``pipeline`` (the configured one, as the exchange
+        made it: a curve fit chooses its index codec) less their seeds, which may
+        differ between ranks, and less the options that only steer each rank's own
+        encoder (``auto``'s ``link_gbits``); the communicator, its options, error
+        feedback and ``min_size``. What the integrations compare across ranks before
+        the first step, and checkpoints carry."""
+        return {"sparsifier": shared_setting(pipeline.sparsifier),
+                "index": shared_setting(pipeline.index_codec),
+                "value": shared_setting(pipeline.value_codec),
+                "communicator": self.communicator,
+                "communicator_options": repr(self.communicator_options),
+                "use_error_feedback": self.memory() is not None,  # (the key checkpoints carry)
+                "min_size": self.min_size}
+
     def memory(self) -> ResidualMemory | None:
         """The residual memory this configuration asks for: a new one, the one given, or
         None."""
@@ -162,6 +179,22 @@ min_size=0, seed=0, communicator='allgather', communicator_options={}, codec_thr
 
 #: What a reduction decides per call: never an option of the communicator's settings.
 _PER_CALL = ("pipeline", "op", "process_set", "transport")
+
+
+def shared_setting(part) -> str:
+    """A sparsifier or codec as :meth:`ExchangeConfig.shared_settings` writes it: its class
+    and parameters, less its seed and a codec's :attr:`encoder_options`."""
+    if part is None:
+        return "None"
+    if hasattr(part, "get_config"):  # a codec
+        params, skip = part.get_config(), ("id", "seed", *part.encoder_options)
+    elif isinstance(part, Sparsifier):  # (its repr's parameters)
+        params = {k: v for k, v in vars(part).items() if not k.startswith("_") and v is not None}
+        skip = ("seed",)
+    else:  # a callable of the user's
+        return repr(part)
+    shown = ", ".join(f"{k}={v!r}" for k, v in params.items() if k not in skip)
+    return f"{type(part).__name__}({shown})"
 
 
 def _check_communicator(name, options) -> dict:

@@ -63,9 +63,7 @@ def allreduce_async(tensor, state: DeepReduceState, name: str | None = None,
     """
     if not tensor.dtype.is_floating_point:
         raise TypeError(f"allreduce reduces floating-point tensors, got {tensor.dtype}")
-    state._agree()
     sparse = tensor.is_sparse
-    finite = state._finite_everywhere(tensor._values() if sparse else tensor.detach())
     x = _sparse_to_numpy(tensor) if sparse else host_array(tensor.detach().cpu())
     result = torch.futures.Future()
 
@@ -82,8 +80,8 @@ def allreduce_async(tensor, state: DeepReduceState, name: str | None = None,
         except Exception as exc:  # noqa: BLE001 - raised by the future's wait()
             result.set_exception(exc)
 
-    started = state.exchange.reduce_async([name], [x], state._guarded, op, as_rows=[sparse],
-                                          finite=finite)
+    started = state.reduce_async([name], [x], op, as_rows=[sparse],
+                                 check=tensor._values() if sparse else tensor.detach())
     started.add_done_callback(deliver)
     return result
 

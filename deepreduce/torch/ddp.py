@@ -21,7 +21,6 @@ residuals, checkpoints and a resumed run do not depend on the bucket layout.
 import copy
 import math
 import numbers
-import re
 import threading
 import weakref
 
@@ -68,20 +67,6 @@ def transport_of(process_group=None) -> TorchTransport:
         if transport is None:
             transport = _TRANSPORTS[group] = TorchTransport.private(group)
         return transport
-
-
-def _unseeded(text: str) -> str:
-    return re.sub(r",? ?seed=\d+", "", text)
-
-
-def _shared_setting(codec) -> str:
-    """What every rank's ``codec`` must agree on: its configuration but for seeds and
-    the options that only steer each rank's own encoder (``auto``'s link_gbits)."""
-    if codec is None:
-        return repr(None)
-    params = ", ".join(f"{key}={value!r}" for key, value in codec.get_config().items()
-                       if key != "id" and key not in codec.encoder_options)
-    return _unseeded(f"{type(codec).__name__}({params})")  # repr(codec), less those options
 
 
 def _device_path(asked, config) -> bool:
@@ -205,18 +190,10 @@ class DeepReduceState:
         self.check_finite, self.grad_scaler = bool(check_finite), grad_scaler
         self.iter = self.nonfinite_iters = 0
         self._loss_scale = None  # the scale the residuals are in (see grad_scaler)
-        pipeline = self.exchange.pipeline
         # what every rank must share; seeds may differ (independent RandomK draws)
-        self._settings = {"sparsifier": _unseeded(repr(pipeline.sparsifier)),
-                          "index": _shared_setting(pipeline.index_codec),
-                          "value": _shared_setting(pipeline.value_codec),
-                          "communicator": self.exchange.communicator,
-                          "communicator_options": repr(self.exchange.communicator_options),
-                          # (the key checkpoints have always carried)
-                          "use_error_feedback": self.exchange.memory is not None,
+        self._settings = {**config.shared_settings(self.exchange.pipeline),
                           "start_iter": self.start_iter,
                           "min_compression_rate": self.min_compression_rate,
-                          "min_size": self.exchange.min_size,
                           "check_finite": self.check_finite}
         self._init_runtime()
 
@@ -341,6 +318,20 @@ class DeepReduceState:
                 raise _named(exc, self, index) from exc
             finite = flag
         return bool(finite.item())
+
+    def reduce_async(self, names, tensors, op="average", *, check=None, as_rows=None,
+                     out=None, reuse_out=False):
+        """Start reducing this rank's ``tensors`` over the state's group: what the hook's
+        compressing path and :func:`deepreduce.torch.allreduce` do. The first call
+        compares every rank's settings; ``check`` (a tensor, with ``check_finite``):
+        every rank learns first whether it is finite everywhere, and a non-finite one
+        goes whole and exact (see :meth:`GradientExchange.reduce_async
+        <deepreduce.exchange.GradientExchange.reduce_async>`'s ``finite``, which
+        takes the other arguments too). Returns its concurrent future."""
+        self._agree()
+        finite = True if check is None else self._finite_everywhere(check)
+        return self.exchange.reduce_async(names, tensors, self._guarded, op, as_rows=as_rows,
+                                          out=out, reuse_out=reuse_out, finite=finite)
 
     @property
     def transport(self) -> TorchTransport:
@@ -503,32 +494,21 @@ def deepreduce_hook(state: DeepReduceState,
         host = buffer.detach().cpu()
         views = layout.per_parameter(host_array(host))
     compressed = state._compresses_layout(layout)
-    result = torch.futures.Future()
     reduced, reuse = buffer, False
     if compressed and on_host:
         reduced, reuse = state._result_tensor(index, layout, buffer)
-
-    def deliver(future):
-        try:
-            future.result()
-            if compressed and not on_host:  # decoded into the host copy
-                buffer.copy_(host)
-            result.set_result(reduced)
-        except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
-            _fail(result, exc, state, index)
-
     if compressed:
         out = views if reduced is buffer else layout.views_of(reduced)
-        started = state.exchange.reduce_async(keys, views, state._guarded, "average", out=out,
-                                              reuse_out=reuse)
+        started = state.reduce_async(keys, views, out=out, reuse_out=reuse)
     else:
         # what error feedback still owes goes now
         state.exchange.pay(keys, views, state._guarded)
         size = state.transport.size
         started = state._submit(lambda: _allreduce_average(state, buffer, host, on_host, size))
-    started.add_done_callback(deliver)
     state._end_bucket(last, finite=True)
-    return result
+    # (decoded into the host copy of a bucket elsewhere: copied back before DDP reads it)
+    copy_back = (lambda: buffer.copy_(host)) if compressed and not on_host else None
+    return _future_of(started, reduced, state, index, before=copy_back, on_device=False)
 
 
 class _Layout:
@@ -579,17 +559,6 @@ def _device_step(state, last, buffer, layout):
     keys = layout.keys
     views = [buffer[end - n:end].view(shape)
              for end, n, shape in zip(layout.ends, layout.sizes, layout.shapes)]
-    # DDP's streams wait for what was recorded on the device when the result is set
-    result = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else \
-        torch.futures.Future()
-
-    def deliver(future):
-        try:
-            future.result()
-            result.set_result(buffer)
-        except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
-            _fail(result, exc, state, layout.index)
-
     exchange = state.exchange
     if state._compresses_layout(layout):
         link = exchange.selector.link
@@ -600,28 +569,31 @@ def _device_step(state, last, buffer, layout):
         for i, array in zip(small, link.to_host([views[i] for i in small])):
             inputs[i] = array
         # (encoding copies what it needs before this returns: the sums may overwrite)
-        started = exchange.reduce_async(keys, inputs, state._guarded, "average", out=views)
+        started = state.reduce_async(keys, inputs, out=views)
     else:
         if exchange.memory is not None:
             for key, view in zip(keys, views):   # what error feedback still owes goes now
                 exchange.memory.pay(key, view)
         size = state.transport.size
         started = state._submit(lambda: _allreduce_average(state, buffer, buffer, True, size))
-    started.add_done_callback(deliver)
     state._end_bucket(last, finite=True)
-    return result
+    return _future_of(started, buffer, state, layout.index)
 
 
-def _future_of(started, tensor, state, index):
-    """A torch Future that gets ``tensor`` when the concurrent future ``started`` is done
-    (its exception when it fails, see :func:`_fail`: ``state``'s bucket ``index``); DDP's
-    streams wait for what was recorded on the device then."""
-    result = torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda else \
-        torch.futures.Future()
+def _future_of(started, tensor, state, index, before=None, on_device=True):
+    """The hook's one ending: a torch Future that gets ``tensor`` when the concurrent
+    future ``started`` is done, after ``before()`` when given (its exception when either
+    fails, see :func:`_fail`: ``state``'s bucket ``index``). ``on_device``: a tensor on a
+    GPU then has DDP's streams wait for what was recorded on the device when the
+    result is set (the host path's copy back waits by itself)."""
+    result = torch.futures.Future(devices=[tensor.device]) if on_device and tensor.is_cuda \
+        else torch.futures.Future()
 
     def deliver(future):
         try:
             future.result()
+            if before is not None:
+                before()
             result.set_result(tensor)
         except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
             _fail(result, exc, state, index)
