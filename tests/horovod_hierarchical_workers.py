@@ -27,6 +27,7 @@ import deepreduce as dr
 import deepreduce.horovod.tensorflow as drh
 from deepreduce.collectives import Traffic
 from deepreduce.horovod import collectives as dc
+from horovod_common import digits_shard, small_model, tape_step
 
 WORLD, LOCAL = 4, 2
 LOSSLESS = {"sparsifier": None, "index": "varint", "value": "raw", "min_size": 0}
@@ -142,14 +143,6 @@ def check_lossless(rank):
     return out
 
 
-def digits_shard(rank):
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = (digits.data / 16.0 - 0.3).astype(np.float32)
-    return x[rank::WORLD], digits.target.astype(np.int64)[rank::WORLD]
-
-
 def digest(model) -> str:
     h = hashlib.sha256()
     for w in model.get_weights():
@@ -160,24 +153,16 @@ def digest(model) -> str:
 def check_topk_trains(rank):
     """Top-k with error feedback, eager steps and tf.function steps: the loss falls and
     every rank ends with the same weights."""
-    x, y = digits_shard(rank)
+    x, y = digits_shard(rank, WORLD)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     out = {}
     for mode in ("eager", "graph"):
-        tf.keras.utils.set_random_seed(0)
-        model = tf.keras.Sequential([tf.keras.Input(shape=(64,)),
-                                     tf.keras.layers.Dense(128, activation="relu"),
-                                     tf.keras.layers.Dense(10)])
+        model = small_model()
         optimizer = tf.keras.optimizers.SGD(0.05, momentum=0.9)
         compression = hierarchical(dr.TopK(0.05), index="varint", value="fp16")
 
         def step(xb, yb, model=model, optimizer=optimizer, compression=compression):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(yb, model(xb, training=True))
-            tape = drh.DistributedGradientTape(tape, compression=compression)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
+            return tape_step(model, optimizer, compression, loss_fn, xb, yb)
 
         step = tf.function(step) if mode == "graph" else step
         losses = []

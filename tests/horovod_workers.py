@@ -19,6 +19,7 @@ import horovod.tensorflow.keras as hvd_keras
 
 import deepreduce as dr
 import deepreduce.horovod.tensorflow as drh
+from horovod_common import digits_shard, small_model, tape_step
 
 INDEX = "varint"
 
@@ -343,22 +344,6 @@ def check_misuse(rank):
     return out
 
 
-def digits_shard(rank, size):
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = (digits.data / 16.0 - 0.3).astype(np.float32)
-    y = digits.target.astype(np.int64)
-    return x[rank::size], y[rank::size]
-
-
-def small_model():
-    tf.keras.utils.set_random_seed(0)
-    return tf.keras.Sequential([tf.keras.Input(shape=(64,)),
-                                tf.keras.layers.Dense(128, activation="relu"),
-                                tf.keras.layers.Dense(10)])
-
-
 def weights_checksum(model):
     return float(sum(np.abs(w).astype(np.float64).sum() for w in model.get_weights()))
 
@@ -399,12 +384,7 @@ def check_custom_loop(rank, size):
 
     @tf.function
     def train_step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        tape = drh.DistributedGradientTape(tape, compression=compression)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+        return tape_step(model, optimizer, compression, loss_fn, xb, yb)
 
     losses = []
     for epoch in range(3):
