@@ -63,7 +63,7 @@ help:
 venv: $(STAMP)
 
 # the C extensions lie beside their users (setup.py's EXTENSIONS)
-C_SOURCES := $(wildcard deepreduce/*.c deepreduce/*.h deepreduce/collectives/*.c codecs/*.c)
+C_SOURCES := $(wildcard deepreduce/*.c deepreduce/*.h deepreduce/collectives/*.c codecs/*.c codecs/*/*.c)
 
 # The stamp lives inside .venv, so deleting .venv starts over. Every step below is
 # idempotent; re-running after an edit of setup.cfg only installs what changed, and
@@ -226,4 +226,4 @@ $(GRADIENTS): benchmarks/gradients.py | $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(CORE_VENV) benchmarks/cache build *.egg-info .pytest_cache .hypothesis \
-		deepreduce/*.so deepreduce/collectives/*.so codecs/*.so
+		deepreduce/*.so deepreduce/collectives/*.so codecs/*.so codecs/*/*.so

@@ -3,7 +3,8 @@
 The extensions are optional: where they cannot be compiled (no C compiler) the
 install goes on and deepreduce falls back to numpy, which gives the same results
 more slowly. Each C source lies beside the module that imports it (codecs/ is the
-package deepreduce.codecs, see setup.cfg); EXTENSIONS below says which serves what.
+package deepreduce.codecs, its index/ and values/ folders deepreduce.codecs.index and
+deepreduce.codecs.values, see setup.cfg); EXTENSIONS below says which serves what.
 
 DEEPREDUCE_NO_EXTENSIONS=1 in the environment builds none of them: a pure-Python wheel
 (py3-none-any) whose numpy fallbacks serve, as on a machine without a C compiler. `make
@@ -24,22 +25,23 @@ SHARED = "deepreduce/_buffer.h"
 #: (extension, C source, extra compile flags, what it serves). Each import of an
 #: extension falls back to numpy when it is missing.
 EXTENSIONS = [
-    ("deepreduce.codecs._bloomscan", "codecs/_bloomscan.c", [],
-     "the Bloom-filter scan and build of deepreduce.codecs.bloom (a quarter of the speed "
+    ("deepreduce.codecs.index._bloomscan", "codecs/index/_bloomscan.c", [],
+     "the Bloom-filter scan and build of deepreduce.codecs.index.bloom (a quarter of the speed "
      "or less without it)"),
-    ("deepreduce.codecs._entropyc", "codecs/_entropyc.c", [],
+    ("deepreduce.codecs.index._entropyc", "codecs/index/_entropyc.c", [],
      "the Huffman index codec's encoder and decoder (one call each), its size estimate, "
-     "tree and buckets (deepreduce.codecs.huffman through deepreduce.codecs._entropy), the "
-     "Golomb code's encoder and decoder (deepreduce.codecs.golomb), the block-packed code "
-     "(deepreduce.codecs.blockpack) and the runs code's fields (deepreduce.codecs.runs)"),
-    ("deepreduce.codecs._chunkc", "codecs/_chunkc.c", [],
-     "the range coder of the chunked index codec (deepreduce.codecs.chunked), a hundred "
+     "tree and buckets (deepreduce.codecs.index.huffman through "
+     "deepreduce.codecs.index._entropy), the Golomb code's encoder and decoder "
+     "(deepreduce.codecs.index.golomb), the block-packed code (deepreduce.codecs.index.blockpack) "
+     "and the runs code's fields (deepreduce.codecs.index.runs)"),
+    ("deepreduce.codecs.index._chunkc", "codecs/index/_chunkc.c", [],
+     "the range coder of the chunked index codec (deepreduce.codecs.index.chunked), a hundred "
      "times faster than its Python loop"),
-    ("deepreduce.codecs._qsgd", "codecs/_qsgd.c", EXACT,
-     "the quantisation and dequantisation of the QSGD value codec (deepreduce.codecs.qsgd), "
-     "which must give numpy's bits"),
-    ("deepreduce.codecs._halfcast", "codecs/_halfcast.c", [],
-     "the float16 casts of the fp16 value codec (deepreduce.codecs.floats), with the F16C "
+    ("deepreduce.codecs.values._qsgd", "codecs/values/_qsgd.c", EXACT,
+     "the quantisation and dequantisation of the QSGD value codec "
+     "(deepreduce.codecs.values.qsgd), which must give numpy's bits"),
+    ("deepreduce.codecs.values._halfcast", "codecs/values/_halfcast.c", [],
+     "the float16 casts of the fp16 value codec (deepreduce.codecs.values.floats), with the F16C "
      "instructions of x86-64 (elsewhere not built, or not imported where the processor "
      "lacks them)"),
     ("deepreduce._varint", "deepreduce/_varint.c", [],

@@ -11,12 +11,16 @@ import deepreduce.codecs
 
 
 def modules():
-    names = ["deepreduce"]
-    for package in (deepreduce, deepreduce.codecs):
+    names, packages = ["deepreduce"], [deepreduce, deepreduce.codecs]
+    while packages:  # (subpackages too: deepreduce.codecs.index, ...)
+        package = packages.pop(0)
         for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
             # the integrations need their frameworks: tested in test_horovod.py, test_torch.py
-            if not info.name.startswith(("deepreduce.horovod", "deepreduce.torch")):
+            if not info.name.startswith(("deepreduce.horovod", "deepreduce.torch")) \
+                    and info.name not in names:
                 names.append(info.name)
+                if info.ispkg:
+                    packages.append(importlib.import_module(info.name))
     return names
 
 

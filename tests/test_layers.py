@@ -69,3 +69,45 @@ def test_the_framework_check_sees_imports_anywhere(tmp_path):
                       "def i():\n    return __import__('torch.distributed')\n")
     found = [module for _, module in framework_imports(module)]
     assert found == ["numpy", "horovod.tensorflow", "torch", "tensorflow", "torch.distributed"]
+
+
+#: The codecs' own layers (issue 44): the helpers of both families at the top of codecs/
+#: (base, _murmur, _deflate, _zstd) below the families index/ and values/, which never
+#: import each other; the package's __init__ registers both. Of the core, a codec imports
+#: only the modules below the codecs (the bits, the errors, the registry and its spec).
+CODEC_FAMILIES = ("deepreduce.codecs.index", "deepreduce.codecs.values")
+CORE_BELOW_THE_CODECS = ("deepreduce.bits", "deepreduce.errors", "deepreduce.registry",
+                         "deepreduce.spec")
+
+
+def codec_imports(path: pathlib.Path):
+    """``(line, module)`` of every deepreduce name ``path`` imports (``from deepreduce.x
+    import y`` names ``deepreduce.x.y``)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield from ((node.lineno, f"{node.module}.{alias.name}") for alias in node.names)
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+
+
+def family_of(module: str):
+    return next((family for family in CODEC_FAMILIES
+                 if module == family or module.startswith(family + ".")), None)
+
+
+def test_the_codec_families_share_helpers_and_never_import_each_other():
+    offenders = []
+    for path in sorted(CODECS.rglob("*.py")):
+        relative = path.relative_to(CODECS)
+        if relative == pathlib.Path("__init__.py"):
+            continue
+        name = "deepreduce.codecs." + ".".join(relative.with_suffix("").parts)
+        own = family_of(name.removesuffix(".__init__"))
+        for line, module in codec_imports(path):
+            other = family_of(module)
+            if other is not None and other != own:
+                offenders.append(f"{relative}:{line} imports {module}")
+            elif module.startswith("deepreduce") and not module.startswith(
+                    ("deepreduce.codecs.", *CORE_BELOW_THE_CODECS)):
+                offenders.append(f"{relative}:{line} imports {module}")
+    assert offenders == []

@@ -59,13 +59,16 @@ def test_codecs_subpackage_maps_to_codecs_folder_and_stdlib_codecs_stays():
 
 
 #: (a module using the extension, its switch between compiled and numpy or None, the
-#: extension). Each extension is built beside its user: deepreduce.codecs.x from codecs/x.c.
+#: extension). Each extension is built beside its user: deepreduce.codecs.index.x from
+#: codecs/index/x.c.
 COMPILED = [
-    ("deepreduce.codecs.bloom", "SCAN_IMPLEMENTATION", "deepreduce.codecs._bloomscan"),
-    ("deepreduce.codecs._entropy", "IMPLEMENTATION", "deepreduce.codecs._entropyc"),  # Huffman...
-    ("deepreduce.codecs.qsgd", "IMPLEMENTATION", "deepreduce.codecs._qsgd"),
-    ("deepreduce.codecs.chunked", "IMPLEMENTATION", "deepreduce.codecs._chunkc"),
-    ("deepreduce.codecs.floats", "HALF_IMPLEMENTATION", "deepreduce.codecs._halfcast"),  # F16C
+    ("deepreduce.codecs.index.bloom", "SCAN_IMPLEMENTATION", "deepreduce.codecs.index._bloomscan"),
+    ("deepreduce.codecs.index._entropy", "IMPLEMENTATION",
+     "deepreduce.codecs.index._entropyc"),  # Huffman, Golomb, blockpack, runs
+    ("deepreduce.codecs.values.qsgd", "IMPLEMENTATION", "deepreduce.codecs.values._qsgd"),
+    ("deepreduce.codecs.index.chunked", "IMPLEMENTATION", "deepreduce.codecs.index._chunkc"),
+    ("deepreduce.codecs.values.floats", "HALF_IMPLEMENTATION",
+     "deepreduce.codecs.values._halfcast"),  # F16C
     ("deepreduce.bits", None, "deepreduce._varint"),  # the core's varints
     ("deepreduce.sparsifiers", "SCAN_IMPLEMENTATION", "deepreduce._topkscan"),
     ("deepreduce.collectives.base", "SUM_IMPLEMENTATION", "deepreduce.collectives._sparsesum"),
@@ -74,8 +77,10 @@ COMPILED = [
 
 def folder_of(extension: str, root: pathlib.Path = REPO) -> pathlib.Path:
     """Where the source of ``extension`` lies and its build lands (setup.cfg's package_dir)."""
-    package = extension.rsplit(".", 1)[0]
-    return root / ("codecs" if package == "deepreduce.codecs" else package.replace(".", "/"))
+    package = extension.rsplit(".", 1)[0].split(".")
+    if package[:2] == ["deepreduce", "codecs"]:  # deepreduce.codecs.index: codecs/index
+        package = package[1:]
+    return root.joinpath(*package)
 
 
 @pytest.mark.parametrize("module, implementation, extension", COMPILED)
@@ -129,7 +134,7 @@ def test_setup_builds_each_extension_from_the_source_beside_its_user(monkeypatch
         assert [REPO / s for s in extension.sources] == [source] and source.exists()
         assert extension.optional and "deepreduce/_buffer.h" in extension.depends
     if sys.platform != "win32":
-        assert "-ffp-contract=off" in extensions["deepreduce.codecs._qsgd"].extra_compile_args
+        assert "-ffp-contract=off" in extensions["deepreduce.codecs.values._qsgd"].extra_compile_args
     # no build left at an old path, where it would shadow nothing and mislead
     built = {(folder_of(name), name.rsplit(".", 1)[1]) for name in extensions}
     stale = [str(path.relative_to(REPO)) for folder in ("deepreduce", "codecs")
