@@ -63,7 +63,7 @@ help:
 venv: $(STAMP)
 
 # the C extensions lie beside their users (setup.py's EXTENSIONS)
-C_SOURCES := $(wildcard deepreduce/*.c deepreduce/*.h deepreduce/collectives/*.c codecs/*.c codecs/*/*.c)
+C_SOURCES := $(wildcard deepreduce/*.c deepreduce/*.h codecs/*.c codecs/*/*.c)
 
 # The stamp lives inside .venv, so deleting .venv starts over. Every step below is
 # idempotent; re-running after an edit of setup.cfg only installs what changed, and
@@ -191,12 +191,12 @@ test-wheel-torch:
 	$(PKG)/venv-torch/bin/python -m pip install -q -c $(PKG)/torch-constraint.txt "$(SDIST)[torch]"
 	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && cd "$$tmp" && \
 		$(CURDIR)/$(PKG)/venv-torch/bin/python -c 'import torch, torch.distributed as dist; \
-		import deepreduce.torch as drt; from deepreduce.collectives import base; \
+		import deepreduce.torch as drt; from deepreduce import sums; \
 		dist.init_process_group("gloo", init_method="file://" + "'"$$tmp"'/store", rank=0, world_size=1); \
 		g = torch.arange(10_000.0); state = drt.DeepReduceState(sparsifier="topk:0.01", value="raw"); \
 		assert torch.equal(drt.allreduce(g, state, name="g"), torch.where(g >= 9_900, g, 0)); \
 		print("torch", torch.__version__, "| deepreduce.torch from", drt.__file__, \
-		      "| sums:", base.SUM_IMPLEMENTATION); dist.destroy_process_group()'
+		      "| sums:", sums.SUM_IMPLEMENTATION); dist.destroy_process_group()'
 
 # The main job: two Horovod ranks train the same model with dense allreduce and
 # with deepreduce, and print bytes per step, step time and accuracy side by side.
@@ -226,4 +226,4 @@ $(GRADIENTS): benchmarks/gradients.py | $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(CORE_VENV) benchmarks/cache build *.egg-info .pytest_cache .hypothesis \
-		deepreduce/*.so deepreduce/collectives/*.so codecs/*.so codecs/*/*.so
+		deepreduce/*.so codecs/*.so codecs/*/*.so

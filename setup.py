@@ -50,9 +50,9 @@ EXTENSIONS = [
     ("deepreduce._topkscan", "deepreduce/_topkscan.c", [],
      "the candidate scan and selection of the Top-k sparsifier (deepreduce.sparsifiers.TopK), "
      "error feedback's addition included"),
-    ("deepreduce.collectives._sparsesum", "deepreduce/collectives/_sparsesum.c", [],
+    ("deepreduce._sparsesum", "deepreduce/_sparsesum.c", [],
      "the sum of the ranks' sparse parts into the dense result "
-     "(deepreduce.collectives.base.sum_sorted_into)"),
+     "(deepreduce.sums.sum_sorted_into)"),
 ]
 
 #: The switch that leaves every extension out (any value but "" and "0").

@@ -8,7 +8,7 @@ other's decoded), as the allgather communicator does with P = 2. Timed: the
 codec part of that step (``StepStats.codec_seconds``: the wall time of the
 codings of the bundle and of the decodings), with ``codec_threads=1``, with
 more, and with more and every payload on them (payloads of fewer than
-:data:`deepreduce.parallel.PARALLEL_ENTRIES` entries stay on the caller's
+:data:`deepreduce.exchange.parallel.PARALLEL_ENTRIES` entries stay on the caller's
 thread otherwise), the settings taking turns step after step so that all see
 the same load. Every step asserts that the settings give the same bundles and
 the same sums. Beside them, a GIL-free reference: the bundle's index sets
@@ -40,11 +40,11 @@ import zlib
 
 import numpy as np
 
-from deepreduce import allgather_exchange
+from deepreduce.exchange import allgather as allgather_exchange
 from deepreduce.exchange import GradientExchange
 from deepreduce.bundle import split_bundles
 from deepreduce.codecs import golomb
-from deepreduce.parallel import PARALLEL_ENTRIES, available_cores, run_in_order
+from deepreduce.exchange.parallel import PARALLEL_ENTRIES, available_cores, run_in_order
 from deepreduce.pipeline import decode
 
 from benchmarks.common import RESULTS, mlp_shapes, table, write_report

@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import math
 
-from deepreduce.collectives import cluster_cost, cost
+from deepreduce.collectives import cost
 
+from benchmarks import cluster_cost
 from benchmarks.common import RESULTS, mlp_shapes, table
 from benchmarks.scale_model import (FIT_RATE, RATIO, RUNS, TARGET, VALUE_BYTES, bandwidth,
                                     calibrate, core_share, load)

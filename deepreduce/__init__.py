@@ -15,7 +15,7 @@ from deepreduce.sparse import SparseTensor
 from deepreduce.sparsifiers import BlockTopK, ChunkTopK, NonZero, RandomK, Threshold, TopK, get_sparsifier
 from deepreduce.pipeline import Pipeline, compress, decompress, index_entropy_bits
 from deepreduce.container import read_header
-from deepreduce.memory import ResidualMemory
+from deepreduce.exchange.memory import ResidualMemory
 from deepreduce.config import ExchangeConfig
 
 __version__ = "0.1.0"

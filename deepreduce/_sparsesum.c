@@ -1,6 +1,6 @@
 /*
  * Compiled sum of sparse parts into a dense tensor
- * (deepreduce.collectives.base.sum_sorted_into).
+ * (deepreduce.sums.sum_sorted_into).
  *
  * Every rank of an allgather decodes P payloads of one gradient, each a sorted set
  * of positions with their values, and writes their sum into the dense gradient it
@@ -445,20 +445,20 @@ static PyMethodDef methods[] = {
      "sum of the parts (strictly increasing int64 indices with values of total's\n"
      "dtype), added in part order, times scale (None: 1) in double precision, and\n"
      "zero elsewhere; return the increasing union of the parts' indices. See\n"
-     "deepreduce.collectives.base.sum_sorted_into."},
+     "deepreduce.sums.sum_sorted_into."},
     {"localize", localize, METH_VARARGS,
      "localize(indices, ends) -> list\n\n"
      "Split the increasing int64 positions indices of tensors laid end to end (their\n"
      "ends, an int64 array) into the tensors': take each tensor's start off its\n"
      "positions, in place, and return where each tensor's positions begin, and\n"
-     "len(indices). See deepreduce.collectives.base.localize_sorted."},
+     "len(indices). See deepreduce.sums.localize_sorted."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce.collectives._sparsesum",
+    PyModuleDef_HEAD_INIT, "deepreduce._sparsesum",
     "Compiled sum of sorted sparse parts into a dense tensor (see "
-    "deepreduce.collectives.base.sum_sorted_into).",
+    "deepreduce.sums.sum_sorted_into).",
     -1, methods,
 };
 

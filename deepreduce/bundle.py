@@ -29,9 +29,9 @@ import zlib
 import numpy as np
 
 from deepreduce.bits import read_varint, varint_decode_prefix, varint_encode, write_varint
-from deepreduce.collectives.base import localize_sorted
 from deepreduce.errors import DecodeError
 from deepreduce.sparse import SparseTensor
+from deepreduce.sums import localize_sorted
 
 BUNDLE_MAGIC = b"DRB"
 #: Bundle layouts this module reads; it writes version 1 unless tensors share a payload

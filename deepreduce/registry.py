@@ -1,4 +1,4 @@
-"""Codec registry and the ``"id:key=value,..."`` spec grammar.
+"""Codec registry: the codecs by family and id, and building one from a spec.
 
 Index codecs and value codecs live in separate namespaces, so ``"zstd"`` can
 name both a gap-coding index codec and a byte-shuffling value codec. A spec
@@ -15,10 +15,15 @@ payload headers, so what ``deepreduce inspect`` prints can be pasted back.
 from __future__ import annotations
 
 import functools
-import math
+
+from deepreduce.spec import format_spec, format_value, parse_spec, parse_value
 
 FAMILIES = ("index", "value")
 _REGISTRY: dict[str, dict[str, type]] = {family: {} for family in FAMILIES}
+
+#: (the spec grammar lives in :mod:`deepreduce.spec`; its names stay importable from here)
+__all__ = ["FAMILIES", "register_codec", "registered_codecs", "get_codec", "decoding_codec",
+           "parse_spec", "parse_value", "format_spec", "format_value"]
 
 
 def register_codec(cls, replace: bool = False):
@@ -47,60 +52,6 @@ def registered_codecs(family: str) -> dict[str, type]:
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     return dict(_REGISTRY[family])
-
-
-def parse_value(text: str):
-    """Turn one spec value into int, float, bool or str (in that order of preference)."""
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_spec(spec: str) -> tuple[str, list, dict]:
-    """Split ``"name:a,b=2"`` into ``("name", [a], {"b": 2})``."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"a spec must be a non-empty string like 'zstd:level=9', got {spec!r}")
-    name, _, rest = spec.strip().partition(":")
-    args, kwargs = [], {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if eq:
-            kwargs[key.strip()] = parse_value(value.strip())
-        elif kwargs:
-            raise ValueError(f"positional value {item!r} after keyword values in spec {spec!r}")
-        else:
-            args.append(parse_value(item))
-    return name.strip().lower(), args, kwargs
-
-
-def format_value(value) -> str:
-    if isinstance(value, bool) or value is None:
-        return str(value).lower()
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"spec values must be finite, got {value!r}")
-        return repr(value)
-    if isinstance(value, (int, str)):
-        text = str(value)
-        if isinstance(value, str) and (not text or any(c in text for c in ",=:")):
-            raise ValueError(f"string spec values may not be empty or contain ',', '=' or ':': {text!r}")
-        return text
-    raise ValueError(f"spec values must be int, float, bool, None or str, got {type(value).__name__}")
-
-
-def format_spec(codec_id: str, params: dict) -> str:
-    """Inverse of :func:`parse_spec` for keyword parameters."""
-    if not params:
-        return codec_id
-    return codec_id + ":" + ",".join(f"{k}={format_value(v)}" for k, v in params.items())
 
 
 def _lookup(codec_id: str, family: str | None):

@@ -17,8 +17,8 @@ import numbers
 
 import numpy as np
 
-from deepreduce.registry import parse_spec
 from deepreduce.sparse import BFLOAT16, SparseTensor, check_dtype
+from deepreduce.spec import parse_spec
 
 try:
     from deepreduce import _topkscan

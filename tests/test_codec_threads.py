@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import deepreduce as dr
-from deepreduce import allgather_exchange, parallel
+from deepreduce.exchange import allgather as allgather_exchange, parallel
 from deepreduce.codecs import _entropy, bloom, floats, golomb, qsgd
-from deepreduce.collectives import base as collectives_base
+from deepreduce import sums
 from deepreduce.config import ExchangeConfig
 from deepreduce.exchange import GradientExchange
 from deepreduce.sparse import SparseTensor
@@ -243,7 +243,7 @@ KEEP_THE_GIL = {
 #: The extension modules of the codec loops (and of the selection and the sums).
 EXTENSIONS = [(module, attribute) for module, attribute in (
     (_entropy, "_entropyc"), (floats, "_halfcast"), (qsgd, "_qsgd"), (bloom, "_bloomscan"),
-    (dr.bits, "_varint"), (dr.sparsifiers, "_topkscan"), (collectives_base, "_sparsesum"))
+    (dr.bits, "_varint"), (dr.sparsifiers, "_topkscan"), (sums, "_sparsesum"))
     if getattr(module, attribute, None) is not None]
 
 
@@ -282,8 +282,8 @@ def record_compiled_calls(monkeypatch) -> dict:
     dr.TopK(0.01)(dense)
     dr.sparsifiers._at_least(dense, np.float32(2.5))
     golomb.field_bits(np.diff(indices), 16)
-    collectives_base.sum_sorted_into(np.zeros(n, np.float32), [part, part])
-    collectives_base.localize_sorted(indices.copy(), [n // 3, n // 2, n])
+    sums.sum_sorted_into(np.zeros(n, np.float32), [part, part])
+    sums.localize_sorted(indices.copy(), [n // 3, n // 2, n])
     calls = {name: (function, args) for name, (function, args, _) in calls.items()}
     # samples are small (and loops that small keep the GIL): the whole array instead
     if "sampled_low" in calls:

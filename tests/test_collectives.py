@@ -27,8 +27,9 @@ import deepreduce as dr
 from deepreduce import collectives as dc
 from deepreduce import container
 from deepreduce.collectives import cost, frames
-from deepreduce.collectives import base
-from deepreduce.collectives.base import Ownership
+from deepreduce import sums
+from deepreduce.collectives.communicator import op_name
+from deepreduce.collectives.ownership import Ownership
 from deepreduce.collectives.transport import ThreadTransport
 from deepreduce.errors import DecodeError
 
@@ -247,7 +248,7 @@ def gathered(reduction):
 
 
 def test_return_masks_leave_out_what_a_rank_contributed_alone():
-    from deepreduce.collectives.base import return_masks
+    from deepreduce.sums import return_masks
 
     supports = [np.array([1, 4, 7]), np.array([4, 9]), np.array([], dtype=np.int64)]
     union = np.array([1, 4, 7, 9])
@@ -490,7 +491,7 @@ def test_counts_frames():
             frames.read_counts(bad, 10)
 
 
-@pytest.mark.parametrize("module", ["cost", "transport", "base", "allgather",
+@pytest.mark.parametrize("module", ["cost", "transport", "ownership", "allgather",
                                     "sparse_allreduce", "block"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(f"deepreduce.collectives.{module}"),
@@ -627,11 +628,11 @@ def test_no_default_transport_and_only_named_ops():
         assert "deepreduce.torch.transport.TorchTransport" in str(error.value)
     with pytest.raises(ValueError, match="process_set alone .*horovod_transport"):
         dc.BlockReduce(LOSSLESS, process_set=object()).reduce(np.ones(4, np.float32))
-    assert [base.op_name(op) for op in ("sum", "Average", "MEAN")] == ["sum", "average",
+    assert [op_name(op) for op in ("sum", "Average", "MEAN")] == ["sum", "average",
                                                                        "average"]
     for framework_constant in (0, 1, None):  # hvd.Average, hvd.Sum: the Horovod layer's
         with pytest.raises(ValueError, match="deepreduce.horovod.collectives"):
-            base.op_name(framework_constant)
+            op_name(framework_constant)
 
 
 # -- frames: malformed input raises DecodeError -------------------------------------------
@@ -720,10 +721,10 @@ def test_sum_sparse_unions_sorted_parts_like_np_unique(parts):
                                       np.array(sorted(p), dtype=np.int64), (length,))
              for p in parts]
     indices = np.concatenate([p.indices for p in parts] + [np.zeros(0, np.int64)])
-    support, inverse = base._union(indices)
+    support, inverse = sums._union(indices)
     expected_support, expected_inverse = np.unique(indices, return_inverse=True)
     np.testing.assert_array_equal(support, expected_support)
     np.testing.assert_array_equal(inverse, expected_inverse.ravel())
-    total = base.sum_sparse(parts, length, np.float32)
+    total = sums.sum_sparse(parts, length, np.float32)
     dense = sum((p.to_dense() for p in parts), np.zeros(length, np.float32))
     np.testing.assert_array_equal(total.to_dense(), dense)

@@ -301,7 +301,7 @@ def test_auto_codes_a_tensors_next_sets_with_its_clear_winner(monkeypatch):
 
 def test_the_exchange_gives_each_tensor_its_own_auto():
     from deepreduce.config import ExchangeConfig
-    from deepreduce.selection import Selector
+    from deepreduce.exchange.selection import Selector
     selector = Selector(ExchangeConfig(dr.TopK(0.01), index="auto", value="fp16"))
     a, b = (selector.pipeline_of(name).index_codec for name in ("a", "b"))
     assert a is not b and a == b == selector.pipeline.index_codec
@@ -310,7 +310,7 @@ def test_the_exchange_gives_each_tensor_its_own_auto():
 
 def test_a_checkpoint_keeps_what_each_tensors_auto_remembers():
     from deepreduce.config import ExchangeConfig
-    from deepreduce.selection import Selector
+    from deepreduce.exchange.selection import Selector
     rng = np.random.default_rng(14)
     n, k = 4096 * 64, 200 * 64
     clustered = np.zeros(n, np.float32)  # rows of 64 adjacent entries: runs, by far

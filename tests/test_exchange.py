@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import deepreduce as dr
-from deepreduce import allgather_exchange, exchange, stats
+from deepreduce.exchange import allgather as allgather_exchange, gradient_exchange, stats
 from deepreduce.bundle import pack_bundle, split_bundles
 from deepreduce.exchange import GradientExchange
 
@@ -26,7 +26,7 @@ def make_exchange(*args, **settings):
     return GradientExchange(*args, **settings)
 
 
-@pytest.mark.parametrize("module", [exchange, stats])
+@pytest.mark.parametrize("module", [gradient_exchange, stats])
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0

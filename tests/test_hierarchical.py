@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import deepreduce as dr
-from deepreduce import hierarchical_exchange
-from deepreduce.collectives import frames, hierarchical
-from deepreduce.collectives.hierarchical import shard_bounds, unpack_shards
+from deepreduce.collectives import frames
+from deepreduce.exchange import hierarchical as hierarchical_exchange, topology as hierarchical
+from deepreduce.exchange.topology import shard_bounds, unpack_shards
 from deepreduce.collectives.transport import ThreadTransport, members_of
 from deepreduce.config import ExchangeConfig
 from deepreduce.errors import DecodeError
@@ -285,7 +285,7 @@ def test_a_rank_that_cannot_encode_makes_every_rank_raise():
         if member.rank == 1:
             def broken(*args, **kwargs):
                 raise ValueError("codec broke")
-            exchange._hierarchical._inner.encode = broken
+            exchange.strategy._inner.encode = broken
         return exchange.reduce_async(["w"], [np.ones(64, np.float32)], member).result()
 
     errors = run_ranks(rank_main)
@@ -387,9 +387,9 @@ def test_pickled_exchange_leaves_its_groups_behind():
     with ThreadPoolExecutor(P) as pool:
         list(pool.map(lambda m: exchanges[m.rank].reduce_async(
             ["w"], [np.ones(4, np.float32)], m).result(), members))
-    assert len(exchanges[0]._hierarchical._groups) == 1  # while its transport lives
+    assert len(exchanges[0].strategy._groups) == 1  # while its transport lives
     copy = pickle.loads(pickle.dumps(exchanges[0]))
-    assert len(copy._hierarchical._groups) == 0
+    assert len(copy.strategy._groups) == 0
 
 
 @pytest.mark.parametrize("sums", ["compiled", "numpy"])
@@ -397,9 +397,9 @@ def test_reused_outputs_and_either_sum_give_the_same_bits(monkeypatch, sums):
     """With ``reuse_out`` only what the last step wrote into an ``out`` array is reset;
     the sums' positions come from the decode (the compiled sum's, or numpy's, which may
     repeat): every step's results equal those of fresh arrays."""
-    from deepreduce.collectives import base
+    from deepreduce import sums
     if sums == "numpy":
-        monkeypatch.setattr(base, "_sparsesum", None)
+        monkeypatch.setattr(sums, "_sparsesum", None)
         monkeypatch.setattr(hierarchical_exchange, "SUM_IMPLEMENTATION", "numpy")
     settings = dict(sparsifier="topk:0.02", value="fp16", min_size=0)
     reused = [hierarchical_exchange_of(**settings) for _ in range(P)]

@@ -1,4 +1,6 @@
-"""The codecs depend on the core, never the reverse (issue 15)."""
+"""The layers import one way: each module only from its own layer or those below (issue 44);
+the codecs depend on the core, never the reverse (issue 15); the collectives know no
+framework (issue 30)."""
 
 import ast
 import pathlib
@@ -71,6 +73,86 @@ def test_the_framework_check_sees_imports_anywhere(tmp_path):
     assert found == ["numpy", "horovod.tensorflow", "torch", "tensorflow", "torch.distributed"]
 
 
+#: The layers, bottom first: a module may import from its own layer and those below.
+#: A module belongs to the longest prefix that names it.
+LAYERS = [
+    # the data model and its kernels: errors, sparse tensors, bit packing, the spec
+    # grammar, the sums of sparse parts
+    ("deepreduce.errors", "deepreduce.sparse", "deepreduce.bits", "deepreduce.spec",
+     "deepreduce.sums", "deepreduce._varint", "deepreduce._topkscan", "deepreduce._sparsesum"),
+    # what turns a tensor into streams: the sparsifiers, the codecs and their registry
+    ("deepreduce.sparsifiers", "deepreduce.registry", "deepreduce.codecs"),
+    # the wire format: the payload container, the pipeline, the bundle
+    ("deepreduce.container", "deepreduce.pipeline", "deepreduce.bundle"),
+    # the collectives over a transport, free of frameworks
+    ("deepreduce.collectives",),
+    # the exchange of one step's gradients, and its settings
+    # (deepreduce.selection, .memory and .stats: its modules' old paths, re-exporting)
+    ("deepreduce.exchange", "deepreduce.config", "deepreduce.selection", "deepreduce.memory",
+     "deepreduce.stats"),
+    # the integrations, the command line, the public entry point
+    ("deepreduce.horovod", "deepreduce.torch", "deepreduce.cli", "deepreduce.testing",
+     "deepreduce"),
+]
+#: Old paths kept for code outside the package, re-exporting from above (module: why).
+UPWARD_SHIMS = {"deepreduce.collectives.hierarchical":
+                "deepreduce.config imports check_options from this old path of "
+                "deepreduce.exchange.topology"}
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of the dotted ``module`` (None: not deepreduce's)."""
+    best = None
+    for layer, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and \
+                    (best is None or len(prefix) > len(best[1])):
+                best = (layer, prefix)
+    return None if best is None else best[0]
+
+
+def module_name(path: pathlib.Path) -> str:
+    if CODECS in path.parents or path.parent == CODECS:
+        parts = ("deepreduce", "codecs", *path.relative_to(CODECS).with_suffix("").parts)
+    else:
+        parts = ("deepreduce", *path.relative_to(CORE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def upward_imports(paths) -> list:
+    offenders = []
+    for path in paths:
+        name = module_name(path)
+        own = layer_of(name)
+        for line, module in deepreduce_imports(path):
+            theirs = layer_of(module)
+            if own is not None and theirs is not None and theirs > own \
+                    and name not in UPWARD_SHIMS:
+                offenders.append(f"{name}:{line} imports {module}")
+    return offenders
+
+
+def test_every_module_has_a_layer():
+    paths = sorted({*CORE.rglob("*.py"), *CODECS.rglob("*.py")})
+    assert [module_name(path) for path in paths if layer_of(module_name(path)) is None] == []
+
+
+def test_the_layers_import_one_way():
+    assert upward_imports(sorted({*CORE.rglob("*.py"), *CODECS.rglob("*.py")})) == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path, monkeypatch):
+    # a module of the wire format that imports the exchange, inside a function
+    module = CORE / "bundle.py"
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: (
+        "import numpy\nfrom deepreduce.sums import sum_into\n"
+        "def f():\n    from deepreduce import exchange\n"
+        "def g():\n    import deepreduce.collectives.frames\n"))
+    assert upward_imports([module]) == [
+        "deepreduce.bundle:4 imports deepreduce.exchange",
+        "deepreduce.bundle:6 imports deepreduce.collectives.frames"]
+
+
 #: The codecs' own layers (issue 44): the helpers of both families at the top of codecs/
 #: (base, _murmur, _deflate, _zstd) below the families index/ and values/, which never
 #: import each other; the package's __init__ registers both. Of the core, a codec imports
@@ -80,7 +162,7 @@ CORE_BELOW_THE_CODECS = ("deepreduce.bits", "deepreduce.errors", "deepreduce.reg
                          "deepreduce.spec")
 
 
-def codec_imports(path: pathlib.Path):
+def deepreduce_imports(path: pathlib.Path):
     """``(line, module)`` of every deepreduce name ``path`` imports (``from deepreduce.x
     import y`` names ``deepreduce.x.y``)."""
     for node in ast.walk(ast.parse(path.read_text())):
@@ -103,7 +185,7 @@ def test_the_codec_families_share_helpers_and_never_import_each_other():
             continue
         name = "deepreduce.codecs." + ".".join(relative.with_suffix("").parts)
         own = family_of(name.removesuffix(".__init__"))
-        for line, module in codec_imports(path):
+        for line, module in deepreduce_imports(path):
             other = family_of(module)
             if other is not None and other != own:
                 offenders.append(f"{relative}:{line} imports {module}")

@@ -3,7 +3,8 @@ import pytest
 
 import deepreduce as dr
 from deepreduce.codecs.base import IndexCodec
-from deepreduce.registry import _REGISTRY, format_spec, get_codec, parse_spec
+from deepreduce.registry import _REGISTRY, get_codec
+from deepreduce.spec import format_spec, parse_spec
 
 
 def test_parse_and_format_spec():

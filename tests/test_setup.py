@@ -71,7 +71,7 @@ COMPILED = [
      "deepreduce.codecs.values._halfcast"),  # F16C
     ("deepreduce.bits", None, "deepreduce._varint"),  # the core's varints
     ("deepreduce.sparsifiers", "SCAN_IMPLEMENTATION", "deepreduce._topkscan"),
-    ("deepreduce.collectives.base", "SUM_IMPLEMENTATION", "deepreduce.collectives._sparsesum"),
+    ("deepreduce.sums", "SUM_IMPLEMENTATION", "deepreduce._sparsesum"),
 ]
 
 

@@ -1,10 +1,12 @@
-"""The dense sum of sparse parts: the compiled one (deepreduce.collectives._sparsesum) and numpy's
+"""The dense sum of sparse parts: the compiled one (deepreduce._sparsesum) and numpy's
 write the same bits.
 
-``collectives.base.sum_sorted_into`` is what every rank of the allgather exchange
+``deepreduce.sums.sum_sorted_into`` is what every rank of the allgather exchange
 runs on the decoded payloads of each gradient: zero what last step's sum left,
 add the parts in rank order, scale for an average.
 """
+
+import doctest
 
 import numpy as np
 import pytest
@@ -12,13 +14,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deepreduce as dr
-from deepreduce.collectives import base
-from deepreduce.collectives.base import sum_sorted_into
+from deepreduce import sums as base
+from deepreduce.sums import sum_sorted_into
 import extensions
 
 compiled_only = pytest.mark.skipif(base._sparsesum is None,
-                                   reason="deepreduce.collectives._sparsesum is not built")
+                                   reason="deepreduce._sparsesum is not built")
 SPECIALS = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e38, 3e38]
+
+
+def test_docstring_examples():
+    result = doctest.testmod(base, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted and not result.failed
 
 
 def test_implementation_flag_matches_the_build():

@@ -49,7 +49,8 @@ array([0., 9., 0., 0., 6., 0.], dtype=float32)
 
 from deepreduce.collectives.transport import (ThreadTransport, Traffic, Transport,
                                               get_transport)
-from deepreduce.collectives.base import Communicator, Handle, Reduction, fail_collectively
+from deepreduce.collectives.communicator import Communicator, Handle, Reduction
+from deepreduce.collectives.signed import fail_collectively
 from deepreduce.collectives.allgather import AllgatherReduce
 from deepreduce.collectives.sparse_allreduce import SparseAllreduce
 from deepreduce.collectives.block import BlockReduce

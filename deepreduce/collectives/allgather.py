@@ -7,9 +7,11 @@ rank receives the P - 1 payloads of the others, so the volume grows with P.
 from __future__ import annotations
 
 from deepreduce.collectives import frames
-from deepreduce.collectives.base import Communicator, signed_allgather, sum_sparse
+from deepreduce.collectives.communicator import Communicator
+from deepreduce.collectives.signed import signed_allgather
 from deepreduce.errors import DecodeError
 from deepreduce.sparse import SparseTensor
+from deepreduce.sums import sum_sparse
 
 
 class AllgatherReduce(Communicator):
@@ -18,7 +20,7 @@ class AllgatherReduce(Communicator):
     Parameters
     ----------
     pipeline, op, process_set, transport
-        As for :class:`~deepreduce.collectives.base.Communicator`.
+        As for :class:`~deepreduce.collectives.communicator.Communicator`.
 
     Examples
     --------

@@ -4,7 +4,7 @@ The flat tensor is cut into blocks of ``block_size`` elements; a block is zero
 when every ``|x| <= threshold``. Only the non-zero blocks travel: their block
 numbers through the pipeline's (exact) index codec, their values, whole,
 through its value codec. The blocks are dealt to the P owners in granules of
-whole blocks, round-robin (:class:`~deepreduce.collectives.base.Ownership`:
+whole blocks, round-robin (:class:`~deepreduce.collectives.ownership.Ownership`:
 hot low-numbered rows spread over all owners); each owner adds the blocks it
 receives (the union of the non-zero blocks stays block-sparse) and returns
 the reduced range, block-sparse or dense, whichever encodes smaller. With a
@@ -27,11 +27,13 @@ import numbers
 import numpy as np
 
 from deepreduce.collectives import frames
-from deepreduce.collectives.base import (GRANULE, Communicator, Ownership, return_masks,
-                                         returns_only_what_ranks_lack, signed_alltoall)
+from deepreduce.collectives.communicator import Communicator
+from deepreduce.collectives.ownership import GRANULE, Ownership
+from deepreduce.collectives.signed import signed_alltoall
 from deepreduce.collectives.frames import Blocks
 from deepreduce.errors import DecodeError
 from deepreduce.sparse import SparseTensor, zeros
+from deepreduce.sums import return_masks, returns_only_what_ranks_lack
 
 
 class BlockReduce(Communicator):
@@ -40,7 +42,7 @@ class BlockReduce(Communicator):
     Parameters
     ----------
     pipeline, op, process_set, transport
-        As for :class:`~deepreduce.collectives.base.Communicator`. The
+        As for :class:`~deepreduce.collectives.communicator.Communicator`. The
         sparsifier runs first (no sparsifier: every non-zero); the index codec
         codes block numbers and must be exact; the value codec must keep the
         values in their order.

@@ -149,7 +149,7 @@ def sparse_allreduce(P: int, n: int, k: float, union: float, index_bytes, value_
     of the *other* ``P - 1`` supports, each owner sends every rank only the
     entries it lacks, ``others / P`` per range (an alltoall): what the
     communicator does when its codecs allow it
-    (:func:`~deepreduce.collectives.base.returns_only_what_ranks_lack`).
+    (:func:`~deepreduce.sums.returns_only_what_ranks_lack`).
     """
     scatter = (P - 1) / P * k * (_rate(index_bytes, k / n if n else 0.0) + value_bytes) \
         + (P - 1) * (overhead + SIGNATURE)

@@ -4,7 +4,7 @@ and the choice between them and a plain allgather from the alpha-beta cost model
 ``algorithm="split"``:
 
 1. **Split.** The index space is dealt to the P owners in granules
-   (:class:`~deepreduce.collectives.base.Ownership`: round-robin, so that hot
+   (:class:`~deepreduce.collectives.ownership.Ownership`: round-robin, so that hot
    low indices spread over all owners); each rank encodes the part of its
    sparse input that each owner holds as a deepreduce payload (indices local
    to the owner) and sends it there, in one ``alltoall``.
@@ -49,10 +49,11 @@ import numpy as np
 
 from deepreduce import container
 from deepreduce.collectives import cost, frames
-from deepreduce.collectives.base import (GRANULE, Communicator, Ownership, return_masks,
-                                         returns_only_what_ranks_lack, signed_alltoall,
-                                         sum_sparse)
+from deepreduce.collectives.communicator import Communicator
+from deepreduce.collectives.ownership import GRANULE, Ownership
+from deepreduce.collectives.signed import signed_alltoall
 from deepreduce.sparse import SparseTensor, zeros
+from deepreduce.sums import return_masks, returns_only_what_ranks_lack, sum_sparse
 
 
 class SparseAllreduce(Communicator):
@@ -61,7 +62,7 @@ class SparseAllreduce(Communicator):
     Parameters
     ----------
     pipeline, op, process_set, transport
-        As for :class:`~deepreduce.collectives.base.Communicator`.
+        As for :class:`~deepreduce.collectives.communicator.Communicator`.
     algorithm : {"auto", "split", "recursive_doubling"}, default "auto"
         ``"split"``: SSAR_Split_allgather (2 collectives, any P).
         ``"recursive_doubling"``: SSAR_Recursive_double (``log2 P``

@@ -85,7 +85,7 @@ class Transport:
         Members of the new transport are ranked by ``key`` (default: their rank
         here), ties broken by their rank here. The hierarchical exchange splits a
         transport into the ranks of a node and the ranks that hold the same shard
-        on every node (:func:`deepreduce.collectives.hierarchical.node_transports`).
+        on every node (:func:`deepreduce.exchange.topology.node_transports`).
         Creating the new groups may be slow (torch.distributed's ``new_group``):
         split once, keep the result.
         """

@@ -2,6 +2,6 @@
 
 ``import deepreduce.horovod.tensorflow as drh`` (TensorFlow 2 / Keras 2 with
 Horovod) is the user-facing module. :mod:`deepreduce.exchange` (bundle
-framing, compression and reduction in numpy) and :mod:`deepreduce.stats`
+framing, compression and reduction in numpy) and :mod:`deepreduce.exchange.stats`
 need neither TensorFlow nor Horovod; importing this package imports neither.
 """

@@ -50,8 +50,8 @@ import tensorflow as tf
 
 from deepreduce import collectives
 from deepreduce.collectives import Communicator, Handle, Reduction
-from deepreduce.collectives.base import op_name as _op_name
-from deepreduce.collectives.hierarchical import Topology
+from deepreduce.collectives.communicator import op_name as _op_name
+from deepreduce.exchange.topology import Topology
 from deepreduce.collectives.transport import Traffic, Transport, members_of, split_frames
 from deepreduce.sparse import SparseTensor
 

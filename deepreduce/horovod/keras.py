@@ -11,7 +11,7 @@ class CompressionStatsCallback(tf.keras.callbacks.Callback):
     At the end of every epoch the per-step means of that epoch are added to the
     epoch logs (so ``History`` keeps them) under ``prefix``: ``bytes_sent``,
     ``dense_bytes``, ``ratio``, ``encode_ms``, ``decode_ms``, ``exchange_ms``,
-    ``codec_ms`` (see :class:`~deepreduce.stats.StepStats`). With ``log_dir``,
+    ``codec_ms`` (see :class:`~deepreduce.exchange.stats.StepStats`). With ``log_dir``,
     every training step's values are also written with ``tf.summary`` (as
     ``prefix + key``, step = number of exchanged steps), and the epoch means
     as ``prefix + "epoch_" + key``.

@@ -36,7 +36,7 @@ travel in one set of collectives::
                                   communicator_options={"block_size": 256})
 
 ``Compression(communicator="hierarchical")`` sums each node's gradients densely
-and compresses only between nodes (:mod:`deepreduce.hierarchical_exchange`); its
+and compresses only between nodes (:mod:`deepreduce.exchange.hierarchical`); its
 node and shard groups are Horovod process sets, found registered or added at the
 first step (:meth:`~deepreduce.horovod.collectives.HorovodTransport.split`: that
 needs ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, or the sets given to ``hvd.init``, see
@@ -63,7 +63,7 @@ from deepreduce.pipeline import decode
 from deepreduce.sparse import SparseTensor
 from deepreduce.exchange import GradientExchange
 from deepreduce.horovod.keras import CompressionStatsCallback
-from deepreduce.stats import CompressionStats, StepStats
+from deepreduce.exchange.stats import CompressionStats, StepStats
 
 __all__ = ["Compression", "DistributedGradientTape", "DistributedOptimizer",
            "CompressionStatsCallback", "allreduce", "grouped_allreduce",
@@ -138,7 +138,7 @@ class Compression:
     ----------
     exchange : deepreduce.exchange.GradientExchange
         The framework-neutral exchange doing the work.
-    stats : deepreduce.stats.CompressionStats
+    stats : deepreduce.exchange.stats.CompressionStats
         The bytes and times of every step it compressed:
         ``compression.stats.last.ratio``, ``compression.stats.as_dict()``.
 

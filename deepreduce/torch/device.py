@@ -10,7 +10,7 @@ to the host codecs, and only decoded pairs come back, all through one
 It serves the allgather communicator with exact index codecs (the Bloom filters'
 false positives would need values from the whole tensor) and every sparsifier.
 On CPU tensors it selects the same sets, codes the same payload bytes and leaves
-bit-identical residuals and sums as the numpy path (:class:`deepreduce.selection.Selector`):
+bit-identical residuals and sums as the numpy path (:class:`deepreduce.exchange.selection.Selector`):
 TopK keeps exactly k with ties to the lowest positions, RandomK draws its
 positions from the same numpy stream, fp16 and bf16 round as the codecs do.
 """
@@ -24,8 +24,8 @@ import math
 import numpy as np
 import torch
 
-from deepreduce.memory import ResidualMemory
-from deepreduce.selection import Selection, Selector
+from deepreduce.exchange.memory import ResidualMemory
+from deepreduce.exchange.selection import Selection, Selector
 from deepreduce.sparse import BFLOAT16, SparseTensor
 from deepreduce.sparsifiers import BlockTopK, NonZero, RandomK, Threshold, TopK, _count
 
@@ -186,7 +186,7 @@ class DeviceResidualMemory(ResidualMemory):
 
 
 class DeviceSelection(Selection):
-    """A :class:`~deepreduce.selection.Selection` made on the device: ``selected`` is on
+    """A :class:`~deepreduce.exchange.selection.Selection` made on the device: ``selected`` is on
     the host, ``positions`` and ``values`` are its device copies."""
 
     def __init__(self, name, pipeline, selected, corrected, positions, values):
@@ -213,7 +213,7 @@ class _Proposal:
 
 
 class DeviceSelector(Selector):
-    """:class:`~deepreduce.selection.Selector` for torch tensors on any device.
+    """:class:`~deepreduce.exchange.selection.Selector` for torch tensors on any device.
 
     Host inputs (numpy arrays, SparseTensors: the small tensors, which travel
     losslessly) take the numpy path; torch tensors stay where they are.
@@ -328,10 +328,10 @@ class DeviceSelector(Selector):
             self.memory.settle_at(selection.name, selection.corrected, positions, current,
                                   delivered)
 
-    def sum_all(self, jobs) -> None:
+    def sum_into_device(self, jobs) -> None:
         """For each ``(target, parts, scale)`` of ``jobs``, make ``target`` (a tensor on the
         device of them all) the sum of the ranks' decoded ``parts`` times ``scale``: the
-        same bits as :func:`deepreduce.collectives.base.sum_sorted_into` (each rank added
+        same bits as :func:`deepreduce.sums.sum_sorted_into` (each rank added
         in turn in the accumulator's precision, scaled in double). The positions of every
         part cross in one copy, and their values in one per dtype: each copy from the
         host's pageable memory waits for the device."""
@@ -358,6 +358,9 @@ class DeviceSelector(Selector):
             if total is not flat:
                 flat.copy_(total)
 
+    #: (the name of :meth:`sum_into_device` before the base class declared it)
+    sum_all = sum_into_device
+
     def state_dict(self) -> dict:
         memory = self.memory
         residuals = {} if memory is None else {name: _copy(memory.residual(name))
@@ -367,7 +370,7 @@ class DeviceSelector(Selector):
 
 def tensor_finite(x: torch.Tensor) -> torch.Tensor:
     """Whether the tensor ``x`` holds no inf or NaN, as a boolean tensor on its device
-    (nothing waits for the device). As :func:`deepreduce.selection.all_finite`: a sum
+    (nothing waits for the device). As :func:`deepreduce.exchange.selection.all_finite`: a sum
     is finite only when every term is, so one read pass answers, and only a non-finite
     sum (finite terms may overflow it) is checked element by element."""
     if not x.is_floating_point():

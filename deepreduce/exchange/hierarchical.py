@@ -3,7 +3,7 @@
 With ``communicator="hierarchical"`` the :class:`~deepreduce.exchange.GradientExchange`
 hands each step here. Ranks are numbered node by node, ``local_size`` per node
 (as torchrun and horovodrun number them); every tensor is cut into
-``local_size`` contiguous shards (:func:`~deepreduce.collectives.hierarchical.shard_bounds`),
+``local_size`` contiguous shards (:func:`~deepreduce.exchange.topology.shard_bounds`),
 and local rank ``l`` is in charge of shard ``l``:
 
 1. inside the node, a dense reduce-scatter (one alltoall): each rank receives
@@ -13,9 +13,9 @@ and local rank ``l`` is in charge of shard ``l``:
    configured exchange on it: error feedback on the node's sum of the shard
    (residuals kept per tensor name, of the shard's size), the sparsifier and
    codecs, then the ``inter`` communicator (``"allgather"``: bundles to every
-   node, decoded and summed in node order, as :mod:`deepreduce.allgather_exchange`
+   node, decoded and summed in node order, as :mod:`deepreduce.exchange.allgather`
    does; or ``"sparse_allreduce"`` / ``"block"``, as
-   :mod:`deepreduce.reducing_exchange` does);
+   :mod:`deepreduce.exchange.reducing` does);
 3. inside the node, an allgather of the reduced shards (each dense, or its
    non-zero positions and values when that is smaller).
 
@@ -26,27 +26,26 @@ order, bit for bit. ``min_size`` applies to what a rank compresses, its shard.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
 import zlib
 
 import numpy as np
 
-from deepreduce.allgather_exchange import AllgatherExchange
 from deepreduce.collectives import frames
-from deepreduce.collectives.base import SUM_IMPLEMENTATION, check_peers
-from deepreduce.collectives.hierarchical import (Failures, Topology, node_transports,
-                                                 pack_shards, resolve_local_size, shard_bounds,
-                                                 unpack_shards)
+from deepreduce.collectives.signed import check_peers
 from deepreduce.collectives.transport import Traffic
-from deepreduce.reducing_exchange import ReducingExchange, nonzero_rows
+from deepreduce.exchange.reducing import nonzero_rows
+from deepreduce.exchange.stats import StepStats
+from deepreduce.exchange.strategy import Step, Strategy
+from deepreduce.exchange.topology import (Failures, Topology, node_transports, pack_shards,
+                                          resolve_local_size, shard_bounds, unpack_shards)
 from deepreduce.sparse import SparseTensor
 from deepreduce.sparsifiers import _as_float_array
-from deepreduce.stats import StepStats
+from deepreduce.sums import SUM_IMPLEMENTATION
 
 
-class HierarchicalExchange:
+class HierarchicalExchange(Strategy):
     """The three stages of a hierarchical step over one transport.
 
     Parameters
@@ -54,11 +53,14 @@ class HierarchicalExchange:
     config : ExchangeConfig
         Its ``communicator`` is ``"hierarchical"``; ``communicator_options``
         hold ``local_size`` (None: from the launcher, see
-        :func:`~deepreduce.collectives.hierarchical.resolve_local_size`),
+        :func:`~deepreduce.exchange.topology.resolve_local_size`),
         ``inter`` and ``inter_options``.
     selector : Selector
         The exchange's per-tensor step (pipelines, error feedback): it sees the
         shards.
+    between_nodes : AllgatherExchange or ReducingExchange
+        The strategy of ``inter`` that stage 2 runs on the shards
+        (:func:`~deepreduce.exchange.strategy.strategy_for` builds it).
 
     Examples
     --------
@@ -81,17 +83,12 @@ class HierarchicalExchange:
     array([ 0., 10., 20., 30., 40., 50.], dtype=float32)
     """
 
-    def __init__(self, config, selector):
+    def __init__(self, config, selector, between_nodes: Strategy):
         options = config.communicator_options
         self.local_size = options["local_size"]
         self.inter, self.inter_options = options["inter"], options["inter_options"]
         self.selector = selector
-        if self.inter == "allgather":
-            self._inner = AllgatherExchange(selector, config.codec_threads)
-        else:
-            self._inner = ReducingExchange(dataclasses.replace(
-                config, communicator=self.inter, communicator_options=self.inter_options),
-                selector)
+        self._inner = between_nodes
         self._init_runtime()
 
     def _init_runtime(self):
@@ -119,8 +116,7 @@ class HierarchicalExchange:
         return f"exchange=hierarchical;inter={self.inter};inter_options={options}"
 
     # -- one step ----------------------------------------------------------------------
-    def reduce_async(self, names, tensors, transport, op, as_rows, out, lock, stats,
-                     reuse_out=False):
+    def start(self, step: Step):
         """Start a step; a Future of ``(outputs, traffic)`` (see
         :meth:`deepreduce.exchange.GradientExchange.reduce_async`; with ``reuse_out``
         only the positions the last step wrote into each ``out`` array are reset).
@@ -129,9 +125,12 @@ class HierarchicalExchange:
         other ranks of the node; the three stages run on ``transport``'s
         communication thread, which reads this rank's own shard from ``tensors``
         (they must stay as they are until the Future completes, as a DDP bucket
-        does), the error feedback and encoding under ``lock``; ``stats`` records
-        the step.
+        does), the error feedback and encoding under ``step.lock``; ``step.stats``
+        records the step.
         """
+        names, tensors, transport = list(step.names), list(step.tensors), step.transport
+        op, as_rows, out, reuse_out = step.op, step.as_rows, step.out, step.reuse_out
+        lock, stats = step.lock, step.stats
         start = time.perf_counter()
         failures = Failures(self._rank_of, transport.rank)
         layout = outgoing = flats = None
@@ -211,7 +210,8 @@ class HierarchicalExchange:
             if shards is not None:
                 try:
                     with lock:
-                        bundle, sent, encoded = self._inner.encode(names, shards)
+                        coded = self._inner.encode(names, shards)
+                    bundle, encoded = coded.bundle, coded.stats
                 except (ValueError, TypeError) as exc:
                     failures.fail(exc)
             timing["encode"] += time.perf_counter() - clock
@@ -226,8 +226,8 @@ class HierarchicalExchange:
                 # (the targets are last step's: only the positions it wrote are reset)
                 views = layout.shard_views(targets, topology.local_rank)
                 keys = [f"{layout.digest}/{t}" for t in range(len(shards))]
-                _, decoded = self._inner.decode([gathered], inter.size, inter.rank, False, None,
-                                                views, [sent], keys)
+                decoded = self._inner.decode([gathered], inter.size, inter.rank, False, None,
+                                             views, [coded.sent], keys).stats
             except ValueError as exc:  # DecodeError included
                 failures.fail(exc)
                 return None, None, encoded, decoded
@@ -244,7 +244,7 @@ class HierarchicalExchange:
             return None, None, encoded, decoded
         try:
             with lock:
-                reduction = self._inner.start(names, shards, "sum", inter, [False] * len(shards))
+                reduction = self._inner.reduce(names, shards, "sum", inter, [False] * len(shards))
             with lock:
                 outputs, inner_traffic, encoded = reduction()
         except ValueError as exc:
@@ -445,7 +445,7 @@ class _Layout:
 
     def assemble(self, segments, out, as_rows, stale=None) -> tuple[list, list]:
         """``(tensors, written)``: the whole tensors from every local rank's reduced
-        ``segments`` (per local rank, a :class:`~deepreduce.collectives.hierarchical.Segment`
+        ``segments`` (per local rank, a :class:`~deepreduce.exchange.topology.Segment`
         per dtype), written into ``out`` where given, and per tensor the positions written
         (None: the whole tensor may be). ``stale``: per ``out`` array, the positions outside
         which it is known to be zero (None: it is zeroed whole)."""

@@ -2,7 +2,7 @@
 
 With ``communicator="sparse_allreduce"`` or ``"block"`` the
 :class:`~deepreduce.exchange.GradientExchange` hands each step here: error
-feedback and the sparsifier run per gradient (:class:`~deepreduce.selection.Selector`),
+feedback and the sparsifier run per gradient (:class:`~deepreduce.exchange.selection.Selector`),
 then the selections of all gradients of one dtype go through one set of the
 communicator's collectives with the configured codecs, and each residual becomes
 ``corrected - sent``, with ``sent`` as the communicator reports it. Small gradients
@@ -18,11 +18,12 @@ import numpy as np
 
 from deepreduce import collectives
 from deepreduce.collectives.transport import Traffic
+from deepreduce.exchange.stats import StepStats
+from deepreduce.exchange.strategy import Step, Strategy
 from deepreduce.pipeline import Pipeline
-from deepreduce.stats import StepStats
 
 
-class ReducingExchange:
+class ReducingExchange(Strategy):
     """The communicators of one configuration, and a step through them.
 
     Parameters
@@ -61,7 +62,26 @@ class ReducingExchange:
         return collectives.get_communicator(self.name, pipeline=self._wire_pipeline,
                                             **self.options, **per_call)
 
-    def start(self, names, tensors, op: str, transport, as_rows):
+    def start(self, step: Step):
+        """Encode now; reduce on the transport's thread, after the collectives this
+        queues there (see :class:`~deepreduce.exchange.strategy.Strategy`)."""
+        with step.lock:
+            reduced = self.reduce(list(step.names), list(step.tensors), step.op,
+                                  step.transport, step.as_rows)
+
+        def finish():
+            with step.lock:
+                outputs, traffic, stats = reduced()
+            step.stats.record_step(stats)
+            for i, target in enumerate(step.out or []):
+                if target is not None:
+                    np.copyto(target, np.asarray(outputs[i]).reshape(target.shape))
+                    outputs[i] = target
+            return outputs, traffic
+        # queued behind the reduction's own collectives on the same thread
+        return step.transport.submit(finish)
+
+    def reduce(self, names, tensors, op: str, transport, as_rows):
         """Error feedback, sparsifier and encoding now; return the function that waits
         for the collectives and returns ``(outputs, traffic, stats)``.
 

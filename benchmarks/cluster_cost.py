@@ -9,7 +9,7 @@ each class; stages run one after the other, the two classes within a stage at on
 :mod:`deepreduce.collectives.cost` models one class of link (every rank alike); this
 module places its schemes on nodes (:func:`flat_stages`) and adds the hierarchical
 communicator's three stages (:func:`hierarchical_stages`). docs/multinode.md says what
-the model predicts and how far to trust it.
+the model predicts and how far to trust it. It serves :mod:`benchmarks.scale_nodes`.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def codec_threads(setting: int | None) -> int:
 #: ``least``): a payload's Python, some 60 us that hold the GIL, outweighs their
 #: compiled loops, and a second thread costs more in handing the GIL over than it
 #: saves. The exchanges gather tensors into payloads of millions of elements
-#: (:data:`deepreduce.allgather_exchange.PAYLOAD_ELEMENTS`) so that few are that small:
+#: (:data:`deepreduce.exchange.allgather.PAYLOAD_ELEMENTS`) so that few are that small:
 #: ResNet-50's bundle is 9 payloads, 8 of them on the threads
 #: (``benchmarks/codec_threads.py``).
 PARALLEL_ENTRIES = 1 << 13
@@ -104,7 +104,7 @@ def run_in_order(function, items, threads: int, cost=None, least: float = 0) -> 
 
     Examples
     --------
-    >>> from deepreduce.parallel import run_in_order
+    >>> from deepreduce.exchange.parallel import run_in_order
     >>> run_in_order(lambda x: x * x, [3, 1, 2], threads=2, cost=lambda x: x)
     [9, 1, 4]
     """

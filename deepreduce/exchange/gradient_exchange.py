@@ -1,48 +1,44 @@
-"""One step's gradients across ranks: select, encode, move, decode, sum.
+"""The exchange's facade: :class:`GradientExchange`, what the integrations hold.
 
-Every training integration (Horovod + TensorFlow in :mod:`deepreduce.horovod`,
-PyTorch DDP in :mod:`deepreduce.torch`) converts its tensors to numpy, provides a
-transport, and holds a :class:`GradientExchange`, which does the rest. The exchange
-is made of parts with one job each:
-
-- :mod:`deepreduce.config`: the settings (:class:`~deepreduce.config.ExchangeConfig`);
-- :mod:`deepreduce.selection`: per tensor, the min-size rule, seeding, error
-  feedback and the sparsifier;
-- :mod:`deepreduce.allgather_exchange`: bundles of payloads to every rank,
-  decoded and summed there (the default communicator, DeepReduce's scheme);
-- :mod:`deepreduce.reducing_exchange`: SparCML's and OmniReduce's communicators,
-  which sum inside the collective;
-- :mod:`deepreduce.bundle`: the bundle's wire format.
-
-There is one way to run a step, :meth:`GradientExchange.reduce_async`, over any
-transport and communicator. Horovod's graph mode, which allgathers inside the
-TensorFlow graph, uses its two halves: :meth:`GradientExchange.encode_bundle` and
-:meth:`GradientExchange.decode_groups`.
+It builds the parts once from the settings (:class:`~deepreduce.config.ExchangeConfig`):
+the selector (:mod:`deepreduce.exchange.selection`), the strategy of the communicator
+(:func:`~deepreduce.exchange.strategy.strategy_for`) and the stats; every step goes to the
+strategy, whatever the framework. See :mod:`deepreduce.exchange` for the parts.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
-import numpy as np
-
-from deepreduce.allgather_exchange import AllgatherExchange
-from deepreduce.collectives.base import fail_collectively, op_name, signed_allgather
+from deepreduce.collectives.communicator import op_name
+from deepreduce.collectives.signed import signed_allgather
 from deepreduce.collectives.transport import Traffic
 from deepreduce.config import ExchangeConfig
 from deepreduce.errors import DecodeError
-from deepreduce.hierarchical_exchange import HierarchicalExchange
-from deepreduce.reducing_exchange import ReducingExchange
-from deepreduce.selection import Selector
+from deepreduce.exchange.allgather import BUNDLE_SIGNATURE, AllgatherExchange
+from deepreduce.exchange.selection import Selector
+from deepreduce.exchange.stats import CompressionStats
+from deepreduce.exchange.strategy import Step, strategy_for
 from deepreduce.sparse import SparseTensor
-from deepreduce.stats import CompressionStats, StepStats
 
-#: What a bundle travels behind over a transport (Horovod's graph path allgathers bare
-#: bundles); ranks that fail to encode send an ERROR frame instead, so none waits.
-BUNDLE_SIGNATURE = "exchange=bundles"
 #: What the one-byte answers of :meth:`GradientExchange.agree_finite` travel behind.
 FINITE_SIGNATURE = "exchange=finite"
+
+
+class _Part:
+    """An attribute of one of the exchange's parts, read through the exchange: the names
+    its callers used before the parts existed, declared in one line each."""
+
+    def __init__(self, part: str, doc: str):
+        self.part, self.__doc__ = part, doc
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, exchange, owner=None):
+        if exchange is None:
+            return self
+        return getattr(getattr(exchange, self.part), self.name)
 
 
 class GradientExchange:
@@ -58,16 +54,22 @@ class GradientExchange:
         ``codec_threads`` (None: automatic).
     config : ExchangeConfig, optional
         All of them at once, instead.
-    selector : callable, default :class:`~deepreduce.selection.Selector`
+    selector : callable, default :class:`~deepreduce.exchange.selection.Selector`
         Makes the per-tensor step from the config: the numpy one, or one that
         works where the tensors live (:class:`deepreduce.torch.device.DeviceSelector`).
 
     Attributes
     ----------
     config : ExchangeConfig
+    selector : Selector
+        Error feedback and selection per tensor; it holds ``pipeline``,
+        ``small_pipeline``, ``memory`` and the random streams, which the exchange
+        shows under the same names.
+    strategy : deepreduce.exchange.strategy.Strategy
+        How a step travels, chosen from ``config.communicator``.
     memory : ResidualMemory or None
         The residuals of error feedback.
-    stats : deepreduce.stats.CompressionStats
+    stats : deepreduce.exchange.stats.CompressionStats
         Bytes and times of every step.
 
     Examples
@@ -90,20 +92,16 @@ class GradientExchange:
                  **settings):
         self.config = config = ExchangeConfig.from_settings(config, *args, **settings)
         self.selector = selector(config)
-        self._allgather = AllgatherExchange(self.selector, config.codec_threads)
-        self._reducing = None if config.communicator in ("allgather", "hierarchical") else \
-            ReducingExchange(config, self.selector)
-        self._hierarchical = HierarchicalExchange(config, self.selector) \
-            if config.communicator == "hierarchical" else None
+        self.strategy = strategy_for(config, self.selector)
+        # a non-finite step, and Horovod's graph path, go through the allgather's encoder
+        self._allgather = self.strategy if isinstance(self.strategy, AllgatherExchange) else \
+            AllgatherExchange(self.selector, config.codec_threads)
         self.stats = CompressionStats()
         self._init_runtime()
 
-    #: (what an exchange pickled before the hierarchical communicator existed reads)
-    _hierarchical = None
-
     def _init_runtime(self):
         self._lock = threading.Lock()
-        # per bundle group: its last bundle, and what its payloads and tensors decode to
+        # per bundle group: what the ranks will decode of its last bundle
         self._last_sent = {}
 
     def __getstate__(self):
@@ -125,45 +123,21 @@ class GradientExchange:
                 f"min_size={self.min_size}, seed={self.seed}, "
                 f"communicator={self.communicator!r}{options})")
 
-    # -- what the parts hold ---------------------------------------------------------
-    @property
-    def pipeline(self):
-        """The configured pipeline (sparsifier and codecs, seeded)."""
-        return self.selector.pipeline
-
-    @property
-    def small_pipeline(self):
-        """The lossless pipeline of tensors below ``min_size``."""
-        return self.selector.small_pipeline
-
-    @property
-    def memory(self):
-        return self.selector.memory
-
-    @property
-    def min_size(self) -> int:
-        return self.config.min_size
-
-    @property
-    def seed(self) -> int:
-        return self.config.seed
-
-    @property
-    def communicator(self) -> str:
-        return self.config.communicator
-
-    @property
-    def communicator_options(self) -> dict:
-        return self.config.communicator_options
-
-    def state_dict(self) -> dict:
-        """What a checkpoint needs to continue exactly: every residual (copies) and the
-        random streams (see :meth:`deepreduce.selection.Selector.state_dict`)."""
-        return self.selector.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from :meth:`state_dict` (of an exchange with the same settings)."""
-        self.selector.load_state_dict(state)
+    # -- what the parts hold -----------------------------------------------------------
+    pipeline = _Part("selector", "The configured pipeline (sparsifier and codecs, seeded).")
+    small_pipeline = _Part("selector", "The lossless pipeline of tensors below ``min_size``.")
+    memory = _Part("selector", "The residuals of error feedback (None without).")
+    state_dict = _Part("selector", "What a checkpoint needs to continue exactly: every "
+                       "residual (copies) and the random streams (see "
+                       ":meth:`deepreduce.exchange.selection.Selector.state_dict`).")
+    load_state_dict = _Part("selector", "Continue from :meth:`state_dict` (of an exchange "
+                            "with the same settings).")
+    random_state = _Part("selector", "Where every tensor's random streams stand.")
+    set_random_state = _Part("selector", "Restore what :meth:`random_state` returned.")
+    min_size = _Part("config", "Tensors below this many elements go losslessly.")
+    seed = _Part("config", "The seed of every tensor's random streams.")
+    communicator = _Part("config", "The communicator's name.")
+    communicator_options = _Part("config", "The communicator's options.")
 
     def pay(self, names, tensors, transport=None) -> None:
         """Add what error feedback owes into ``tensors`` (in place) and forget it, for a
@@ -172,14 +146,8 @@ class GradientExchange:
         With the hierarchical communicator each residual covers this rank's shard,
         which ``transport`` (the reduction's) locates.
         """
-        memory = self.memory
-        if memory is None:
-            return
-        if self._hierarchical is not None:
-            self._hierarchical.pay(memory, names, tensors, transport)
-            return
-        for name, x in zip(names, tensors):
-            memory.pay(name, x)
+        if self.memory is not None:
+            self.strategy.pay(self.memory, names, tensors, transport)
 
     def rescale(self, factor: float) -> None:
         """Multiply every residual by ``factor``: keep error feedback in the units of the
@@ -205,14 +173,6 @@ class GradientExchange:
                 raise DecodeError("a rank's answer to 'finite?' is not b'0' or b'1'")
             return all(bytes(answer) == b"1" for answer in answers)
         return transport.submit(gather).result()
-
-    def random_state(self) -> dict:
-        """Where every tensor's random streams stand."""
-        return self.selector.random_state()
-
-    def set_random_state(self, state: dict) -> None:
-        """Restore what :meth:`random_state` returned."""
-        self.selector.set_random_state(state)
 
     # -- one step ---------------------------------------------------------------------
     def reduce_async(self, names, tensors, transport, op="sum", as_rows=None, out=None,
@@ -308,58 +268,10 @@ class GradientExchange:
         as_rows = [False] * len(tensors) if as_rows is None else list(as_rows)
         if len(as_rows) != len(tensors):
             raise ValueError(f"as_rows has {len(as_rows)} entries for {len(tensors)} tensors")
-        if not finite:
-            return self._allgather_step(names, tensors, transport, op, as_rows, out, reuse_out,
-                                        exact=True)
-        if self._hierarchical is not None:
-            return self._hierarchical.reduce_async(list(names), list(tensors), transport, op,
-                                                   as_rows, out, self._lock, self.stats,
-                                                   reuse_out)
-        if self._reducing is not None:
-            return self._reducing_step(list(names), list(tensors), transport, op, as_rows, out)
-        return self._allgather_step(names, tensors, transport, op, as_rows, out, reuse_out)
-
-    def _allgather_step(self, names, tensors, transport, op, as_rows, out, reuse_out,
-                        exact=False):
-        try:
-            with self._lock:
-                bundle, sent, encoded = self._allgather.encode_exact(tensors) if exact else \
-                    self._allgather.encode(names, tensors)
-        except (ValueError, TypeError) as exc:
-            # the other ranks wait in the allgather: they get an ERROR frame and raise
-            return transport.submit(fail_collectively, "allgather", transport,
-                                    BUNDLE_SIGNATURE, exc)
-        encode_end = time.perf_counter()
-
-        def finish():
-            traffic = Traffic()
-            gathered = signed_allgather(transport, BUNDLE_SIGNATURE, bundle, traffic, "bundles")
-            exchanged = StepStats(exchange_seconds=time.perf_counter() - encode_end)
-            # no lock: decoding shares nothing with encoding (the next reduction's,
-            # running meanwhile), and the transport thread decodes one at a time
-            outputs, decoded = self._allgather.decode(
-                [gathered], transport.size, transport.rank, op == "average", as_rows, out,
-                [sent], list(names) if reuse_out else None)
-            # one record per exchange: exchanges may overlap, open/close pairs may not
-            self.stats.record_step(encoded + decoded + exchanged)
-            return outputs, traffic
-        return transport.submit(finish)
-
-    def _reducing_step(self, names, tensors, transport, op, as_rows, out):
-        with self._lock:
-            reduced = self._reducing.start(names, tensors, op, transport, as_rows)
-
-        def finish():
-            with self._lock:
-                outputs, traffic, stats = reduced()
-            self.stats.record_step(stats)
-            for i, target in enumerate(out or []):
-                if target is not None:
-                    np.copyto(target, np.asarray(outputs[i]).reshape(target.shape))
-                    outputs[i] = target
-            return outputs, traffic
-        # queued behind the reduction's own collectives on the same thread
-        return transport.submit(finish)
+        step = Step(names, tensors, transport, op, as_rows, out, reuse_out, self._lock,
+                    self.stats, exact=not finite)
+        # a non-finite step travels whole and exact, whatever the communicator
+        return (self.strategy if finite else self._allgather).start(step)
 
     # -- the same step in two halves, for an allgather inside a TensorFlow graph --------
     def encode_bundle(self, names, tensors, group: int = 0, finite: bool = True) -> bytes:
@@ -375,18 +287,19 @@ class GradientExchange:
         if len(names) != len(tensors):
             raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
         with self._lock:
-            bundle, sent, encoded = self._allgather.encode_exact(tensors) if not finite else \
+            coded = self._allgather.encode_exact(tensors) if not finite else \
                 self._allgather.encode(names, tensors)
             # what the other ranks will decode from this bundle, so that decoding it
             # again here can be skipped (decoding comes in a separate call)
-            self._last_sent[group] = sent
+            self._last_sent[group] = coded.sent
+        encoded = coded.stats
         self.stats.record_encode(tensors=encoded.tensors,
                                  compressed_tensors=encoded.compressed_tensors,
                                  bytes_sent=encoded.bytes_sent, dense_bytes=encoded.dense_bytes,
                                  seconds=encoded.encode_seconds,
                                  codec_seconds=encoded.codec_seconds, group=group,
                                  nonfinite=not finite)
-        return bundle
+        return coded.bundle
 
     def decode_bundles(self, gathered, ranks: int, rank: int, average: bool = False,
                        as_rows=None, out=None) -> list:
@@ -427,12 +340,11 @@ class GradientExchange:
         """
         with self._lock:
             sent = [self._last_sent.get(group) for group in range(len(groups))]
-            results, decoded = self._allgather.decode(groups, ranks, rank, average, as_rows,
-                                                      out, sent)
-        self.stats.record_decode(bytes_received=decoded.bytes_received,
-                                 seconds=decoded.decode_seconds,
-                                 codec_seconds=decoded.codec_seconds)
-        return results
+            decoded = self._allgather.decode(groups, ranks, rank, average, as_rows, out, sent)
+        stats = decoded.stats
+        self.stats.record_decode(bytes_received=stats.bytes_received,
+                                 seconds=stats.decode_seconds, codec_seconds=stats.codec_seconds)
+        return decoded.tensors
 
     def encode_tensor(self, x, name: str | None = None) -> tuple[bytes, SparseTensor]:
         """Encode one dense array or SparseTensor; return ``(payload, received)``.

@@ -11,25 +11,33 @@ carries self-checking payloads of every dtype in one allgather, each gradient
 gets its own error feedback and sparsifier (small ones go losslessly), a large
 one its own payload and ``auto`` choice, and sparse gradients come back as the
 rows any rank touched; ``AllgatherReduce`` fuses the gradients of one dtype into
-a single payload. Both sum with the functions of :mod:`deepreduce.collectives.base`.
+a single payload. Both sum with the functions of :mod:`deepreduce.sums`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 from deepreduce.bundle import check_holds, pack_bundle, split_bundles, split_shared
-from deepreduce.collectives.base import (returns_only_what_ranks_lack, scale_at,
-                                         sum_sorted_into, sum_sparse)
+from deepreduce.collectives.signed import fail_collectively, signed_allgather
+from deepreduce.collectives.transport import Traffic
 from deepreduce.errors import DecodeError
-from deepreduce.parallel import PARALLEL_BYTES, PARALLEL_ENTRIES, codec_threads, run_in_order
-from deepreduce.pipeline import decode
+from deepreduce.exchange.parallel import PARALLEL_BYTES, PARALLEL_ENTRIES, codec_threads, run_in_order
+from deepreduce.exchange.stats import StepStats
+from deepreduce.exchange.strategy import Step, Strategy
+from deepreduce.pipeline import Pipeline, decode
 from deepreduce.sparse import SparseTensor, zeros
-from deepreduce.stats import StepStats
+from deepreduce.sums import returns_only_what_ranks_lack, scale_at, sum_sorted_into, sum_sparse
+
+#: What a bundle travels behind over a transport (Horovod's graph path allgathers bare
+#: bundles); ranks that fail to encode send an ERROR frame instead, so none waits.
+BUNDLE_SIGNATURE = "exchange=bundles"
 
 #: Compressed tensors below this many elements share payloads (see
 #: :meth:`AllgatherExchange._shared_payloads`), of up to PAYLOAD_ELEMENTS elements
@@ -51,7 +59,80 @@ PAYLOAD_ELEMENTS = 1 << 22
 SUMMED_WHOLE_BELOW = 1 << 16
 
 
-class AllgatherExchange:
+@dataclasses.dataclass(frozen=True)
+class Sent:
+    """What the ranks decode of one bundle of this rank: kept by the encoder so that
+    decoding it again here can be skipped (when it comes back unchanged).
+
+    Attributes
+    ----------
+    bundle : bytes
+    payloads : list of SparseTensor
+        What each of its payloads decodes to.
+    tensors : list of SparseTensor
+        What each of its tensors decodes to.
+    """
+
+    bundle: bytes
+    payloads: list
+    tensors: list
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """:meth:`AllgatherExchange.encode`'s result: what to send, what the ranks will decode
+    of it, and the encoding's stats."""
+
+    sent: Sent
+    stats: StepStats
+
+    @property
+    def bundle(self) -> bytes:
+        return self.sent.bundle
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    """:meth:`AllgatherExchange.decode`'s result: the reduced tensors and the decoding's
+    stats."""
+
+    tensors: list
+    stats: StepStats
+
+
+class _Coding(NamedTuple):
+    """What one payload codes: its pipeline, the selection and the dense source (None for
+    a sparse input)."""
+
+    pipeline: Pipeline
+    selected: SparseTensor
+    dense: np.ndarray | None
+
+
+class _Owners(NamedTuple):
+    """Whose one payload is: the positions of its tensors, their shapes when they share
+    it (else None), and the selections to settle with what it delivers (None: none)."""
+
+    positions: list
+    shapes: list | None
+    selections: list | None
+
+
+@dataclasses.dataclass
+class _SharedPayload:
+    """Tensors that travel in one payload (see :meth:`AllgatherExchange._shared_payloads`):
+    ``members`` their ``(position, array)``; ``selects`` False when it goes losslessly."""
+
+    selects: bool
+    members: list
+
+    @property
+    def first(self) -> int:
+        """The position of its first tensor: the one it travels with."""
+        return self.members[0][0]
+
+
+class AllgatherExchange(Strategy):
     """Encode one rank's gradients into a bundle; decode and sum the ranks' bundles.
 
     Parameters
@@ -62,13 +143,15 @@ class AllgatherExchange:
         Threads that code the payloads of a bundle and decode the ranks'
         (see :class:`~deepreduce.config.ExchangeConfig`); None: worked out from
         the cores and ranks of the host at the first step
-        (:func:`~deepreduce.parallel.codec_threads`).
+        (:func:`~deepreduce.exchange.parallel.codec_threads`).
 
     Notes
     -----
     The caller (:class:`~deepreduce.exchange.GradientExchange`) serialises
     encodings; a decoding may run beside the next step's encoding, since the
     two share nothing but the sums kept for reuse, which only decoding touches.
+    Besides :meth:`start`, the Horovod graph path calls :meth:`encode` and
+    :meth:`decode` itself (the allgather runs inside the TensorFlow graph).
     """
 
     #: (what an exchange pickled before the setting existed reads: automatic)
@@ -117,6 +200,35 @@ class AllgatherExchange:
         finally:
             self._codec_seconds += time.perf_counter() - start
 
+    def start(self, step: Step):
+        """Encode this rank's bundle now; allgather, decode and sum on the transport's
+        thread (see :class:`~deepreduce.exchange.strategy.Strategy`)."""
+        transport = step.transport
+        try:
+            with step.lock:
+                encoded = self.encode_exact(step.tensors) if step.exact else \
+                    self.encode(step.names, step.tensors)
+        except (ValueError, TypeError) as exc:
+            # the other ranks wait in the allgather: they get an ERROR frame and raise
+            return transport.submit(fail_collectively, "allgather", transport,
+                                    BUNDLE_SIGNATURE, exc)
+        encode_end = time.perf_counter()
+
+        def finish():
+            traffic = Traffic()
+            gathered = signed_allgather(transport, BUNDLE_SIGNATURE, encoded.bundle, traffic,
+                                        "bundles")
+            exchanged = StepStats(exchange_seconds=time.perf_counter() - encode_end)
+            # no lock: decoding shares nothing with encoding (the next reduction's,
+            # running meanwhile), and the transport thread decodes one at a time
+            decoded = self.decode([gathered], transport.size, transport.rank,
+                                  step.op == "average", step.as_rows, step.out, [encoded.sent],
+                                  list(step.names) if step.reuse_out else None)
+            # one record per exchange: exchanges may overlap, open/close pairs may not
+            step.stats.record_step(encoded.stats + decoded.stats + exchanged)
+            return decoded.tensors, traffic
+        return transport.submit(finish)
+
     def encode_tensor(self, name, x) -> tuple[bytes, SparseTensor]:
         """``(payload, received)`` of one tensor, its error feedback settled."""
         selection = self.selector.select(name, x)
@@ -125,10 +237,9 @@ class AllgatherExchange:
         self.selector.settle(selection, received)
         return payload, received
 
-    def encode(self, names, tensors):
-        """``(bundle, (bundle, decoded, received), stats)``: this rank's bundle of
-        ``tensors`` (dense arrays or SparseTensors), with what the ranks will decode of
-        each of its payloads and of each tensor.
+    def encode(self, names, tensors) -> Encoded:
+        """This rank's bundle of ``tensors`` (dense arrays or SparseTensors), with what the
+        ranks will decode of each of its payloads and of each tensor.
 
         Every dense gradient's error feedback and selection come first, then the
         codecs, then the residuals' updates: if a codec raises, nothing is sent and
@@ -137,7 +248,7 @@ class AllgatherExchange:
         start = time.perf_counter()
         self._codec_seconds = 0.0
         shared = self._shared_payloads(tensors)
-        sharing = {t: group for group in shared for t, _ in group[1]}
+        sharing = {t: group for group in shared for t, _ in group.members}
         slots, receiveds, sparse = [], [None] * len(tensors), []
         # Every dense tensor's error feedback and selection first, then the codecs
         # back to back, then the residuals: a codec call right after a pass over a
@@ -153,25 +264,25 @@ class AllgatherExchange:
             if group is None:
                 if not isinstance(x, SparseTensor):
                     requests.append((name, x))
-            elif t == group[1][0][0] and group[0]:
-                requests += [(names[m], array) for m, array in group[1]]
+            elif t == group.first and group.selects:
+                requests += [(names[m], array) for m, array in group.members]
         selections = iter(self.selector.select_all(requests))
         codings, owners = [], []
         for t, (name, x) in enumerate(zip(names, tensors)):
             group = sharing.get(t)
-            if group is not None and t != group[1][0][0]:
-                slots.append(slots[group[1][0][0]])  # it travels with the group's first
+            if group is not None and t != group.first:
+                slots.append(slots[group.first])  # it travels with the group's first
                 continue
             slots.append(len(codings))
             if group is not None:
-                coding, owner = self._select_shared(*group, selections)
+                coding, owner = self._select_shared(group, selections)
             elif isinstance(x, SparseTensor):  # coded after the others, see below
                 sparse.append((len(codings), t))
-                coding, owner = None, ([t], None, None)
+                coding, owner = None, _Owners([t], None, None)
             else:
                 selection = next(selections)
-                coding = (selection.pipeline, selection.selected, selection.dense)
-                owner = ([t], None, [selection])
+                coding = _Coding(selection.pipeline, selection.selected, selection.dense)
+                owner = _Owners([t], None, [selection])
             codings.append(coding)
             owners.append(owner)
         # Each payload's coding on its own: every tensor has its own pipeline (random
@@ -181,10 +292,10 @@ class AllgatherExchange:
         to_code = [codings[i] for i in pending]
         # (run_in_order codes on the caller's thread alone unless two codings reach
         # PARALLEL_ENTRIES: only then are the threads worth working out)
-        threads = 1 if sum(coding[1].nnz >= PARALLEL_ENTRIES for coding in to_code) < 2 \
+        threads = 1 if sum(coding.selected.nnz >= PARALLEL_ENTRIES for coding in to_code) < 2 \
             else self._threads(to_code)
         coded = run_in_order(_encode, to_code, threads,
-                             cost=lambda coding: coding[1].nnz, least=PARALLEL_ENTRIES)
+                             cost=lambda coding: coding.selected.nnz, least=PARALLEL_ENTRIES)
         self._codec_seconds += time.perf_counter() - coding_start
         for i, result in zip(pending, coded):
             codings[i] = result
@@ -224,9 +335,9 @@ class AllgatherExchange:
                           dense_bytes=sum(r.size * r.dtype.itemsize for r in receiveds),
                           encode_seconds=time.perf_counter() - start,
                           codec_seconds=self._codec_seconds)
-        return bundle, (bundle, decoded, receiveds), stats
+        return Encoded(Sent(bundle, decoded, receiveds), stats)
 
-    def encode_exact(self, tensors):
+    def encode_exact(self, tensors) -> Encoded:
         """:meth:`encode` of a non-finite step (see
         :meth:`~deepreduce.exchange.GradientExchange.reduce_async`'s ``finite``): every
         tensor whole and exact in a payload of its own (the lossless pipeline of the
@@ -245,11 +356,10 @@ class AllgatherExchange:
         stats = StepStats(steps=1, tensors=len(tensors), bytes_sent=len(bundle),
                           dense_bytes=sum(r.size * r.dtype.itemsize for r in receiveds),
                           encode_seconds=time.perf_counter() - start, nonfinite_steps=1)
-        return bundle, (bundle, receiveds, receiveds), stats
+        return Encoded(Sent(bundle, receiveds, receiveds), stats)
 
-    def _shared_payloads(self, tensors) -> list[tuple[bool, list]]:
-        """The tensors that travel in a shared payload: ``(selects, members)`` per payload,
-        ``members`` their ``(position, array)``.
+    def _shared_payloads(self, tensors) -> list[_SharedPayload]:
+        """The tensors that travel in a shared payload, one :class:`_SharedPayload` each.
 
         Per dtype, the dense tensors below ``min_size`` share a lossless payload
         (``selects`` False) and, when the codecs code each selection as they would
@@ -274,21 +384,21 @@ class AllgatherExchange:
                 payloads.append([0, []])
             payloads[-1][0] += size
             payloads[-1][1].append((t, array))
-        return [(selects, members) for (selects, *_), payloads in groups.items()
+        return [_SharedPayload(selects, members) for (selects, *_), payloads in groups.items()
                 for _, members in payloads if len(members) > 1]
 
-    def _select_shared(self, selects: bool, members, selections) -> tuple[tuple, tuple]:
-        """``(coding, owner)`` of the payload ``members`` share (see
-        :meth:`_shared_payloads`): its ``(pipeline, selection, dense)``, and ``(positions,
-        shapes, selections)`` of its tensors (``selections`` None when it is lossless).
-        ``selections``: an iterator whose next ones are the members' (when they select)."""
+    def _select_shared(self, shared: _SharedPayload, selections) -> tuple[_Coding, _Owners]:
+        """``(coding, owners)`` of the payload ``shared`` (see :meth:`_shared_payloads`)
+        (its ``owners.selections`` None when it is lossless). ``selections``: an iterator
+        whose next ones are the members' (when they select)."""
+        selects, members = shared.selects, shared.members
         shapes = [tuple(array.shape) for _, array in members]
         positions = [t for t, _ in members]
         if not selects:
             flat = np.concatenate([array.reshape(-1) for _, array in members])
             selection = self.selector.select(None, flat, lossless=True)
-            return ((selection.pipeline, selection.selected, selection.dense),
-                    (positions, shapes, None))
+            return (_Coding(selection.pipeline, selection.selected, selection.dense),
+                    _Owners(positions, shapes, None))
         # each tensor's own error feedback and selection, then one coding of them all
         own, values, indices, offset = [], [], [], 0
         for _, array in members:
@@ -301,7 +411,7 @@ class AllgatherExchange:
         # (coded with its first tensor's pipeline, whose auto index codec remembers the
         # payload's last choice, see codecs/auto.py's RECHECK: its tensors are the same
         # from step to step)
-        return (own[0].pipeline, whole, None), (positions, shapes, own)
+        return _Coding(own[0].pipeline, whole, None), _Owners(positions, shapes, own)
 
     def _threads(self, codings) -> int:
         """The threads for ``codings`` (``(pipeline, ...)``): :attr:`codec_threads`, or one
@@ -323,15 +433,16 @@ class AllgatherExchange:
         """Where the last :meth:`decode` with ``out_keys`` may have made ``target`` (the
         ``out`` array of the tensor keyed ``key``) non-zero, or None when it wrote it
         whole: increasing and distinct with the compiled sums, perhaps repeated and
-        unordered with numpy's (see :func:`~deepreduce.collectives.base.sum_sorted_into`)."""
+        unordered with numpy's (see :func:`~deepreduce.sums.sum_sorted_into`)."""
         return self._sums.peek_written(key, target)
 
-    def decode(self, groups, ranks, rank, average, as_rows, out, sent, out_keys=None):
-        """``(results, stats)``: the tensors of the allgathered ``groups`` of bundles, summed.
+    def decode(self, groups, ranks, rank, average, as_rows, out, sent,
+               out_keys=None) -> Decoded:
+        """The tensors of the allgathered ``groups`` of bundles, summed.
 
         See :meth:`~deepreduce.exchange.GradientExchange.decode_groups` for the
-        arguments. ``sent``: per group, this rank's bundle and what each of its
-        payloads and tensors decodes to (see :meth:`encode`), or None. ``out_keys``: as
+        arguments. ``sent``: per group, the :class:`Sent` of this rank's bundle (see
+        :meth:`encode`), or None. ``out_keys``: as
         :meth:`~deepreduce.exchange.GradientExchange.reduce_async`'s reuse_out,
         the name of each tensor, under which the positions written into its
         ``out`` are kept."""
@@ -359,7 +470,7 @@ class AllgatherExchange:
         # a rank's own payloads are what it encoded, unless its bundle came back
         # changed (bytes(view) == bytes is one memcmp); every other payload is decoded,
         # all of them side by side
-        reused = [own is not None and bytes(per_rank[rank].data) == own[0]
+        reused = [own is not None and bytes(per_rank[rank].data) == own.bundle
                   for per_rank, own in zip(read, sent)]
         # what each allgather sums whole tells which payloads to split into their
         # tensors, on the decoding threads
@@ -379,8 +490,8 @@ class AllgatherExchange:
             decoded, tensors = [], []
             for r, bundle in enumerate(per_rank):
                 if r == rank and own_reused:
-                    decoded.append(own[1])
-                    tensors.append(own[2])
+                    decoded.append(own.payloads)
+                    tensors.append(own.tensors)
                     continue
                 results = [next(decodes) for _ in bundle.payloads]
                 decoded.append([payload for payload, _ in results])
@@ -443,12 +554,12 @@ class AllgatherExchange:
                 result = target
             results[i] = result.reshape(reference.shape)
         if device_sums:
-            self.selector.sum_all(device_sums)
+            self.selector.sum_into_device(device_sums)
         for copy_out in after_sums:
             copy_out()
-        return results, StepStats(bytes_received=received,
-                                  decode_seconds=time.perf_counter() - start,
-                                  codec_seconds=codec_seconds)
+        return Decoded(results, StepStats(bytes_received=received,
+                                          decode_seconds=time.perf_counter() - start,
+                                          codec_seconds=codec_seconds))
 
     def _reduce_shared(self, positions, shapes, parts, reference, scale, out, out_keys,
                        results, device_sums, after_sums) -> None:
