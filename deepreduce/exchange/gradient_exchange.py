@@ -69,6 +69,11 @@ class GradientExchange:
         How a step travels, chosen from ``config.communicator``.
     memory : ResidualMemory or None
         The residuals of error feedback.
+    pipeline, small_pipeline : Pipeline
+        The configured pipeline, and the lossless one of tensors below ``min_size``
+        (the selector's).
+    min_size, seed, communicator, communicator_options
+        The settings of the same names (the config's).
     stats : deepreduce.exchange.stats.CompressionStats
         Bytes and times of every step.
 
