@@ -71,7 +71,7 @@ class Codec:
         (``auto``'s memory of where the LZ codecs lost) returns a fresh instance of
         the same configuration, so that one tensor's sets never steer another's.
         The exchanges give every tensor its own (see
-        :meth:`deepreduce.selection.Selector.pipeline_of`)."""
+        :meth:`deepreduce.exchange.selection.Selector.pipeline_of`)."""
         return self
 
     def spec(self) -> str:

@@ -60,7 +60,7 @@ class ExchangeConfig:
         How the gradients travel: every rank's payloads to every rank
         (DeepReduce), SparCML's split allgather, OmniReduce's non-zero
         blocks (see :mod:`deepreduce.collectives`), or dense inside each node
-        and compressed between nodes (:mod:`deepreduce.hierarchical_exchange`).
+        and compressed between nodes (:mod:`deepreduce.exchange.hierarchical`).
     communicator_options : dict, optional
         Options of that communicator: ``algorithm`` (``"auto"``, ``"split"``,
         ``"recursive_doubling"``) for ``"sparse_allreduce"``; ``block_size``

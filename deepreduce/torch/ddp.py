@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 
 from deepreduce.collectives import frames
-from deepreduce.collectives.base import check_peers
+from deepreduce.collectives.signed import check_peers
 from deepreduce.collectives.transport import Traffic, Transport
 from deepreduce.config import ExchangeConfig
 from deepreduce.exchange import GradientExchange
+from deepreduce.exchange.selection import Selector
+from deepreduce.exchange.stats import StepStats
 from deepreduce.registry import get_codec
-from deepreduce.selection import Selector
-from deepreduce.stats import StepStats
 from deepreduce.torch.device import DeviceSelector, from_host, host_array, tensor_finite
 from deepreduce.torch.transport import CollectiveError, TorchTransport
 
@@ -151,7 +151,7 @@ class DeepReduceState:
         Backward passes with a non-finite bucket.
     exchange : deepreduce.exchange.GradientExchange
         The framework-neutral core doing the work.
-    stats : deepreduce.stats.CompressionStats
+    stats : deepreduce.exchange.stats.CompressionStats
         Bytes and times; one record per bucket reduction, plain allreduces
         included (their ``bytes_sent`` is the dense size).
 
