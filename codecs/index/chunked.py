@@ -393,7 +393,7 @@ class ChunkedIndices(IndexCodec):
     >>> st = dr.ChunkTopK(k=64)(g)                       # 16 tiles of 64 x 64
     >>> codec = ChunkedIndices()
     >>> data = codec.encode(st.indices, n=g.size)
-    >>> data[0], round(8 * len(data) / st.nnz, 2), round(dr.index_entropy_bits(4096, 64), 2)
+    >>> data[0], round(8 * len(data) / st.nnz, 2), round(float(dr.index_entropy_bits(4096, 64)), 2)
     (2, 7.41, 7.36)
     >>> np.array_equal(codec.decode(data, n=g.size, nnz=st.nnz), st.indices)
     True
