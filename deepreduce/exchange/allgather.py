@@ -41,11 +41,11 @@ BUNDLE_SIGNATURE = "exchange=bundles"
 
 #: Compressed tensors below this many elements share payloads (see
 #: :meth:`AllgatherExchange._shared_payloads`), of up to PAYLOAD_ELEMENTS elements
-#: each; larger ones keep their own. A payload costs its header, its checksum and
-#: about 60 us of Python between its codec calls, which holds the GIL: ResNet-50's
-#: 161 tensors in 44 payloads spent about half their codec time there, and a second
-#: codec thread gained nothing; in 9 payloads their codec time is about 55% of that,
-#: for 0.1% fewer bytes, and a second thread gains 1.1-1.3x (``benchmarks/codec_threads.py``).
+#: each; larger ones keep their own. A payload costs its header, its checksum and the
+#: Python between its codec calls, which holds the GIL: a model of many small tensors
+#: in a payload each spends much of its codec time there and gains nothing from a
+#: second codec thread, while a few shared payloads cost almost no bytes more
+#: (``benchmarks/codec_threads.py`` measures both; figures in docs/results.md).
 SHARED_BELOW = 1 << 22
 PAYLOAD_ELEMENTS = 1 << 22
 
@@ -181,8 +181,8 @@ class AllgatherExchange(Strategy):
 
     def _codec_threads(self) -> int:
         """``codec_threads(self.codec_threads)``; the automatic setting's worked out once
-        (it reads the process's CPU affinity, the machine's cores and the environment:
-        10 us, every encode and every decode)."""
+        (it reads the process's CPU affinity, the machine's cores and the environment,
+        system calls that every encode and every decode would repeat)."""
         setting = self.codec_threads
         if setting is not None:
             return setting
@@ -252,8 +252,8 @@ class AllgatherExchange(Strategy):
         slots, receiveds, sparse = [], [None] * len(tensors), []
         # Every dense tensor's error feedback and selection first, then the codecs
         # back to back, then the residuals: a codec call right after a pass over a
-        # whole gradient and its residual finds its code and tables evicted, and
-        # in a training step took 2-3x its warm time. Per payload: its coding
+        # whole gradient and its residual finds its code and tables evicted from the
+        # caches, and runs several times slower than warm. Per payload: its coding
         # (pipeline, selection, dense source), and whose it is (tensor positions,
         # their shapes when they share it, the selections to settle).
         # (the selections all at once, in the order the payloads take them: a selector
