@@ -344,12 +344,12 @@ class AllgatherExchange(Strategy):
         small tensors), no error feedback, no draw from any random stream. The ranks'
         sums are then the dense sums in rank order: non-finite where those are."""
         start = time.perf_counter()
-        pipeline = self.selector.small_pipeline
         payloads, receiveds = [], []
         for x in tensors:
-            if not isinstance(x, (np.ndarray, SparseTensor)):
-                x = self.selector.floating(x)
-            payload, received = pipeline.encode_sparse(*pipeline.sparsify(x))
+            # (the lossless selection of the small tensors: it draws nothing, remembers nothing)
+            selection = self.selector.select(None, x, lossless=True)
+            payload, received = selection.pipeline.encode_sparse(selection.selected,
+                                                                 selection.dense)
             payloads.append(payload)
             receiveds.append(received)
         bundle = pack_bundle(payloads)
