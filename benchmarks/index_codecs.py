@@ -178,7 +178,7 @@ def value_speed_section(repeat, seed) -> tuple[list[str], bool]:
     # As in a process that has run a while (a training step after the first): freeing a
     # block of a few MB raises glibc's threshold for fresh mapped pages, and outputs of
     # 0.5-1 MB then reuse its heap. A fresh process would charge each call ~200 page
-    # faults (about 0.3 ms of fp16's 0.42 ms encode), whichever codec allocates.
+    # faults, most of fp16's encode time, whichever codec allocates.
     del x
     np.empty(4 << 20, np.uint8)
     times = {}

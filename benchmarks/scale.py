@@ -31,8 +31,8 @@ P = 2 and P = 4 ranks and three rates each, as root::
   cores / P of one, so the compute-only step and the CPU terms at P are those
   at P = 2 (a core each here) stretched by P / cores. The compute-only step
   measured at P = 4 is not used: four ranks that never wait for each other do
-  not share two cores evenly, and one calibration measured 9.4 ms (quartiles
-  7.8-17.4) where the other runs took 14-16 ms.
+  not share two cores evenly, so its median moves far from run to run (the
+  report says by how much in the calibration that showed it).
 
 The 1 Gbit/s and 100 Mbit/s runs, which the fit never sees, check the model:
 the target is every prediction within 25% of the measured median step. Then

@@ -99,9 +99,8 @@ DEFINE_ZERO(zero_double, double)
  * Nothing branches on the data: a part without a value at a position adds -0,
  * which changes no sum (0 + -0 is +0), and conditional moves choose the values. The
  * stale positions are zeroed before, in a loop of their own: folded into this merge
- * as a third stream they lengthened the chain from one position to the next: the
- * sum of two Top-1% parts of 4M took 2x as long when the supports change from step
- * to step, and 1.3x when 90% of them stay. */
+ * as a third stream they lengthen the chain of dependent steps from one position to
+ * the next, the more so the more the supports change from step to step. */
 #define DEFINE_SUM_TWO(name, type, bits_type, SCALED)                                  \
     static Py_ssize_t name(type *total, Py_ssize_t count, const Part *a, const Part *b,  \
                            double scale, int64_t *out)                                   \

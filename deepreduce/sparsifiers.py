@@ -222,19 +222,20 @@ class TopK(Sparsifier):
     """
 
     #: Below this many values the exact path is as cheap as the fast mode with numpy's
-    #: sample; with the compiled one (float32 and float64 arrays, when the extension is
-    #: built) the fast mode pays from COMPILED_EXACT_BELOW on: Top-1% with error feedback
-    #: of a tensor of 2,048 or 4,096 values took 17-18 us instead of 33-49.
+    #: sample, whose fixed cost (several numpy calls) a small tensor never repays; the
+    #: compiled sample and scan (float32 and float64 arrays, when the extension is
+    #: built) cost little per call, so the fast mode pays from COMPILED_EXACT_BELOW on
+    #: (``benchmarks/model_steps.py`` times small Top-k tensors; docs/results.md).
     EXACT_BELOW = 1 << 13
     COMPILED_EXACT_BELOW = 1 << 10
     #: Largest sample of the fast mode, taken from tensors of 1M values and more; smaller
-    #: ones take one value in 256, at least MIN_SAMPLE. Each sampled position costs a
-    #: cache miss or two, and a smaller sample widens the candidates' margin (four
-    #: standard deviations of its count), which costs the scan more hits to keep: at
-    #: Top-1% of 4M values, 4096 positions make 1.66k candidates instead of 16384's
-    #: 1.32k, and one rank's encode of the e2e benchmark's gradients (8.5M values) took
-    #: 0.9 ms less. On 16K-64K values the sample is the cost: 256 positions instead of
-    #: 4096 take the selection from about 60 to 20-40 us.
+    #: ones take one value in 256, at least MIN_SAMPLE. The two costs pull apart: each
+    #: sampled position costs a cache miss or two, and a smaller sample widens the
+    #: candidates' margin (four standard deviations of its count), which leaves the scan
+    #: more candidates to keep and the exact selection more to sort. Past SAMPLE
+    #: positions the misses cost more than the candidates they would save, so the
+    #: sample stops growing there; on tensors of tens of thousands of values the sample
+    #: is most of the selection's work, so it shrinks with the tensor.
     SAMPLE = 1 << 12
     MIN_SAMPLE = 1 << 8
 

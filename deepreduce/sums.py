@@ -144,9 +144,9 @@ def sum_sparse(parts: list, length: int, dtype, accumulator=np.float64) -> Spars
 def _union(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(indices, return_inverse=True)`` for a concatenation of sorted parts.
 
-    A stable sort (timsort for int64) merges the sorted runs in linear time,
-    where np.unique's quicksort starts afresh: 1.6 against 4.5 ms for two
-    parts of 42K indices.
+    A stable sort (timsort for int64) finds the sorted runs and merges them in
+    linear time, where np.unique's quicksort sorts the whole concatenation afresh
+    in ``n log n``: the parts arrive sorted, so the merge is all the work there is.
     """
     order = np.argsort(indices, kind="stable")
     ordered = indices[order]

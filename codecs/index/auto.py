@@ -42,9 +42,10 @@ TRIAL_ORDER = tuple(TAGS.index(name) for name in (
 COMPLEMENT = 0x80
 
 #: Up to this many indices every available sub-codec is simply tried...
-#: The ten trial encodings cost 0.25-0.4 ms however small the set, while the
-#: estimates cost 0.1 ms and lose a byte or two on sets this small; a
-#: training step holds many such tensors.
+#: The trials pay ten codec calls' fixed cost however small the set, several
+#: times what the closed-form estimates cost, but on sets this small the
+#: estimates may lose a byte or two, which weighs on a training step full of
+#: such tensors (``benchmarks/index_codecs.py`` times auto's fixed cost per call).
 TRIAL_LIMIT = 64
 
 #: ...unless the Golomb or run code, whose sizes have closed forms, already

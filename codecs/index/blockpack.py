@@ -136,8 +136,10 @@ class BlockpackIndices(IndexCodec):
     """Index gaps in blocks of 128, each packed at its largest gap's bit length.
 
     About 1.2x the entropy bound on uniform supports at 1% density (1.3x at 10%),
-    and 1.5x (1%) to 2.8x (10%) as fast to encode and decode as ``golomb``
-    (``benchmarks/results/index_codecs.md``; the module docstring has the stream).
+    and faster to encode and decode than ``golomb``: fixed-width fields take a few
+    instructions an index and no branch on the data, where a Golomb code's unary
+    part varies in length (``benchmarks/index_codecs.py`` times both, in its
+    FastPFor section; the module docstring has the stream).
     """
 
     codec_id = "blockpack"

@@ -37,10 +37,11 @@ whole bytes.
 
 Two implementations of the scan (and of the filter's build) give the same
 bits and positions: the C extension ``deepreduce.codecs.index._bloomscan`` (compiled by
-``pip install``; 2.6-2.8 ns per position at Top-1%, fpr 1e-3, in
-``benchmarks/results/lossy_codecs.md``) and, where it is not built,
-whole-array numpy (about 20 operations per position for the hash alone;
-9.5 ns per position there). :data:`SCAN_IMPLEMENTATION` says
+``pip install``), one pass over blocks of positions that hashes, tests and keeps
+them while they are in cache, and, where it is not built, whole-array numpy
+(about 20 operations per position for the hash alone, each a pass that writes a
+temporary), several times slower (``benchmarks/lossy_codecs.py`` times both and
+says where the time goes). :data:`SCAN_IMPLEMENTATION` says
 which one runs. The same extension runs the ``conflict_sets`` selection (the
 numpy fallback selects the same positions); either takes memory in proportion to
 the positives times ``k``, never to the universe (figures in the same file).
@@ -177,8 +178,8 @@ def predicted_fpr(bits_per_key: float, k: int, block_k: int) -> float:
     indices (the load varies from word to word, which is what costs rate
     over a standard filter) plus single bits of all indices; its single
     bits hit an average word. Standard Bloom-filter approximations
-    otherwise (bits of one pattern independent); measured rates come out
-    1-3% below this model.
+    otherwise (bits of one pattern independent); ``benchmarks/lossy_codecs.py``
+    measures the rate that filters sized by this model give.
     """
     singles = k - block_k
     untouched_by_singles = math.exp(-singles / bits_per_key)
@@ -257,13 +258,13 @@ class BloomFilter:
             raise ValueError(f"a Bloom filter of {indices.size} indices at fpr={fpr} needs "
                              f"{8 * nbytes} bits, above the 2**32-bit limit")
         filt = cls(np.zeros(-(-nbytes // 8), dtype=np.uint64), nbytes, k, block_k, seed, n)
-        if indices.size and _bloomscan is not None:  # same bits, about 5x faster
+        if indices.size and _bloomscan is not None:  # same bits, without the temporaries
             _bloomscan.build(filt.words, filt.masks, np.ascontiguousarray(indices, np.int64),
                              seed, filt.key_bytes, filt.m, k, block_k)
         elif indices.size:
-            # One byte per filter bit is four times faster than OR-ing into
-            # words with ufunc.at; indices go in slices to bound the
-            # (indices x k) bit-position temporaries.
+            # One byte per filter bit, set by a plain scatter, then packed: OR-ing
+            # into words takes ufunc.at, which works one element at a time; indices
+            # go in slices to bound the (indices x k) bit-position temporaries.
             flags = np.zeros(filt.m, dtype=bool)
             for start in range(0, indices.size, _BUILD_SLICE):
                 flags[filt.bit_positions(indices[start:start + _BUILD_SLICE]).ravel()] = True

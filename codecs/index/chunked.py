@@ -11,12 +11,13 @@ The coder: each chunk's bitmap, position by position, through a binary range cod
 ``ones left / positions left`` of the chunk, ``floor(range * ones / positions)``
 computed exactly in integers. The product of those probabilities over a chunk is
 ``1 / C(size, k)``, so the stream is the bound plus the coder's rounding: at most
-``2**-24`` relative per decision and a few bytes per stream (measured: within 0.1% of
-the bound at ``k = 32, 64, 128`` per 4096). Positions whose bit is implied (no ones
-left, or as many ones as positions) cost nothing. One 64-bit division per position
-of the universe, encode and decode alike: the compiled loops
-(``deepreduce.codecs.index._chunkc``) take a few ns per position; the Python loop below,
-their fallback, gives the same bytes a hundred times more slowly.
+``2**-24`` relative per decision and a few bytes per stream (within 0.1% of the
+bound at ``k = 32, 64, 128`` per 4096: the table in docs/codecs.md). Positions whose
+bit is implied (no ones left, or as many ones as positions) cost nothing. One 64-bit
+division per position of the universe, encode and decode alike: the compiled loops
+(``deepreduce.codecs.index._chunkc``) do little else per position; the Python loop
+below, their fallback, gives the same bytes but pays the interpreter on every position
+of the universe (docs/codecs.md gives both speeds).
 
 The chunk geometry travels in the stream, so a reader needs nothing but the stream,
 ``n`` and ``nnz``. The encoder is given indices and ``n`` alone (every index codec is:

@@ -3,9 +3,10 @@
 For a uniformly random ``k``-subset of ``[0, n)`` the gaps are nearly
 geometric with ``p = k / n``, and for geometric sources the Golomb code with
 the right parameter is the optimal prefix code (Gallager and Van Voorhis,
-1975). Measured here it stays within 0.3-0.8% of ``log2 C(n, k) / k`` from
-0.1% to 30% density; Rice codes (power-of-two parameters) lose up to 1.4%
-and decode a little faster, so they are used where true Golomb gains less
+1975). On uniform supports it stays within 0.3-0.8% of ``log2 C(n, k) / k`` from
+0.1% to 30% density (``benchmarks/index_codecs.py`` compares every code with it);
+Rice codes (power-of-two parameters) lose up to 1.4% and decode a little faster
+(fixed-width remainders), so they are used where true Golomb gains less
 than :data:`RICE_TOLERANCE`.
 
 The module also exposes the field-level coder (:func:`encode_fields`,
@@ -41,7 +42,7 @@ def choose_parameter(mean: float, mode: str = "auto") -> int:
 
 # A tensor's Top-k sets have the same count every step and, in a large tensor, a last
 # index near its end: their means repeat, and the three code lengths weighed for each
-# cost several microseconds of Python. (Keyed on exact floats and strings: a pure
+# cost more Python than a cache lookup. (Keyed on exact floats and strings: a pure
 # function of them.)
 @functools.lru_cache(maxsize=1024)
 def _choose_parameter(mean: float, mode: str) -> int:

@@ -19,9 +19,10 @@ errors: whole-array numpy, and the optional C extension
 one call (the symbols and their histogram, the code, the tables, both streams)
 and decodes in one (the tables and their checks, lane after lane, then the
 offsets straight into indices), without the GIL on large sets. The numpy path
-makes some twenty calls each way, which cost about 0.1 ms even on a few dozen
-indices; the compiled one takes a few microseconds there and is several times
-faster on large sets too (figures in ``benchmarks/results/index_codecs.md``).
+makes some twenty calls each way, whose fixed costs are all its time on a few
+dozen indices, and on large sets a dozen whole-array operations per three symbols,
+each writing a temporary, where the compiled one makes a few passes over the data
+(``benchmarks/index_codecs.py`` times both).
 :data:`deepreduce.codecs.index._entropy.IMPLEMENTATION` says which one runs.
 """
 

@@ -49,8 +49,8 @@ class _NarrowingValues(ValueCodec):
 
     def _casts_quietly(self, dtype: np.dtype) -> bool:
         """Whether :meth:`_narrow` of values of ``dtype`` and :meth:`_widen` to it warn of
-        nothing, so need no ``np.errstate`` (entering and leaving one costs 3 us, as much
-        as the casts of a few thousand values)."""
+        nothing, so need no ``np.errstate`` (entering and leaving one costs as much as
+        casting a small tensor's values)."""
         return False
 
     def encode(self, values):

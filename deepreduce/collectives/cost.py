@@ -57,9 +57,10 @@ FRAME_OVERHEAD = 40
 #: Bytes of the signature on the first frame of a reduction.
 SIGNATURE = 60
 #: Default network of :func:`choose_algorithm` (``algorithm="auto"``): the fixed
-#: price of one Horovod operation (1.1 ms measured for a tiny eager allgather
-#: on 2 Gloo ranks here), a message latency, and seconds per byte (1 GB/s, a
-#: 10 Gb/s link after protocol overheads).
+#: price of one Horovod operation (its negotiation round: all that a tiny eager
+#: allgather costs; ``benchmarks/e2e.py`` times one of 1 KB, docs/results.md), a
+#: message latency, and seconds per byte (1 GB/s, a 10 Gb/s link after protocol
+#: overheads).
 ALPHA_OP, ALPHA, BETA = 1e-3, 1e-5, 1e-9
 #: The algorithms of ``sparse_allreduce`` that :func:`choose_algorithm` weighs, in
 #: the order that breaks ties.

@@ -53,12 +53,11 @@ def codec_threads(setting: int | None) -> int:
 
 #: Codings of fewer selected entries, and decodings of shorter payloads (about 3 bytes
 #: an entry with fp16 values), stay on the caller's thread (see :func:`run_in_order`'s
-#: ``least``): a payload's Python, some 60 us that hold the GIL, outweighs their
-#: compiled loops, and a second thread costs more in handing the GIL over than it
-#: saves. The exchanges gather tensors into payloads of millions of elements
-#: (:data:`deepreduce.exchange.allgather.PAYLOAD_ELEMENTS`) so that few are that small:
-#: ResNet-50's bundle is 9 payloads, 8 of them on the threads
-#: (``benchmarks/codec_threads.py``).
+#: ``least``): a payload's Python, which holds the GIL, outweighs their compiled
+#: loops, and a second thread costs more in handing the GIL over than it saves. The
+#: exchanges gather tensors into payloads of millions of elements
+#: (:data:`deepreduce.exchange.allgather.PAYLOAD_ELEMENTS`) so that few are that small
+#: (``benchmarks/codec_threads.py`` counts, per model, the payloads above these sizes).
 PARALLEL_ENTRIES = 1 << 13
 PARALLEL_BYTES = 1 << 15
 

@@ -557,8 +557,9 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
         is encoded while the groups before it are on the wire (and the last
         layers' gradients while backward still computes the first ones'); the
         reduced gradients are the same bits. That needs a core to spare: with
-        two ranks on two cores (``benchmarks/e2e.py``, 3 groups) the step was
-        no shorter at 1 Gbit/s or 100 Mbit/s. Other communicators ignore it.
+        no more cores than ranks, encoding a group takes the core from backward
+        and the overlap gains nothing (docs/horovod.md). Other communicators
+        ignore it.
     """
     del device_dense, device_sparse, groups  # host codecs; num_groups groups the bundles
     reducer = _Reducer(compression, op, sparse_as_dense, gradient_predivide_factor,
