@@ -380,7 +380,7 @@ class _Bits:
             raise ValueError("the payload ends inside a field")
         field = self.bits[self.at:self.at + width]
         self.at += width
-        return int(field.astype(object) @ (1 << np.arange(width)).astype(object)) if width else 0
+        return int.from_bytes(np.packbits(field, bitorder="little").tobytes(), "little")
 
     def unary(self) -> int:
         ones = 0
