@@ -1,6 +1,7 @@
 /*
  * What deepreduce's C extensions share: reading the item type of a buffer argument,
- * and the lowest set bit of a mask.
+ * releasing the GIL around long loops, the lowest set bit of a mask, numpy.empty for
+ * the arrays they return, and the module's definition with its init function.
  */
 
 #ifndef DEEPREDUCE_BUFFER_H
@@ -58,5 +59,32 @@ static inline int LOWEST_BIT(uint64_t x)
     return bit;
 }
 #endif
+
+/* numpy.empty into *empty the first time (the extensions that return new arrays keep it
+ * for the module's life): 0, or -1 with the exception set. */
+static inline int import_numpy_empty(PyObject **empty)
+{
+    if (*empty != NULL)
+        return 0;
+    PyObject *numpy = PyImport_ImportModule("numpy");
+    if (numpy == NULL)
+        return -1;
+    *empty = PyObject_GetAttrString(numpy, "empty");
+    Py_DECREF(numpy);
+    return *empty == NULL ? -1 : 0;
+}
+
+/* The module `full_name` (documented by `doc`, its functions the file's `methods`
+ * table) and its init function PyInit_<short_name>, which evaluates `prepare` first: an
+ * int expression, 0 to go on, or -1 with an exception set (ImportError, say, where the
+ * processor lacks what the module needs) to refuse the import. */
+#define DEFINE_MODULE(short_name, full_name, doc, prepare)              \
+    static struct PyModuleDef module_definition = {                    \
+        PyModuleDef_HEAD_INIT, full_name, doc, -1, methods,            \
+    };                                                                  \
+    PyMODINIT_FUNC PyInit_##short_name(void)                            \
+    {                                                                   \
+        return (prepare) < 0 ? NULL : PyModule_Create(&module_definition); \
+    }
 
 #endif /* DEEPREDUCE_BUFFER_H */

@@ -454,23 +454,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce._sparsesum",
-    "Compiled sum of sorted sparse parts into a dense tensor (see "
-    "deepreduce.sums.sum_sorted_into).",
-    -1, methods,
-};
-
-PyMODINIT_FUNC PyInit__sparsesum(void)
-{
-    if (numpy_empty == NULL) {
-        PyObject *numpy = PyImport_ImportModule("numpy");
-        if (numpy == NULL)
-            return NULL;
-        numpy_empty = PyObject_GetAttrString(numpy, "empty");
-        Py_DECREF(numpy);
-        if (numpy_empty == NULL)
-            return NULL;
-    }
-    return PyModule_Create(&module);
-}
+DEFINE_MODULE(_sparsesum, "deepreduce._sparsesum",
+              "Compiled sum of sorted sparse parts into a dense tensor (see "
+              "deepreduce.sums.sum_sorted_into).",
+              import_numpy_empty(&numpy_empty))

@@ -747,25 +747,18 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce._topkscan",
-    "Compiled candidate scan of the Top-k sparsifier (see deepreduce.sparsifiers.TopK).",
-    -1, methods,
-};
-
-PyMODINIT_FUNC PyInit__topkscan(void)
+/* numpy.empty, and whether the processor takes the AVX2 scan: 0, or -1 with the
+ * exception set. */
+static int prepare_module(void)
 {
-    if (numpy_empty == NULL) {
-        PyObject *numpy = PyImport_ImportModule("numpy");
-        if (numpy == NULL)
-            return NULL;
-        numpy_empty = PyObject_GetAttrString(numpy, "empty");
-        Py_DECREF(numpy);
-        if (numpy_empty == NULL)
-            return NULL;
-    }
+    if (import_numpy_empty(&numpy_empty) < 0)
+        return -1;
 #if AVX2_SCAN
     use_avx2 = __builtin_cpu_supports("avx2");
 #endif
-    return PyModule_Create(&module);
+    return 0;
 }
+
+DEFINE_MODULE(_topkscan, "deepreduce._topkscan",
+              "Compiled candidate scan of the Top-k sparsifier (see deepreduce.sparsifiers.TopK).",
+              prepare_module())

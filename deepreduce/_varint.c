@@ -68,13 +68,5 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce._varint",
-    "Compiled LEB128 varint encoder of deepreduce.bits.",
-    -1, methods,
-};
-
-PyMODINIT_FUNC PyInit__varint(void)
-{
-    return PyModule_Create(&module);
-}
+DEFINE_MODULE(_varint, "deepreduce._varint",
+              "Compiled LEB128 varint encoder of deepreduce.bits.", 0)

@@ -914,10 +914,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce.codecs.index._bloomscan",
-    "Compiled universe scan of the Bloom-filter index codec (see deepreduce.codecs.index.bloom).",
-    -1, methods,
-};
-
-PyMODINIT_FUNC PyInit__bloomscan(void) { return PyModule_Create(&module); }
+DEFINE_MODULE(_bloomscan, "deepreduce.codecs.index._bloomscan",
+              "Compiled universe scan of the Bloom-filter index codec "
+              "(see deepreduce.codecs.index.bloom).", 0)

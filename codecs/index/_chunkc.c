@@ -261,12 +261,5 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce.codecs.index._chunkc",
-    "Range coder of the chunked index codec (see deepreduce.codecs.index.chunked).", -1, methods,
-};
-
-PyMODINIT_FUNC PyInit__chunkc(void)
-{
-    return PyModule_Create(&module);
-}
+DEFINE_MODULE(_chunkc, "deepreduce.codecs.index._chunkc",
+              "Range coder of the chunked index codec (see deepreduce.codecs.index.chunked).", 0)

@@ -2163,13 +2163,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce.codecs.index._entropyc",
-    "Compiled loops of the Huffman and Golomb index codecs (deepreduce.codecs.index.huffman, golomb).",
-    -1, methods,
-};
-
-PyMODINIT_FUNC PyInit__entropyc(void)
-{
-    return PyModule_Create(&module);
-}
+DEFINE_MODULE(_entropyc, "deepreduce.codecs.index._entropyc",
+              "Compiled loops of the Huffman and Golomb index codecs "
+              "(deepreduce.codecs.index.huffman, golomb).", 0)

@@ -208,20 +208,20 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce.codecs.values._halfcast",
-    "float32 <-> float16 casts with F16C (deepreduce.codecs.values.floats.Float16Values).",
-    -1, methods,
-};
-
-PyMODINIT_FUNC PyInit__halfcast(void)
+/* 0 where the processor has F16C (and the AVX it comes with), else -1 with an
+ * ImportError: the codec then casts with numpy. */
+static int check_processor(void)
 {
 #ifdef HAVE_F16C
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c"))
-        return PyModule_Create(&module);
+        return 0;
 #endif
     PyErr_SetString(PyExc_ImportError, "deepreduce.codecs.values._halfcast needs an x86-64 processor "
                     "with F16C; the fp16 codec casts with numpy instead");
-    return NULL;
+    return -1;
 }
+
+DEFINE_MODULE(_halfcast, "deepreduce.codecs.values._halfcast",
+              "float32 <-> float16 casts with F16C (deepreduce.codecs.values.floats.Float16Values).",
+              check_processor())

@@ -437,13 +437,5 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "deepreduce.codecs.values._qsgd",
-    "Compiled loops of the QSGD value codec (see deepreduce.codecs.values.qsgd).",
-    -1, methods,
-};
-
-PyMODINIT_FUNC PyInit__qsgd(void)
-{
-    return PyModule_Create(&module);
-}
+DEFINE_MODULE(_qsgd, "deepreduce.codecs.values._qsgd",
+              "Compiled loops of the QSGD value codec (see deepreduce.codecs.values.qsgd).", 0)
