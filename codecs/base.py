@@ -231,4 +231,22 @@ def expect_length(data, expected: int, what: str) -> None:
         raise DecodeError(f"{what}: stream holds {len(data)} bytes, expected {expected}")
 
 
-__all__ = ["Codec", "IndexCodec", "ValueCodec", "DecodeError", "expect_length"]
+def no_indices(data, what: str) -> np.ndarray:
+    """The empty set an index decoder told ``nnz == 0`` returns, once its stream is
+    checked to be empty too (every such codec encodes the empty set as no bytes).
+
+    Examples
+    --------
+    >>> from deepreduce.codecs.base import no_indices
+    >>> no_indices(b"", "golomb indices")
+    array([], dtype=int64)
+    >>> no_indices(b"x", "golomb indices")
+    Traceback (most recent call last):
+    ...
+    deepreduce.errors.DecodeError: golomb indices: stream holds 1 bytes, expected 0
+    """
+    expect_length(data, 0, what)
+    return np.zeros(0, dtype=np.int64)
+
+
+__all__ = ["Codec", "IndexCodec", "ValueCodec", "DecodeError", "expect_length", "no_indices"]

@@ -10,10 +10,8 @@ bound. An empty set is an empty stream. The value half is
 
 from __future__ import annotations
 
-import numpy as np
-
 from deepreduce import bits as _bits
-from deepreduce.codecs.base import IndexCodec, expect_length
+from deepreduce.codecs.base import IndexCodec, no_indices
 
 
 class CompressedGapIndices(IndexCodec):
@@ -40,7 +38,6 @@ class CompressedGapIndices(IndexCodec):
         what = f"{self.codec_id} indices"
         n, nnz = _bits.check_counts(n, nnz, what)
         if nnz == 0:
-            expect_length(data, 0, what)
-            return np.zeros(0, dtype=np.int64)
+            return no_indices(data, what)
         varints = self._decompress(data, _bits.varint_gap_bytes_bound(n, nnz), what)
         return _bits.ungaps(_bits.varint_decode(varints, nnz, what), n, what)

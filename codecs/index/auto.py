@@ -14,7 +14,7 @@ import numpy as np
 from deepreduce import bits as _bits
 from deepreduce.codecs.index import (bitmap, bitpack, deflate, eliasfano, golomb, huffman, raw,
                                      rle, runs, varint, zstd)
-from deepreduce.codecs.base import IndexCodec, expect_length
+from deepreduce.codecs.base import IndexCodec, expect_length, no_indices
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
@@ -500,8 +500,7 @@ class AutoIndices(IndexCodec):
         what = "auto indices"
         n, nnz = _bits.check_counts(n, nnz, what)
         if nnz == 0:
-            expect_length(data, 0, what)
-            return np.zeros(0, dtype=np.int64)
+            return no_indices(data, what)
         if len(data) == 0:
             raise DecodeError(f"{what}: empty stream for {nnz} indices")
         tag, flag = data[0] & ~COMPLEMENT, data[0] & COMPLEMENT

@@ -37,7 +37,7 @@ import numpy as np
 
 from deepreduce import bits as _bits
 from deepreduce.codecs.index import auto
-from deepreduce.codecs.base import IndexCodec, expect_length
+from deepreduce.codecs.base import IndexCodec, no_indices
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
@@ -476,8 +476,7 @@ class ChunkedIndices(IndexCodec):
         what = "chunked indices"
         n, nnz = _bits.check_counts(n, nnz, what)
         if nnz == 0:
-            expect_length(data, 0, what)
-            return np.zeros(0, dtype=np.int64)
+            return no_indices(data, what)
         if len(data) == 0:
             raise DecodeError(f"{what}: empty stream for {nnz} indices")
         if data[0] == GENERAL:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepreduce import bits as _bits
-from deepreduce.codecs.base import IndexCodec, expect_length
+from deepreduce.codecs.base import IndexCodec, expect_length, no_indices
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
@@ -64,8 +64,7 @@ class EliasFanoIndices(IndexCodec):
         what = "eliasfano indices"
         n, nnz = _bits.check_counts(n, nnz, what)
         if nnz == 0:
-            expect_length(data, 0, what)
-            return np.zeros(0, dtype=np.int64)
+            return no_indices(data, what)
         low_bits = self.low_bits(n, nnz)
         unary_bits = nnz + ((n - 1) >> low_bits)
         low_size = _bits.packed_bytes(nnz * low_bits)

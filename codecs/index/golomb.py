@@ -22,7 +22,7 @@ import numpy as np
 
 from deepreduce import bits as _bits
 from deepreduce.codecs.index import _entropy
-from deepreduce.codecs.base import IndexCodec, expect_length
+from deepreduce.codecs.base import IndexCodec, expect_length, no_indices
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
@@ -410,7 +410,6 @@ class GolombIndices(IndexCodec):
         what = "golomb indices"
         n, nnz = _bits.check_counts(n, nnz, what)
         if nnz == 0:
-            expect_length(data, 0, what)
-            return np.zeros(0, dtype=np.int64)
+            return no_indices(data, what)
         # A memoryview lets the parts be sliced without copying the stream.
         return decode_index_gaps(memoryview(data), n, nnz, what)

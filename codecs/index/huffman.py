@@ -35,7 +35,7 @@ import numpy as np
 
 from deepreduce import bits as _bits
 from deepreduce.codecs.index import _entropy
-from deepreduce.codecs.base import IndexCodec, expect_length
+from deepreduce.codecs.base import IndexCodec, no_indices
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
@@ -260,8 +260,7 @@ class HuffmanIndices(IndexCodec):
         what = "huffman indices"
         n, nnz = _bits.check_counts(n, nnz, what)
         if nnz == 0:
-            expect_length(data, 0, what)
-            return np.zeros(0, dtype=np.int64)
+            return no_indices(data, what)
         # Every code takes at least one bit: refuse counts the stream cannot hold
         # before reading tables whose size follows from them.
         if 8 * len(data) < nnz:

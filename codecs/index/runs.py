@@ -17,7 +17,7 @@ import numpy as np
 
 from deepreduce import bits as _bits
 from deepreduce.codecs.index import _entropy, golomb
-from deepreduce.codecs.base import IndexCodec, expect_length
+from deepreduce.codecs.base import IndexCodec, no_indices
 from deepreduce.errors import DecodeError
 from deepreduce.registry import register_codec
 
@@ -129,8 +129,7 @@ class RunsIndices(IndexCodec):
         what = "runs indices"
         n, nnz = _bits.check_counts(n, nnz, what)
         if nnz == 0:
-            expect_length(data, 0, what)
-            return np.zeros(0, dtype=np.int64)
+            return no_indices(data, what)
         unit, offset = _bits.read_varint(data, 0, what)
         if not 1 <= unit <= nnz or nnz % unit:
             raise DecodeError(f"{what}: unit {unit} does not divide nnz={nnz}")
