@@ -125,6 +125,18 @@ def add_compression_arguments(parser):
     parser.add_argument("--value", default="fp16", help="value codec")
 
 
+def receive_bytes(conn, nbytes: int) -> int:
+    """Read from the socket ``conn`` until ``nbytes`` have come or the sender closes;
+    returns how many came (the receiving end of the bandwidth probes)."""
+    got = 0
+    while got < nbytes:
+        chunk = conn.recv(1 << 20)
+        if not chunk:
+            break
+        got += len(chunk)
+    return got
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's master)."""
     with socket.socket() as s:

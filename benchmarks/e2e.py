@@ -68,7 +68,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, ROOT, copy_bandwidth, mlp_shapes, table, write_report
+from benchmarks.common import (RESULTS, ROOT, copy_bandwidth, mlp_shapes, receive_bytes, table,
+                               write_report)
 
 NAMESPACE = "drbench"
 RATIO = 0.01
@@ -150,12 +151,7 @@ def probe_bandwidth(nbytes=50_000_000):
 
     def sink():
         conn, _ = server.accept()
-        got = 0
-        while got < nbytes:
-            chunk = conn.recv(1 << 20)
-            if not chunk:
-                break
-            got += len(chunk)
+        receive_bytes(conn, nbytes)
         conn.close()
 
     thread = threading.Thread(target=sink)

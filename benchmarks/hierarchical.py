@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, table, write_report
+from benchmarks.common import RESULTS, ROOT, receive_bytes, table, write_report
 from benchmarks.e2e import NetnsError, burst, check_rights
 
 NAMESPACES = ("drhier0", "drhier1")
@@ -124,12 +124,7 @@ def probe_server(port: int, nbytes: int, timeout: float) -> None:
         server.settimeout(timeout)
         conn, _ = server.accept()
         conn.settimeout(timeout)
-        got = 0
-        while got < nbytes:
-            chunk = conn.recv(1 << 20)
-            if not chunk:
-                break
-            got += len(chunk)
+        receive_bytes(conn, nbytes)
         conn.sendall(b"k")
         conn.close()
 
