@@ -26,8 +26,8 @@ SHARED = "deepreduce/_buffer.h"
 #: extension falls back to numpy when it is missing.
 EXTENSIONS = [
     ("deepreduce.codecs.index._bloomscan", "codecs/index/_bloomscan.c", [],
-     "the Bloom-filter scan and build of deepreduce.codecs.index.bloom (a quarter of the speed "
-     "or less without it)"),
+     "the Bloom-filter scan and build of deepreduce.codecs.index.bloom (hashing and probing "
+     "every position of the universe, which numpy does in several passes)"),
     ("deepreduce.codecs.index._entropyc", "codecs/index/_entropyc.c", [],
      "the Huffman index codec's encoder and decoder (one call each), its size estimate, "
      "tree and buckets (deepreduce.codecs.index.huffman through "
@@ -35,8 +35,8 @@ EXTENSIONS = [
      "(deepreduce.codecs.index.golomb), the block-packed code (deepreduce.codecs.index.blockpack) "
      "and the runs code's fields (deepreduce.codecs.index.runs)"),
     ("deepreduce.codecs.index._chunkc", "codecs/index/_chunkc.c", [],
-     "the range coder of the chunked index codec (deepreduce.codecs.index.chunked), a hundred "
-     "times faster than its Python loop"),
+     "the range coder of the chunked index codec (deepreduce.codecs.index.chunked): one "
+     "arithmetic step per position, which no whole-array numpy form has"),
     ("deepreduce.codecs.values._qsgd", "codecs/values/_qsgd.c", EXACT,
      "the quantisation and dequantisation of the QSGD value codec "
      "(deepreduce.codecs.values.qsgd), which must give numpy's bits"),
