@@ -121,7 +121,7 @@ def pseudo_gradients(args) -> tuple[dict, dict]:
 
     sizes = model_sizes(args.quick)
     key = (f"H{args.inner_steps}_seed{args.seed}_lr{args.inner_lr:g}_b{args.batch_size}_"
-           + "_".join(f"{k}{v}" for k, v in sorted(sizes.items())))
+           + ("_".join(f"{k}{v}" for k, v in sorted(sizes.items())) or "default"))
     path = Path(args.cache) / f"outer_pseudo_gradients_{key}.npz"
     if path.exists():
         with np.load(path) as archive:

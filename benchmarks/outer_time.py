@@ -154,15 +154,21 @@ def _outer_scheme(tensors: dict, **settings):
 
     from deepreduce.torch.outer import OuterOptimizer
 
-    params = torch.nn.ParameterDict({name.replace(".", "_"): torch.nn.Parameter(
-        torch.zeros(x.shape)) for name, x in tensors.items()})
-    outer = OuterOptimizer(params.named_parameters(), sync_every=1, **settings)
-    pseudo = [torch.from_numpy(x) for x in tensors.values()]
+    keys = {name: name.replace(".", "_") for name in tensors}  # (ParameterDict keys)
+    params = torch.nn.ParameterDict({keys[name]: torch.nn.Parameter(torch.zeros(x.shape))
+                                     for name, x in tensors.items()})
+    # a group of its own: one transport per scheme, as in a run of one mode (a transport's
+    # allgather slots follow the longest frames it carried lately, here the dense ones)
+    group = torch.distributed.new_group(list(range(WORLD)))
+    outer = OuterOptimizer(params.named_parameters(), sync_every=1, process_group=group,
+                           **settings)
+    pseudo = {keys[name]: torch.from_numpy(x) for name, x in tensors.items()}
+    named = dict(params.named_parameters())
 
     def step():
         with torch.no_grad():
-            for p, s, g in zip(params.values(), outer.synced_parameters().values(), pseudo):
-                p.copy_(s - g)
+            for name, synced in outer.synced_parameters().items():
+                named[name].copy_(synced - pseudo[name])
         outer.sync()
         return outer.stats.last, None
     return step
