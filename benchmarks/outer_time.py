@@ -307,7 +307,8 @@ def throughput(tensors: dict, repeat: int = 5) -> dict:
                 encode_cpu_ms_per_m=1e3 * encode_cpu * per_m,
                 decode_cpu_ms_per_m=1e3 * decode_cpu * per_m, load=os.getloadavg()[0],
                 saved_ms_per_m={k: 1e3 * v * per_m for k, v in saved.items()},
-                target=(encode_s + decode_s) <= saved["fp32"])
+                target=(encode_cpu + decode_cpu) <= saved["fp32"],
+                target_wall=(encode_s + decode_s) <= saved["fp32"])
 
 
 # -- the part ---------------------------------------------------------------------------
@@ -364,8 +365,9 @@ def section(record) -> list:
              f"{t['saved_ms_per_m']['fp32']:.1f} ms of wire per million parameters against "
              f"a dense fp32 allreduce (4 bytes a parameter each way) and "
              f"{t['saved_ms_per_m']['bf16']:.1f} ms against bf16. Target (encode + decode "
-             "at most the wire time saved against fp32): "
-             + ("PASS" if t["target"] else "FAIL") + ".", ""]
+             "at most the wire time saved against fp32), on the CPU time (what other jobs' "
+             "share of the cores does not count): " + ("PASS" if t["target"] else "FAIL")
+             + "; on the wall clock: " + ("PASS" if t["target_wall"] else "FAIL") + ".", ""]
     lines += ["### The outer step across two hosts", ""]
     if "skipped" in record:
         return lines + [f"Not run here: {record['skipped']}.", ""]
