@@ -391,18 +391,39 @@ def section(record) -> list:
                  "`chunked`, `statq:bits=2,sigmas=6`, error feedback with decay 0.95) over "
                  "`TorchTransport`, encode and decode included."), ""]
     for run in record["rates"]:
+        bits_per_s = rate_bits(run["rate"])
         lines += [f"#### {run['rate']} (load average {run['load']:.1f})", ""]
-        rows = []
+        rows, medians = [], {}
         for label, r in run["results"].items():
             ms = np.array(r["ms"])
+            medians[label] = float(np.median(ms))
             wire = _median(r["wire"])
             encode, decode = _median(r["encode_ms"]), _median(r["decode_ms"])
             rows.append([label, f"{np.median(ms):.1f}",
                          f"{np.percentile(ms, 25):.1f}-{np.percentile(ms, 75):.1f}",
                          "" if wire is None else f"{wire / 1e6:.3f}",
+                         "" if wire is None else f"{wire / 2 * 8 / bits_per_s * 1e3:.1f}",
                          "" if encode is None else f"{encode:.1f}",
                          "" if decode is None else f"{decode:.1f}"])
         lines += table(["scheme", "outer step ms (median)", "quartiles", "MB across the veth",
-                        "encode ms", "decode ms"], rows)
+                        "its wire ms (half each way)", "encode ms", "decode ms"], rows)
+        sparse = [label for label in medians if "sparseloco" in label.lower()]
+        if sparse:
+            fp32, bf16 = (medians[label] for label in list(medians)[:2])
+            lines += ["", f"The SparseLoCo step takes {medians[sparse[0]]:.0f} ms: "
+                      f"{fp32 / medians[sparse[0]]:.1f}x less than the fp32 allreduce and "
+                      f"{bf16 / medians[sparse[0]]:.1f}x less than the bf16 one."]
         lines += [""]
     return lines
+
+
+def rate_bits(rate: str) -> float:
+    """Bits per second of a tc rate such as ``"100mbit"`` or ``"1gbit"``.
+
+    >>> rate_bits("100mbit"), rate_bits("1gbit")
+    (100000000.0, 1000000000.0)
+    """
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale
+    raise ValueError(f"a rate in kbit, mbit or gbit, got {rate!r}")
