@@ -1,0 +1,418 @@
+"""Training with infrequent synchronisation: DiLoCo and SparseLoCo outer steps over deepreduce.
+
+::
+
+    import torch, deepreduce.torch as drt
+    outer = drt.OuterOptimizer(model.named_parameters(), mode="sparseloco", sync_every=30)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x, y in batches:                 # no DDP: each rank trains its own copy
+        loss_fn(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        outer.step()                     # every 30th call: the outer step
+
+Each rank (each *worker*) runs ``sync_every`` (H) inner optimizer steps on its own
+batches; then every worker forms its *pseudo-gradient*, the synced parameters less its
+own (``theta_synced - theta_local``: a descent step along it moves toward the workers'
+average), sends them all through one :class:`~deepreduce.exchange.GradientExchange`
+step (error feedback, sparsifier and codecs per parameter, one bundle, allgather,
+decode, average), and applies the outer update to the synced copy, which then
+replaces the model's parameters on every worker. Two modes (Douillard et al. 2023,
+arXiv 2311.08105; Sarfi et al. 2025, arXiv 2508.15706) differ only in their defaults:
+
+==================  ==================================  ==================================
+                    ``mode="diloco"``                   ``mode="sparseloco"``
+==================  ==================================  ==================================
+outer update        SGD, Nesterov momentum 0.9, lr 0.7  SGD, no momentum, lr (alpha) 1.0
+error feedback      only when the pipeline is lossy     decay beta = 0.95 (the momentum)
+                    (beta 1.0)
+sparsifier          None (every element)                ``chunktopk:k=64,chunk=4096``
+index codec         ``auto``                            ``chunked``
+value codec         ``raw`` (float32; or ``bf16``)      ``statq:bits=2,sigmas=6``
+min_size            1024                                0 (every tensor chunk-wise)
+==================  ==================================  ==================================
+
+Dense DiLoCo is the same object as the compressed kinds (the baseline runs the same
+code): its lossless exchange averages exactly what a dense allreduce averages.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import zlib
+
+import torch
+
+from deepreduce.collectives.signed import signed_allgather
+from deepreduce.collectives.transport import Traffic
+from deepreduce.config import ExchangeConfig
+from deepreduce.exchange import GradientExchange
+from deepreduce.exchange.memory import ResidualMemory
+from deepreduce.registry import get_codec
+from deepreduce.torch.device import from_host, host_array
+
+__all__ = ["OuterOptimizer", "MODES"]
+
+#: Each mode's defaults: what an argument left out (or None) takes.
+MODES = {
+    "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "error_feedback": "lossy",
+               "sparsifier": None, "index": "auto", "value": "raw", "min_size": 1024},
+    "sparseloco": {"lr": 1.0, "momentum": 0.0, "nesterov": False, "error_feedback": 0.95,
+                   "sparsifier": "chunktopk:k=64,chunk=4096", "index": "chunked",
+                   "value": "statq:bits=2,sigmas=6", "min_size": 0},
+}
+
+
+class _ModeDefault:
+    """The default of an argument whose None means something else (no sparsifier)."""
+
+    def __repr__(self):
+        return "<the mode's default>"
+
+
+MODE_DEFAULT = _ModeDefault()
+
+
+class OuterOptimizer:
+    """The outer step of DiLoCo-style training, every ``sync_every`` inner steps.
+
+    Parameters
+    ----------
+    params : iterable of torch.nn.Parameter, or of (name, Parameter)
+        ``model.parameters()`` or ``model.named_parameters()`` (the names then key the
+        residuals and the checkpoint; otherwise their positions do). Every
+        floating-point parameter is synced, whether or not it has a gradient (a frozen
+        parameter's pseudo-gradient is zero, and costs a few bytes); parameters of other
+        dtypes (integers, booleans) have no average and are left as each rank has
+        them, listed in :attr:`skipped`.
+    mode : {"sparseloco", "diloco"}, default "sparseloco"
+        The defaults of the arguments below (see :data:`MODES` and the module's table).
+    sync_every : int, default 30
+        H, the inner steps between outer steps: :meth:`step` counts them.
+    process_group : torch.distributed.ProcessGroup, optional
+        The workers of the outer step; the default (world) group when None. Bound late,
+        at the first outer step (as :class:`~deepreduce.torch.DeepReduceState` does),
+        so the object can be made before ``init_process_group``. A worker can be
+        several ranks: each rank then joins the group of the ranks with its local rank
+        in the other workers (see Notes).
+    lr : float, optional
+        The outer learning rate (diloco 0.7; sparseloco's alpha, 1.0).
+    momentum : float, optional
+        The outer SGD's momentum (diloco 0.9; sparseloco 0: error feedback plays its part).
+    nesterov : bool, optional
+        Nesterov momentum (diloco True; sparseloco False). The outer update is
+        ``torch.optim.SGD(synced, lr, momentum, nesterov=nesterov)`` stepped with the
+        averaged pseudo-gradient as the gradient, bit for bit.
+    error_feedback : float or False, optional
+        The decay beta of error feedback per parameter
+        (:class:`~deepreduce.ResidualMemory`: ``accumulate = pseudo-gradient + beta *
+        residual``, and what was not delivered stays for the next outer step); False
+        turns it off. sparseloco: 0.95. diloco: 1.0 when the pipeline loses anything (a
+        sparsifier, a lossy value codec), else off (there is nothing to feed back).
+    sparsifier, index, value, min_size, seed, codec_threads
+        The exchange's settings (:class:`~deepreduce.config.ExchangeConfig`), with the
+        mode's defaults; ``sparsifier=None`` sends every element (dense DiLoCo with
+        ``value="raw"`` or ``"bf16"``). The communicator is the allgather.
+    synced_on_host : bool, default False
+        Keep the synced copy (and the outer momentum) in host memory instead of on the
+        parameters' device: the accelerator then holds nothing beyond the model and the
+        inner optimizer, and each outer step copies the parameters to the host and the
+        result back (the pseudo-gradients cross to the host for the codecs either way).
+
+    Attributes
+    ----------
+    inner_steps, outer_steps : int
+        :meth:`step` calls, and outer steps taken (checkpointed).
+    exchange : deepreduce.exchange.GradientExchange
+        The exchange of the pseudo-gradients; ``exchange.memory`` holds the residuals.
+    stats : deepreduce.exchange.stats.CompressionStats
+        Bytes and times of every outer step (``stats.last.bytes_sent``: the bundle this
+        rank sent at the last one; ``stats.last.dense_bytes``: the pseudo-gradients'
+        own bytes).
+    last_traffic : deepreduce.collectives.Traffic or None
+        What really crossed at the last outer step (padding of the allgather included).
+    names : list of str
+        The synced parameters' names, in the order they travel.
+    skipped : list of str
+        The parameters left out (not floating point).
+
+    Notes
+    -----
+    **Memory** beyond the model and the inner optimizer: the synced copy (one copy of
+    the synced parameters, on their device, or on the host with ``synced_on_host``),
+    the outer momentum (one more with ``momentum`` > 0, where the synced copy is), the
+    residuals of error feedback (one float copy in host memory, when on), and, during
+    an outer step, the pseudo-gradients and their average in host memory.
+
+    **Workers of several ranks** (DDP inside a node, the outer step between nodes):
+    with W workers of L ranks each, the ranks of a worker train one model under DDP
+    over their own group, and rank ``l`` of every worker joins the outer group of the
+    ranks ``l, L + l, 2L + l, ...``. Every rank makes every group (``new_group`` is
+    collective)::
+
+        worker, local = divmod(rank, L)
+        inner = [dist.new_group(range(w * L, w * L + L)) for w in range(W)][worker]
+        outer = [dist.new_group(range(l, W * L, L)) for l in range(L)][local]
+        model = DDP(net, process_group=inner)
+        opt = OuterOptimizer(model.module.named_parameters(), process_group=outer)
+
+    The ranks of a worker hold the same parameters, so the L outer groups exchange the
+    same pseudo-gradients and reach the same result: the worker's ranks stay identical.
+    (Each rank sends a whole bundle; sharding the parameters among a worker's ranks
+    would send 1/L of it each, not done here.)
+
+    **Agreement.** At the first outer step every rank of the group compares its
+    settings, its parameters' names, shapes and dtypes, and a checksum of the
+    parameters it starts from (the synced copy): a difference raises ValueError on
+    every rank, naming it, instead of training apart. Seed the model alike on every
+    rank (or build this object after DDP has broadcast it).
+
+    **Checkpoints.** :meth:`state_dict` holds the synced copy, the outer optimizer's
+    state, the residuals, the random streams and the counters; save it with the
+    model's and the inner optimizer's, at any inner step. :meth:`load_state_dict` into a
+    new object (same settings) continues bit for bit as a run that never stopped.
+
+    **The last steps.** Inner steps after the last outer step are each rank's own;
+    call :meth:`sync` once more at the end for a common model (every rank at once).
+
+    Examples
+    --------
+    One rank (a gloo group of this process); SGD inner steps, an outer step every 2:
+
+    >>> import os, socket, torch, torch.distributed as dist, deepreduce.torch as drt
+    >>> from deepreduce.torch.outer import OuterOptimizer
+    >>> with socket.socket() as s:
+    ...     _ = s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    >>> dist.init_process_group("gloo", rank=0, world_size=1)
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Linear(128, 64)
+    >>> outer = OuterOptimizer(model.named_parameters(), mode="sparseloco", sync_every=2)
+    >>> inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> synced = []
+    >>> for _ in range(4):
+    ...     model(torch.randn(8, 128)).square().mean().backward()
+    ...     inner.step()
+    ...     inner.zero_grad()
+    ...     synced.append(outer.step())
+    >>> synced, outer.outer_steps
+    ([False, True, False, True], 2)
+    >>> last = outer.stats.last          # the 8,192 weights as 2 tiles of 64 x 64, k = 64
+    >>> last.dense_bytes, last.bytes_sent < last.dense_bytes / 50
+    (33024, True)
+    >>> bool(torch.equal(model.weight, outer.synced_parameters()["weight"]))
+    True
+    >>> dist.destroy_process_group()
+    """
+
+    def __init__(self, params, mode: str = "sparseloco", sync_every: int = 30,
+                 process_group=None, *, lr=None, momentum=None, nesterov=None,
+                 error_feedback=None, sparsifier=MODE_DEFAULT, index=None, value=None,
+                 min_size=None, seed: int = 0, codec_threads=None, synced_on_host=False):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) \
+                or sync_every < 1:
+            raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+        defaults = MODES[mode]
+        self.mode, self.sync_every = mode, int(sync_every)
+        self.lr = _number("lr", defaults["lr"] if lr is None else lr)
+        self.momentum = _number("momentum", defaults["momentum"] if momentum is None
+                                else momentum)
+        self.nesterov = bool(defaults["nesterov"] if nesterov is None else nesterov)
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov=True needs momentum > 0")
+        sparsifier = defaults["sparsifier"] if sparsifier is MODE_DEFAULT else sparsifier
+        index = defaults["index"] if index is None else index
+        value = defaults["value"] if value is None else value
+        min_size = defaults["min_size"] if min_size is None else min_size
+        self.beta = _decay(defaults["error_feedback"] if error_feedback is None
+                           else error_feedback, sparsifier, value)
+        config = ExchangeConfig(
+            sparsifier=sparsifier, index=index, value=value, min_size=min_size, seed=seed,
+            error_feedback=False if self.beta is None else ResidualMemory(self.beta),
+            codec_threads=codec_threads)
+        self.exchange = GradientExchange(config=config)
+        self.synced_on_host = bool(synced_on_host)
+
+        self.names, self.params, self.skipped = _floating_parameters(params)
+        if not self.params:
+            raise ValueError("no floating-point parameters to synchronise")
+        with torch.no_grad():
+            self._synced = [p.detach().to("cpu" if self.synced_on_host else p.device,
+                                          copy=True) for p in self.params]
+        self._outer = torch.optim.SGD(self._synced, lr=self.lr, momentum=self.momentum,
+                                      nesterov=self.nesterov)
+        self.process_group = process_group
+        self._transport = None
+        self._agreed = False
+        self.inner_steps = self.outer_steps = 0
+        self.last_traffic = None
+        # what every rank of the group must share (seeds may differ), and checkpoints carry
+        layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(self.names,
+                                                                             self.params))
+        self._settings = {"mode": self.mode, "sync_every": self.sync_every, "lr": self.lr,
+                          "momentum": self.momentum, "nesterov": self.nesterov,
+                          "error_feedback": "off" if self.beta is None else self.beta,
+                          **config.shared_settings(self.exchange.pipeline),
+                          "parameters": f"{len(self.names)} ({zlib.crc32(layout.encode()):08x})"}
+
+    # -- the training loop's calls ---------------------------------------------------------
+    def step(self) -> bool:
+        """Count an inner step; at every ``sync_every``-th, take the outer step
+        (:meth:`sync`). Returns whether it did. Call it after the inner optimizer's step,
+        on every rank of the group."""
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every:
+            return False
+        self.sync()
+        return True
+
+    def sync(self) -> None:
+        """The outer step, now: every rank of the group calls it together.
+
+        Each parameter's pseudo-gradient (synced less local) goes to the host, through
+        one exchange step (error feedback, sparsifier, codecs, allgather, decode,
+        average), and the average steps the outer SGD on the synced copy, which is then
+        copied into the parameters."""
+        transport = self.transport
+        self._agree(transport)
+        with torch.no_grad():
+            pseudo = [host_array((s - p.detach().to(s.device)).cpu())
+                      for p, s in zip(self.params, self._synced)]
+        averaged, self.last_traffic = self.exchange.reduce_async(
+            self.names, pseudo, transport, op="average").result()
+        with torch.no_grad():
+            for s, a in zip(self._synced, averaged):
+                s.grad = from_host(a).to(device=s.device, dtype=s.dtype)
+            self._outer.step()
+            for p, s in zip(self.params, self._synced):
+                s.grad = None
+                p.copy_(s)
+        self.outer_steps += 1
+
+    # -- what it holds -------------------------------------------------------------------
+    @property
+    def transport(self):
+        """The transport of the outer group (:func:`deepreduce.torch.transport_of`), bound
+        at the first outer step; it makes deepreduce's own groups of the same ranks then."""
+        if self._transport is None:
+            import deepreduce.torch  # (the package's public function; it imports this module)
+            self._transport = deepreduce.torch.transport_of(self.process_group)
+        return self._transport
+
+    @property
+    def stats(self):
+        return self.exchange.stats
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of the synced parameters as they are (what a dense outer step sends)."""
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    def synced_parameters(self) -> dict:
+        """The synced copy, ``{name: tensor}`` (the tensors themselves: read, do not keep
+        across outer steps)."""
+        return dict(zip(self.names, self._synced))
+
+    def __repr__(self):
+        shown = ", ".join(f"{k}={v!r}" for k, v in self._settings.items() if k != "parameters")
+        return f"{type(self).__name__}({shown}, synced_on_host={self.synced_on_host})"
+
+    # -- checkpoints --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The counters, the synced copy, the outer optimizer's state, the residuals and
+        random streams of the exchange, and the settings (checked on loading)."""
+        exchange = self.exchange.state_dict()
+        return {"inner_steps": self.inner_steps, "outer_steps": self.outer_steps,
+                "settings": dict(self._settings),
+                "synced": {n: s.detach().clone() for n, s in zip(self.names, self._synced)},
+                "outer_optimizer": self._outer.state_dict(),
+                "residuals": {n: from_host(r) for n, r in exchange["residuals"].items()},
+                "random_state": exchange["random_state"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Continue from :meth:`state_dict` (of an optimizer with the same settings and
+        parameters). The model's parameters are the model's checkpoint's business."""
+        theirs = state_dict["settings"]
+        if theirs != self._settings:
+            differ = [k for k in self._settings if theirs.get(k) != self._settings[k]]
+            raise ValueError("the checkpoint was written with other settings: " + ", ".join(
+                f"{k} {theirs.get(k)!r} there, {self._settings[k]!r} here" for k in differ))
+        with torch.no_grad():
+            for name, s in zip(self.names, self._synced):
+                s.copy_(state_dict["synced"][name])
+        self._outer.load_state_dict(state_dict["outer_optimizer"])
+        self.exchange.load_state_dict({
+            "residuals": {n: host_array(r.detach().cpu())
+                          for n, r in state_dict["residuals"].items()},
+            "random_state": state_dict["random_state"]})
+        self.inner_steps = int(state_dict["inner_steps"])
+        self.outer_steps = int(state_dict["outer_steps"])
+
+    # -- agreement ------------------------------------------------------------------------
+    def _agree(self, transport) -> None:
+        """Compare the settings, the parameters and where they start on every rank, once."""
+        if self._agreed:
+            return
+        checksum = 0
+        for s in self._synced:
+            checksum = zlib.crc32(host_array(s.detach().cpu().contiguous()).view("u1"),
+                                  checksum)
+        signature = ";".join(f"{k}={v}" for k, v in {**self._settings,
+                                                       "start": f"{checksum:08x}"}.items())
+
+        def compare():
+            signed_allgather(transport, signature, b"", Traffic(), "outer settings")
+        try:
+            transport.submit(compare).result()
+        except ValueError as exc:
+            raise ValueError(f"OuterOptimizer: {exc} ('start' is a checksum of the "
+                             "parameters each rank starts from: seed the model alike on "
+                             "every rank; 'parameters' counts their names, shapes and "
+                             "dtypes)") from exc
+        self._agreed = True
+
+
+def _floating_parameters(params):
+    """``(names, parameters, skipped names)``: the floating-point parameters of ``params``
+    (plain or named), each once."""
+    entries = list(params)
+    named = [(e if isinstance(e, tuple) else (str(i), e)) for i, e in enumerate(entries)]
+    names, kept, skipped, seen = [], [], [], set()
+    for name, p in named:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameter {name!r} is a {type(p).__name__}, not a tensor")
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.dtype.is_floating_point:
+            names.append(name)
+            kept.append(p)
+        else:
+            skipped.append(name)
+    if len(set(names)) != len(names):
+        raise ValueError("two parameters share a name")
+    return names, kept, skipped
+
+
+def _number(name, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _decay(asked, sparsifier, value):
+    """Error feedback's beta (None: off) from ``error_feedback`` (``"lossy"``: 1.0 when
+    the pipeline loses anything)."""
+    if asked == "lossy":
+        lossless = sparsifier is None and get_codec(value, family="value").lossless
+        return None if lossless else 1.0
+    if asked is False:
+        return None
+    if isinstance(asked, bool) or not isinstance(asked, numbers.Real) \
+            or not 0.0 <= asked <= 1.0:
+        raise ValueError(f"error_feedback must be a decay in [0, 1] or False, got {asked!r}")
+    return float(asked)

@@ -1,0 +1,163 @@
+"""deepreduce.torch.outer: DiLoCo and SparseLoCo outer steps.
+
+The multi-rank checks run on real gloo ranks (spawned processes, tests/outer_workers.py):
+two ranks for most, a second launch of new processes for the resumed run, four ranks
+as two workers of two. The rest on one process.
+"""
+
+import doctest
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import deepreduce.torch.outer as outer_module  # noqa: E402
+from deepreduce.torch.outer import MODES, OuterOptimizer  # noqa: E402
+from conftest import findings, free_port  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def launch(out, ranks, *checks):
+    """Findings of tests/outer_workers.py's ``checks`` on ``ranks`` gloo ranks."""
+    subprocess.run([sys.executable, os.path.join(HERE, "outer_workers.py"), str(out),
+                    str(free_port()), str(ranks), *checks], check=True, timeout=300)
+    found = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return {check: [rank[check] for rank in found] for check in found[0]}
+
+
+@pytest.fixture(scope="module")
+def ranks_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("outer_ranks")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ranks_folder):
+    """One launch for the two-rank checks (and the first half of the resumed run, whose
+    checkpoints stay in ``ranks_folder``)."""
+    return launch(ranks_folder, 2, "check_identical", "check_dense_reference",
+                  "check_sparseloco_reference", "check_mismatch", "check_synced_on_host",
+                  "check_resume_first")
+
+
+def test_docstring_examples():
+    result = doctest.testmod(outer_module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted and result.failed == 0
+
+
+def test_ranks_are_identical_after_every_outer_step_and_apart_in_between(two_ranks):
+    rank0, rank1 = findings(two_ranks, "check_identical")
+    assert rank0["synced"] == [False, False, True] * 3 and rank0["outer_steps"] == 3
+    for a, b, synced in zip(rank0["digests"], rank1["digests"], rank0["synced"]):
+        assert (a == b) == synced
+    assert len(set(rank0["digests"])) == 9          # every step moved the parameters
+    # the weights as 8 x 8 tiles with 4 kept in each, 2-bit values: about 6% of the bytes
+    assert rank0["sent"] < rank0["dense"] / 8
+    assert rank0["residuals"] == 4 and rank0["beta"] == 0.95
+
+
+def test_dense_diloco_is_torch_sgd_nesterov_on_the_mean_pseudo_gradient(two_ranks):
+    for found in findings(two_ranks, "check_dense_reference"):
+        assert found["identical"] == [True] * 3, found["worst"]
+        assert found["skipped"] == ["count"] and found["memory"] is True
+        # the frozen parameter, moved by hand (+1 on rank 0, +2 on rank 1 each step),
+        # is synced: the average of the ranks' drift, through Nesterov's outer step
+        assert len(set(found["frozen"])) == 1 and found["frozen"][0] > 0
+    assert [f["count"] for f in findings(two_ranks, "check_dense_reference")] == [[0], [1]]
+    found = findings(two_ranks, "check_dense_reference")[0]
+    # raw float32 values and indices of a full set: about the dense bytes
+    assert found["dense"] <= found["sent"] < 1.1 * found["dense"] + 200
+
+
+def test_sparseloco_is_error_feedback_topk_statq_and_a_plain_descent_step(two_ranks):
+    for found in findings(two_ranks, "check_sparseloco_reference"):
+        assert found["identical"] == [True] * 3, found["worst"]
+        assert found["residuals_match"] is True
+        # 4 of every 8 x 8 tile: 512 weights -> 32, 256 -> 16; biases in flat chunks
+        assert found["kept"][:4] == [32, 4, 16, 4]
+
+
+def test_settings_that_differ_raise_on_every_rank_naming_them(two_ranks):
+    for found in findings(two_ranks, "check_mismatch"):
+        for name in ("sync_every", "value", "start"):
+            assert found[name]["raised"], name
+            assert f"{name}:" in found[name]["message"], found[name]["message"]
+        assert "seed the model alike" in found["start"]["message"]
+        assert "on rank 0" in found["value"]["message"] and "on rank 1" in found["value"]["message"]
+
+
+def test_synced_copy_on_the_host_trains_the_same_bits(two_ranks):
+    for found in findings(two_ranks, "check_synced_on_host"):
+        assert found["True"]["digests"] == found["False"]["digests"]
+        assert found["True"]["devices"] == ["cpu"]
+
+
+def test_resumed_in_new_processes_equals_the_uninterrupted_run(two_ranks, ranks_folder):
+    second = launch(ranks_folder, 2, "check_resume_second")
+    for before, after in zip(findings(two_ranks, "check_resume_first"),
+                             findings(second, "check_resume_second")):
+        for name in ("sparseloco", "diloco_compressed"):
+            assert after[name]["digest"] == before[name], name
+            assert after[name]["resumed_at"] == [4, 1] and after[name]["ended_at"] == [8, 2]
+            assert after[name]["residuals"] == 4
+
+
+def test_four_ranks_as_two_workers_of_two(tmp_path):
+    found = findings(launch(tmp_path, 4, "check_workers_of_two"), "check_workers_of_two")
+    assert [f["group_size"] for f in found] == [2] * 4
+    assert [f["group_rank"] for f in found] == [0, 0, 1, 1]
+    for step, synced in enumerate(found[0]["synced"]):
+        digests = [f["digests"][step] for f in found]
+        assert digests[0] == digests[1] and digests[2] == digests[3]   # DDP inside a worker
+        assert (digests[0] == digests[2]) == synced                    # the outer step between
+
+
+# -- one process ---------------------------------------------------------------------------
+
+def test_modes_defaults_and_bytes(world_of_one):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 128)
+    sparse = OuterOptimizer(model.parameters(), sync_every=1)
+    assert (sparse.lr, sparse.momentum, sparse.nesterov, sparse.beta) == (1.0, 0.0, False, 0.95)
+    assert sparse.names == ["0", "1"]
+    dense = OuterOptimizer(model.parameters(), mode="diloco", sync_every=1)
+    assert (dense.lr, dense.momentum, dense.nesterov, dense.beta) == (0.7, 0.9, True, None)
+    half = OuterOptimizer(model.parameters(), mode="diloco", value="bf16", sync_every=1)
+    assert half.beta == 1.0                     # a lossy pipeline feeds its error back
+    sent = {}
+    for name, outer in {"sparse": sparse, "dense": dense, "half": half}.items():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        outer.step()
+        sent[name] = outer.stats.last.bytes_sent
+    assert sent["dense"] >= dense.dense_bytes > 1.9 * sent["half"]
+    # 8 tiles of 64 x 64 with 64 kept: 1.56%, 2-bit values
+    assert sent["sparse"] < dense.dense_bytes / 40
+    assert MODES["sparseloco"]["sparsifier"] == "chunktopk:k=64,chunk=4096"
+
+
+def test_arguments_are_checked():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        OuterOptimizer(model.parameters(), mode="localsgd")
+    with pytest.raises(ValueError, match="sync_every"):
+        OuterOptimizer(model.parameters(), sync_every=0)
+    with pytest.raises(ValueError, match="nesterov=True needs momentum"):
+        OuterOptimizer(model.parameters(), momentum=0.0, nesterov=True)
+    with pytest.raises(ValueError, match="error_feedback"):
+        OuterOptimizer(model.parameters(), error_feedback=1.5)
+    with pytest.raises(ValueError, match="no floating-point parameters"):
+        OuterOptimizer([torch.nn.Parameter(torch.ones(2, dtype=torch.long),
+                                           requires_grad=False)])
+
+
+def test_load_state_dict_refuses_other_settings():
+    model = torch.nn.Linear(4, 4)
+    state = OuterOptimizer(model.parameters(), sync_every=3).state_dict()
+    with pytest.raises(ValueError, match="sync_every 3 there, 4 here"):
+        OuterOptimizer(model.parameters(), sync_every=4).load_state_dict(state)
