@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import platform
 import sys
@@ -151,7 +152,7 @@ def measure(tensors: dict, k: int) -> dict:
     bits = dict.fromkeys(["bound", "pack12", "rice_bitmap", "chunked", "auto", "statq", "qsgd",
                           "statq_entropy", "templar_entropy", "pack20", "payload_chunked",
                           "payload_auto", "bundle"], 0.0)
-    kept = 0
+    kept, energy, squared_error = 0, 0.0, {"statq": 0.0, "templar": 0.0}
     for x in tensors.values():
         st = sparsifier(x)
         n, count = st.size, st.nnz
@@ -167,17 +168,25 @@ def measure(tensors: dict, k: int) -> dict:
             bits[name] += 8 * len(codecs[name].encode(st.indices, n))
         for name in ("statq", "qsgd"):
             bits[name] += 8 * len(codecs[name].encode(st.values))
-        statq_codes, _ = formats.statq_codes(st.values)
-        templar_codes, _ = formats.templar_codes(st.values)
+        statq_codes, statq_table = formats.statq_codes(st.values)
+        templar_codes, templar_table = formats.templar_codes(st.values)
         bits["statq_entropy"] += count * formats.code_entropy_bits(statq_codes)
         bits["templar_entropy"] += count * formats.code_entropy_bits(templar_codes)
+        values = st.values.astype(np.float64)
+        energy += float(values @ values)
+        for name, codes, table_ in (("statq", statq_codes, statq_table),
+                                    ("templar", templar_codes, templar_table)):
+            error = values - table_[codes]
+            squared_error[name] += float(error @ error)
         bits["pack20"] += 8 * len(formats.pack20_encode(x, sparsifier))
         for name, pipeline in pipelines.items():
             bits[f"payload_{name}"] += 8 * len(pipeline.encode(x)[0])
     bits["bundle"] = 8 * len(exchange_bundle(tensors, k))
     per = {name: value / kept for name, value in bits.items()}
     per.update(kept=kept, tensors=len(tensors), elements=sum(x.size for x in tensors.values()),
-               k=k, entropy_bound=per["bound"] + per["statq_entropy"])
+               k=k, entropy_bound=per["bound"] + per["statq_entropy"],
+               **{f"{name}_error": math.sqrt(e / energy) if energy else 0.0
+                  for name, e in squared_error.items()})
     per["targets"] = {
         "index_within_1pct": per["chunked"] <= (1 + INDEX_MARGIN) * per["bound"],
         "payload_within_3pct": per["payload_chunked"] <= (1 + PAYLOAD_MARGIN)
@@ -277,10 +286,14 @@ def bytes_section(record) -> list:
                        for k in KS])
         rows.append(["20-bit format / deepreduce (x fewer bits)"]
                     + [f"{by_k[k]['pack20'] / by_k[k]['payload_chunked']:.2f}" for k in KS])
+        rows.append(["relative error of the kept values: statq"]
+                    + [f"{by_k[k]['statq_error']:.3f}" for k in KS])
+        rows.append(["relative error of the kept values: Templar's quantiser"]
+                    + [f"{by_k[k]['templar_error']:.3f}" for k in KS])
         lines += table(["bits per kept element"] + [f"k={k}" for k in KS], rows,
                        right_aligned=True)
         lines += ["", "Targets: " + "; ".join(
-            f"k = {k}: indices within 1% of the bound "
+            f"k = {k}: indices at most 1% above the bound "
             f"{verdict(by_k[k]['targets']['index_within_1pct'])}, whole payload within 3% of "
             f"index bound + code entropy {verdict(by_k[k]['targets']['payload_within_3pct'])} "
             f"and at most 10 bits {verdict(by_k[k]['targets']['payload_at_most_10'])}, "
