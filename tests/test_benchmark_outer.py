@@ -41,8 +41,11 @@ def test_bytes_and_scale_at_a_tiny_size(outer, tmp_path):
         for k, m in entry["by_k"].items():
             assert m["kept"] == m["elements"] // 4096 * int(k)
             assert m["pack12"] == 12 and 20 < m["pack20"] < 22
-            # the exact index coder reaches its bound within a few bytes per tensor
-            assert m["bound"] <= m["chunked"] <= m["bound"] + 8 * 8 * m["tensors"] / m["kept"]
+            # chunked: within a few bytes per tensor of the (uniform choice's) bound, or auto's
+            # stream and its tag where that is shorter (pseudo-gradients cluster)
+            per_tensor_byte = 8 * m["tensors"] / m["kept"]
+            assert m["chunked"] <= min(m["bound"] + 8 * per_tensor_byte,
+                                       m["auto"] + per_tensor_byte)
             assert m["rice_bitmap"] > m["bound"]
             assert m["entropy_bound"] == pytest.approx(m["bound"] + m["statq_entropy"])
             assert m["payload_chunked"] > m["chunked"] + m["statq"]  # and a header
