@@ -161,3 +161,19 @@ def test_load_state_dict_refuses_other_settings():
     state = OuterOptimizer(model.parameters(), sync_every=3).state_dict()
     with pytest.raises(ValueError, match="sync_every 3 there, 4 here"):
         OuterOptimizer(model.parameters(), sync_every=4).load_state_dict(state)
+
+
+def test_example_script_trains_on_two_ranks_under_torchrun():
+    # as docs/diloco.md launches it: torchrun --nproc-per-node=2 examples/diloco.py
+    script = os.path.join(HERE, os.pardir, "examples", "diloco.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", script,
+                           "--steps", "50", "--sync-every", "20"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]  # the ranks' traceback when they fail
+    lines = done.stdout.strip().splitlines()
+    outer_steps = [line for line in lines if line.startswith("outer step")]
+    assert len(outer_steps) == 2 and "inner step   40" in outer_steps[-1]
+    last = lines[-1]
+    assert last.startswith("sparseloco: validation loss") and "after 50 inner and 3 outer" in last
+    assert float(last.split("(")[-1].split("x")[0]) > 100       # bytes per outer step below dense
