@@ -409,12 +409,23 @@ def section(record) -> list:
                         "its wire ms (half each way)", "encode ms", "decode ms"], rows)
         sparse = [label for label in medians if "sparseloco" in label.lower()]
         if sparse:
-            fp32, bf16 = (medians[label] for label in list(medians)[:2])
-            lines += ["", f"The SparseLoCo step takes {medians[sparse[0]]:.0f} ms: "
-                      f"{fp32 / medians[sparse[0]]:.1f}x less than the fp32 allreduce and "
-                      f"{bf16 / medians[sparse[0]]:.1f}x less than the bf16 one."]
+            ours = medians[sparse[0]]
+            against = [f"{than(medians[label], ours)} the {kind} allreduce's"
+                       for label, kind in zip(list(medians)[:2], ("fp32", "bf16"))]
+            lines += ["", f"The SparseLoCo step takes {ours:.0f} ms: {against[0]} and "
+                      f"{against[1]}."]
         lines += [""]
     return lines
+
+
+def than(theirs: float, ours: float) -> str:
+    """``"3.3x less time than"`` or ``"4.7x more time than"``, ours against theirs.
+
+    >>> than(10.0, 4.0), than(4.0, 10.0)
+    ('2.5x less time than', '2.5x more time than')
+    """
+    return (f"{theirs / ours:.1f}x less time than" if ours <= theirs
+            else f"{ours / theirs:.1f}x more time than")
 
 
 def rate_bits(rate: str) -> float:
