@@ -6,6 +6,8 @@
 #   make test    set up (if needed), run the test suite
 #   make docs    set up (if needed), serve the documentation site at http://127.0.0.1:8000
 #   make test-core  the core's tests on a newer Python with numpy 2, no frameworks
+#   make test-torchft  the torchft adapter's tests in .venv-torchft (torch and torchft, no
+#                TensorFlow: torchft's protobuf is newer than TensorFlow 2.15 accepts)
 #   make test-wheel the sdist and the wheel (python -m build in dist/), installed into clean
 #                venvs: the core tests with the compiled extensions, then without them, and
 #                the sdist with the torch extra
@@ -47,7 +49,7 @@ CORE_PYTHON ?= PYENV_VERSION=3.12.1 python3.12
 CORE_VENV := .venv-core
 CORE_STAMP := $(CORE_VENV)/.deepreduce-installed
 
-.PHONY: venv test test-core test-wheel demo bench docs clean help
+.PHONY: venv test test-core test-torchft test-wheel demo bench docs clean help
 
 help:
 	@echo "make demo    set up (if needed), train on two Horovod ranks: dense versus deepreduce"
@@ -56,6 +58,7 @@ help:
 	@echo "make test    set up (if needed), run the test suite"
 	@echo "make docs    set up (if needed), serve the documentation at http://127.0.0.1:8000"
 	@echo "make test-core  the core's tests on Python 3.12+ with numpy 2, without the frameworks"
+	@echo "make test-torchft  the torchft adapter's tests in .venv-torchft (torch + torchft, no TensorFlow)"
 	@echo "make test-wheel build the sdist and the wheel into dist/ and test them installed"
 	@echo "make venv    only set up .venv (TensorFlow, Horovod, torch, deepreduce with its extras)"
 	@echo "make clean   remove .venv, the gradient cache and build leftovers"
@@ -120,6 +123,28 @@ test-core: $(CORE_STAMP)
 	@$(CORE_VENV)/bin/python -c 'import sys, numpy; print("core tests on Python", \
 		sys.version.split()[0], "and numpy", numpy.__version__)'
 	$(CORE_VENV)/bin/python -m pytest -q -p no:cacheprovider
+
+# torchft (deepreduce.torch.torchft) in a venv of its own: torchft's opentelemetry
+# exporter needs protobuf >= 5, TensorFlow 2.15 needs protobuf < 5, so the two cannot
+# share .venv. torch goes in first and a constraint holds it there, so that torchft's
+# "torch>=2.7" never makes pip fetch another (CUDA) build.
+TORCHFT_VENV := .venv-torchft
+TORCHFT_STAMP := $(TORCHFT_VENV)/.deepreduce-installed
+TORCHFT_PIP := $(TORCHFT_VENV)/bin/python -m pip
+
+$(TORCHFT_STAMP): setup.cfg setup.py pyproject.toml Makefile $(C_SOURCES)
+	test -x $(TORCHFT_VENV)/bin/python || $(PYTHON) -m venv $(TORCHFT_VENV)
+	$(TORCHFT_PIP) install --upgrade pip setuptools wheel
+	$(TORCHFT_PIP) install $(TORCH)
+	echo "$(TORCH)" >$(TORCHFT_VENV)/torch-constraint.txt
+	$(TORCHFT_PIP) install -c $(TORCHFT_VENV)/torch-constraint.txt -e ".[torchft,dev]"
+	touch $@
+
+# Only the adapter's tests: the rest of the suite runs in .venv (make test).
+test-torchft: $(TORCHFT_STAMP)
+	@$(TORCHFT_VENV)/bin/python -c 'from importlib.metadata import version as v; \
+		print("torchft", v("torchft"), "| torch", v("torch"), "| protobuf", v("protobuf"))'
+	$(TORCHFT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_torchft.py
 
 # The package as users get it, in new venvs under build/pkg/ that share only pip's cache;
 # each leg prints its wall time.
@@ -225,5 +250,5 @@ $(GRADIENTS): benchmarks/gradients.py | $(STAMP)
 	mv $(GRADIENTS:.npz=.partial.npz) $@
 
 clean:
-	rm -rf $(VENV) $(CORE_VENV) benchmarks/cache build *.egg-info .pytest_cache .hypothesis \
+	rm -rf $(VENV) $(CORE_VENV) $(TORCHFT_VENV) benchmarks/cache build *.egg-info .pytest_cache .hypothesis \
 		deepreduce/*.so codecs/*.so codecs/*/*.so
