@@ -71,8 +71,12 @@ def synthetic(size: int, seed: int = 0) -> list:
 
 
 def set_name(label: str) -> str:
-    """A set's label up to its first parenthesis: ``"pseudo-gradients of the outer model"``."""
-    return label.split(" (")[0]
+    """A set's label for a sentence: the pseudo-gradients' up to its parenthesis.
+
+    >>> set_name("pseudo-gradients of the outer model (3,297,792 parameters), its 19")
+    'pseudo-gradients of the outer model'
+    """
+    return label.split(" (")[0] if label.startswith("pseudo") else label
 
 
 def model_sizes(quick: bool) -> dict:
@@ -299,7 +303,41 @@ def bytes_section(record) -> list:
             f"and at most 10 bits {verdict(by_k[k]['targets']['payload_at_most_10'])}, "
             f"2.2x or more fewer than the 20-bit format "
             f"{verdict(by_k[k]['targets']['versus_20_bits'])}" for k in KS) + ".", ""]
-    return lines
+    return lines + bytes_notes(record)
+
+
+def bytes_notes(record) -> list:
+    """What the tables show, from their figures: where the positions cluster, what the
+    values cost beyond their codes' entropy, and which targets no coder can reach."""
+    def at(entry, k):
+        return entry["by_k"][str(k)] if str(k) in entry["by_k"] else entry["by_k"][k]
+
+    notes = []
+    for entry in record["sets"]:
+        m = at(entry, SPARSELOCO_K)
+        if m["auto"] < m["bound"]:
+            notes.append(
+                f"On the {set_name(entry['label'])} the kept positions cluster inside their "
+                f"tiles, so they carry less than a uniform choice: `auto`'s gap codes take "
+                f"{m['auto']:.2f} bits per index at k = 64, "
+                f"{100 * (1 - m['auto'] / m['bound']):.0f}% below log2 C(4096, 64) / 64, and "
+                "`chunked` keeps that stream where it is the shorter.")
+    notes.append("At k = 64 statq spends " + ", ".join(
+        f"{at(e, SPARSELOCO_K)['statq']:.2f} bits per value on codes of "
+        f"{at(e, SPARSELOCO_K)['statq_entropy']:.2f} bits of entropy on the "
+        f"{set_name(e['label'])} ({at(e, SPARSELOCO_K)['kept'] // at(e, SPARSELOCO_K)['tensors']:,}"
+        " values a tensor)" for e in record["sets"])
+        + ": its table of bin means and the zstd frame of its codes are a fixed cost per "
+        "tensor, which small tensors feel.")
+    for entry in record["sets"]:
+        m = at(entry, KS[0])
+        if m["pack20"] / m["entropy_bound"] < VERSUS_20_BITS:
+            notes.append(
+                f"At k = {KS[0]} the 2.2x target is out of reach on the "
+                f"{set_name(entry['label'])} whatever the coder: index bound + code entropy "
+                f"({m['entropy_bound']:.2f} bits) is only {m['pack20'] / m['entropy_bound']:.2f}x "
+                f"fewer than the 20-bit format's {m['pack20']:.2f}.")
+    return [" ".join(notes), ""]
 
 
 def verdict(passed: bool) -> str:

@@ -85,3 +85,12 @@ def test_the_time_part_across_two_namespaces(outer, tmp_path):
     sparse = [r for label, r in results.items() if "sparseloco" in label.lower()][0]
     # what crosses the veth: the dense buffer against a few kilobytes
     assert min(fp32["wire"]) > 10 * max(sparse["wire"])
+
+
+def test_the_modules_examples_run(outer):
+    import doctest
+
+    from benchmarks import outer_time
+    for module in (outer, outer_time):
+        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.attempted and not result.failed, module.__name__
