@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import deepreduce as dr
-from deepreduce.exchange import allgather as allgather_exchange, gradient_exchange, stats
+from deepreduce.exchange import allgather as allgather_exchange, decoding, gradient_exchange, stats
 from deepreduce.bundle import pack_bundle, split_bundles
 from deepreduce.exchange import GradientExchange
 
@@ -324,7 +324,7 @@ def test_bundles_of_several_groups_decode_as_one_and_count_one_step(monkeypatch)
     one, grouped = ([make_exchange(dr.TopK(0.1), index="auto", value="fp16", seed=r)
                      for r in range(2)] for _ in range(2))
     decoded = []
-    monkeypatch.setattr(allgather_exchange, "decode", lambda payload: decoded.append(1) or
+    monkeypatch.setattr(decoding, "decode", lambda payload: decoded.append(1) or
                         dr.decompress(payload))
     for step in range(3):
         grads = [gradients(10 * step + r, shapes) for r in range(2)]

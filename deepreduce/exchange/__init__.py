@@ -5,14 +5,17 @@ PyTorch DDP in :mod:`deepreduce.torch`) converts its tensors to numpy, provides 
 transport, and holds a :class:`GradientExchange`, which does the rest. The package
 is the data path of a step, one job a module:
 
-- :mod:`~deepreduce.exchange.gradient_exchange`: the facade, :class:`GradientExchange`;
+- :mod:`~deepreduce.exchange.gradient_exchange`: the facade, :class:`GradientExchange`,
+  which picks a strategy once from ``communicator``;
 - :mod:`~deepreduce.exchange.selection`: per tensor, the min-size rule, seeding, error
   feedback (:mod:`~deepreduce.exchange.memory`) and the sparsifier;
-- :mod:`~deepreduce.exchange.strategy`: the one interface of the strategies, and the
-  choice of one from ``communicator``:
+- :mod:`~deepreduce.exchange.strategy`: the one interface of the strategies, which
+  the three implement:
 
   - :mod:`~deepreduce.exchange.allgather`: bundles of payloads to every rank, decoded
-    and summed there (the default, DeepReduce's scheme);
+    and summed there (the default, DeepReduce's scheme): its encoding side in
+    :mod:`~deepreduce.exchange.encoding`, its decoding side in
+    :mod:`~deepreduce.exchange.decoding` and :mod:`~deepreduce.exchange.summing`;
   - :mod:`~deepreduce.exchange.reducing`: SparCML's and OmniReduce's communicators,
     which sum inside the collective;
   - :mod:`~deepreduce.exchange.hierarchical`: dense inside a node, one of the two above

@@ -2,12 +2,13 @@
 
 It builds the parts once from the settings (:class:`~deepreduce.config.ExchangeConfig`):
 the selector (:mod:`deepreduce.exchange.selection`), the strategy of the communicator
-(:func:`~deepreduce.exchange.strategy.strategy_for`) and the stats; every step goes to the
+(:func:`strategy_for`) and the stats; every step goes to the
 strategy, whatever the framework. See :mod:`deepreduce.exchange` for the parts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from deepreduce.collectives.communicator import op_name
@@ -16,13 +17,29 @@ from deepreduce.collectives.transport import Traffic
 from deepreduce.config import ExchangeConfig
 from deepreduce.errors import DecodeError
 from deepreduce.exchange.allgather import BUNDLE_SIGNATURE, AllgatherExchange
+from deepreduce.exchange.hierarchical import HierarchicalExchange
+from deepreduce.exchange.reducing import ReducingExchange
 from deepreduce.exchange.selection import Selector
 from deepreduce.exchange.stats import CompressionStats
-from deepreduce.exchange.strategy import Step, strategy_for
+from deepreduce.exchange.strategy import Step, Strategy
 from deepreduce.sparse import SparseTensor
 
 #: What the one-byte answers of :meth:`GradientExchange.agree_finite` travel behind.
 FINITE_SIGNATURE = "exchange=finite"
+
+
+def strategy_for(config: ExchangeConfig, selector: Selector) -> Strategy:
+    """The strategy of ``config.communicator``, built once for an exchange; the
+    hierarchical one gets the strategy of its ``inter`` communicator from here too."""
+    if config.communicator == "allgather":
+        return AllgatherExchange(selector, config.codec_threads)
+    if config.communicator == "hierarchical":
+        options = config.communicator_options
+        between_nodes = strategy_for(dataclasses.replace(
+            config, communicator=options["inter"],
+            communicator_options=options["inter_options"]), selector)
+        return HierarchicalExchange(config, selector, between_nodes)
+    return ReducingExchange(config, selector)
 
 
 class _Part:

@@ -35,14 +35,20 @@ import numpy as np
 from deepreduce.collectives import frames
 from deepreduce.collectives.signed import check_peers
 from deepreduce.collectives.transport import Traffic
-from deepreduce.exchange.reducing import nonzero_rows
-from deepreduce.exchange.stats import StepStats
+from deepreduce.exchange.stats import CompressionStats, StepStats
 from deepreduce.exchange.strategy import Step, Strategy
-from deepreduce.exchange.topology import (Failures, Topology, node_transports, pack_shards,
-                                          resolve_local_size, shard_bounds, unpack_shards)
+from deepreduce.exchange.summing import memory_of, nonzero_rows
+from deepreduce.exchange.topology import (CarriedStage, Failures, Topology, node_transports,
+                                          pack_shards, resolve_local_size, shard_bounds,
+                                          unpack_shards)
 from deepreduce.sparse import SparseTensor
 from deepreduce.sparsifiers import _as_float_array
 from deepreduce.sums import SUM_IMPLEMENTATION
+
+#: What stage 2 allgathers behind: a strategy's bundles, or, before a strategy whose
+#: collectives cannot carry a failure, nothing: whether every rank can go on.
+_BUNDLES_SIGNATURE = "exchange=hierarchical;stage=bundles"
+_STATUS_SIGNATURE = "exchange=hierarchical;stage=status"
 
 
 class HierarchicalExchange(Strategy):
@@ -58,9 +64,10 @@ class HierarchicalExchange(Strategy):
     selector : Selector
         The exchange's per-tensor step (pipelines, error feedback): it sees the
         shards.
-    between_nodes : AllgatherExchange or ReducingExchange
-        The strategy of ``inter`` that stage 2 runs on the shards
-        (:func:`~deepreduce.exchange.strategy.strategy_for` builds it).
+    between_nodes : Strategy
+        The strategy of ``inter`` (an allgather or a reducing one) that stage 2 runs
+        on the shards through its :meth:`~deepreduce.exchange.strategy.Strategy.start`
+        (:func:`~deepreduce.exchange.gradient_exchange.strategy_for` builds it).
 
     Examples
     --------
@@ -164,7 +171,7 @@ class HierarchicalExchange(Strategy):
             shards = layout.reduce(received, topology.local_rank, flats)
         timing["exchange"] += time.perf_counter() - clock
         # 2. between nodes: the compressed exchange of the shard
-        reduced, positions, encoded, decoded = self._between_nodes(
+        reduced, positions, between = self._between_nodes(
             names, layout, shards, topology, inter, lock, failures, traffic, timing)
         clock = time.perf_counter()
         # 3. inside the node: every reduced shard to every rank of the node
@@ -182,79 +189,65 @@ class HierarchicalExchange(Strategy):
         if reuse_out and out is not None:
             stale = [self._written_out.pop((layout.digest, t), (None, None)) for t in
                      range(len(out))]
-            stale = [where if out[t] is not None and memory == _memory_of(out[t]) else None
+            stale = [where if out[t] is not None and memory == memory_of(out[t]) else None
                      for t, (memory, where) in enumerate(stale)]
         outputs, written = layout.assemble(segments, out, as_rows, stale)
         if reuse_out and out is not None:
             for t, where in enumerate(written):
                 if where is not None and out[t] is not None:
-                    self._written_out[layout.digest, t] = (_memory_of(out[t]), where)
+                    self._written_out[layout.digest, t] = (memory_of(out[t]), where)
         timing["decode"] += time.perf_counter() - clock
         stats.record_step(StepStats(
-            steps=1, tensors=len(outputs), compressed_tensors=encoded.compressed_tensors,
+            steps=1, tensors=len(outputs), compressed_tensors=between.compressed_tensors,
             bytes_sent=traffic.sent, bytes_received=traffic.received,
             dense_bytes=layout.dense_bytes, encode_seconds=timing["encode"],
             decode_seconds=timing["decode"], exchange_seconds=timing["exchange"],
-            codec_seconds=encoded.codec_seconds + decoded.codec_seconds))
+            codec_seconds=between.codec_seconds))
         return outputs, traffic
 
     def _between_nodes(self, names, layout, shards, topology, inter, lock, failures, traffic,
                        timing):
-        """Stage 2: ``(reduced segments or None, where they may be non-zero or None,
-        encode stats, decode stats)``."""
-        encoded, decoded = StepStats(), StepStats()
-        targets = None if shards is None else self._targets(layout, topology.local_rank)
-        if self.inter == "allgather":
-            bundle = b""
+        """Stage 2: the strategy between nodes (:class:`~deepreduce.exchange.strategy.Strategy`)
+        on this rank's shards, over ``inter``: ``(reduced segments, where they may be
+        non-zero, its step's stats)``; the segments None once anything failed."""
+        inner, j = self._inner, topology.local_rank
+        if not inner.carries_failures:
+            # the ranks learn first whether all of them can go on, since the strategy runs
+            # a sequence of collectives that a missing rank would leave waiting
             clock = time.perf_counter()
-            if shards is not None:
-                try:
-                    with lock:
-                        coded = self._inner.encode(names, shards)
-                    bundle, encoded = coded.bundle, coded.stats
-                except (ValueError, TypeError) as exc:
-                    failures.fail(exc)
-            timing["encode"] += time.perf_counter() - clock
-            clock = time.perf_counter()
-            gathered = failures.allgather(inter, "exchange=hierarchical;stage=bundles", bundle,
-                                          traffic, "between nodes")
+            ready = failures.allgather(inter, _STATUS_SIGNATURE, b"", traffic,
+                                       "between nodes: status")
             timing["exchange"] += time.perf_counter() - clock
-            if gathered is None:
-                return None, None, encoded, decoded
-            clock = time.perf_counter()
-            try:
-                # (the targets are last step's: only the positions it wrote are reset)
-                views = layout.shard_views(targets, topology.local_rank)
-                keys = [f"{layout.digest}/{t}" for t in range(len(shards))]
-                decoded = self._inner.decode([gathered], inter.size, inter.rank, False, None,
-                                             views, [coded.sent], keys).stats
-            except ValueError as exc:  # DecodeError included
-                failures.fail(exc)
-                return None, None, encoded, decoded
-            # where the sums may be non-zero, as the decode knows it: no pass over the shards
-            written = [self._inner.written_positions(key, view) for key, view in zip(keys, views)]
-            timing["decode"] += time.perf_counter() - clock
-            return targets, layout.segment_positions(targets, topology.local_rank, written), \
-                encoded, decoded
-        # sparse_allreduce / block: the ranks learn first whether all of them can go on,
-        # since each runs a sequence of collectives that a missing rank would leave waiting
-        clock = time.perf_counter()
-        if failures.allgather(inter, "exchange=hierarchical;stage=status", b"", traffic,
-                              "between nodes: status") is None:
-            return None, None, encoded, decoded
+            if ready is None:
+                return None, None, StepStats()
+        targets = views = keys = None
+        if shards is not None:
+            # (the targets are last step's: only the positions it wrote are reset)
+            targets = self._targets(layout, j)
+            views = layout.shard_views(targets, j)
+            keys = [f"{layout.digest}/{t}" for t in range(len(shards))]
+        carry = CarriedStage(failures, _BUNDLES_SIGNATURE, "between nodes") \
+            if inner.carries_failures else None
+        recorded = CompressionStats()
+        step = Step(names, shards, inter, "sum", [False] * len(names), views, True, lock,
+                    recorded, out_keys=keys, carry=carry)
         try:
-            with lock:
-                reduction = self._inner.reduce(names, shards, "sum", inter, [False] * len(shards))
-            with lock:
-                outputs, inner_traffic, encoded = reduction()
-        except ValueError as exc:
+            outputs, inner_traffic = inner.start(step).result()
+        except ValueError as exc:  # DecodeError included
             failures.fail(exc)
-            return None, None, encoded, decoded
+            return None, None, StepStats()
         traffic += inner_traffic
-        for view, output in zip(layout.shard_views(targets, topology.local_rank), outputs):
-            np.copyto(view, np.asarray(output).reshape(-1))
-        timing["exchange"] += time.perf_counter() - clock
-        return targets, None, encoded, decoded
+        if outputs is None:  # a failure, which `failures` holds
+            return None, None, StepStats()
+        done = recorded.last
+        clock = time.perf_counter()
+        # where the sums may be non-zero, as the strategy knows it: no pass over the shards
+        written = [inner.written_positions(key, view) for key, view in zip(keys, views)]
+        positions = layout.segment_positions(targets, j, written)
+        timing["encode"] += done.encode_seconds
+        timing["exchange"] += done.exchange_seconds
+        timing["decode"] += done.decode_seconds + time.perf_counter() - clock
+        return targets, positions, done
 
     def _targets(self, layout, j: int) -> list:
         """The arrays this rank's reduced segments are summed into: kept from step to step
@@ -308,18 +301,20 @@ class HierarchicalExchange(Strategy):
     # -- error feedback outside the exchange --------------------------------------------
     def pay(self, memory, names, tensors, transport) -> None:
         """Add what error feedback owes into ``tensors`` (in place), for a step that sends
-        them whole: each residual is of this rank's shard of the node's sum, and goes into
-        this rank's shard of its gradient, so the dense sum over all ranks holds it once."""
+        them whole: each residual is of this rank's shard of the node's sum, and the
+        strategy between nodes pays it into this rank's shard of its gradient, so the
+        dense sum over all ranks holds it once."""
         if not len(memory):
             return
         topology = self._topology(transport)
-        for name, x in zip(names, tensors):
-            if name is None or name not in memory:
-                continue
-            flat = x.reshape(-1)
+        owed = [(name, x.reshape(-1)) for name, x in zip(names, tensors)
+                if name is not None and name in memory]
+        shards = []
+        for _, flat in owed:
             bounds = shard_bounds(flat.size, topology.local_size)
-            memory.pay(name, flat[bounds[topology.local_rank]:bounds[topology.local_rank + 1]])
-
+            shards.append(flat[bounds[topology.local_rank]:bounds[topology.local_rank + 1]])
+        # (its residuals cover the whole of each shard: it needs no transport to place them)
+        self._inner.pay(memory, [name for name, _ in owed], shards, None)
 
 def _layout_signature(digest: str) -> str:
     return f"exchange=hierarchical;layout={digest}"
@@ -493,6 +488,3 @@ class _Layout:
                 (target if target is not None else whole)
         return results, written
 
-
-def _memory_of(array) -> tuple:
-    return array.__array_interface__["data"][0], array.size, array.dtype.str

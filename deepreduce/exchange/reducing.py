@@ -20,6 +20,7 @@ from deepreduce import collectives
 from deepreduce.collectives.transport import Traffic
 from deepreduce.exchange.stats import StepStats
 from deepreduce.exchange.strategy import Step, Strategy
+from deepreduce.exchange.summing import nonzero_rows
 from deepreduce.pipeline import Pipeline
 
 
@@ -132,10 +133,3 @@ class ReducingExchange(Strategy):
                 exchange_seconds=exchanged - encoded)
 
         return finish
-
-
-def nonzero_rows(dense: np.ndarray):
-    """``(values, rows)`` of the rows of ``dense`` holding a non-zero (NaN counts)."""
-    flat = dense.reshape(dense.shape[0], int(np.prod(dense.shape[1:], dtype=np.int64)))
-    rows = np.flatnonzero((flat != 0).any(axis=1))
-    return dense[rows], rows.astype(np.int64)

@@ -1,13 +1,13 @@
-"""The one interface of the exchange strategies, and the choice of one from the settings.
+"""The one interface of the exchange strategies: a :class:`Step` in, a Future out.
 
 A strategy moves one step's gradients across the ranks: the allgather
 (:class:`~deepreduce.exchange.allgather.AllgatherExchange`, DeepReduce's scheme), the
 reducing communicators (:class:`~deepreduce.exchange.reducing.ReducingExchange`,
 SparCML's and OmniReduce's) or the hierarchical one
-(:class:`~deepreduce.exchange.hierarchical.HierarchicalExchange`, dense inside a node).
-:func:`strategy_for` picks it once, when the exchange is built, from
-``config.communicator``; the hierarchical strategy gets the strategy between nodes
-from it too.
+(:class:`~deepreduce.exchange.hierarchical.HierarchicalExchange`, dense inside a node,
+one of the other two between nodes, which it drives through this interface too).
+:func:`~deepreduce.exchange.gradient_exchange.strategy_for` picks one once, when the
+exchange is built, from ``config.communicator``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import threading
 
-    from deepreduce.config import ExchangeConfig
     from deepreduce.exchange.memory import ResidualMemory
-    from deepreduce.exchange.selection import Selector
     from deepreduce.exchange.stats import CompressionStats
+    from deepreduce.exchange.topology import CarriedStage
 
 
 @dataclasses.dataclass
@@ -42,6 +41,16 @@ class Step:
     exact : bool
         A non-finite step: every tensor whole and exact, nothing remembered
         (only the allgather strategy runs these).
+    out_keys : list or None
+        With ``reuse_out``, the key of each ``out`` array, under which the positions
+        written there are kept (None: the names).
+    carry : CarriedStage or None
+        None: a reduction of its own, which a failure on any rank makes every rank
+        raise. Else the step is a stage of a larger reduction that carries failures
+        through its stages (the hierarchical strategy's stage 2): a strategy that
+        :attr:`~Strategy.carries_failures` records a failure there, takes part in its
+        collectives all the same (with nothing to encode once one is recorded) and
+        completes the Future with None for the outputs.
     """
 
     names: list
@@ -54,10 +63,17 @@ class Step:
     lock: threading.Lock
     stats: CompressionStats
     exact: bool = False
+    out_keys: list | None = None
+    carry: CarriedStage | None = None
 
 
 class Strategy(Protocol):
     """What the exchange asks of a strategy."""
+
+    #: Whether the strategy's collectives carry a failure that ``step.carry`` records to
+    #: every rank; one whose collectives cannot runs as a stage only once every rank is
+    #: known to be able to go on (a missing rank would leave them waiting).
+    carries_failures = False
 
     def start(self, step: Step) -> Future:
         """Start ``step``: error feedback, selection and encoding on the caller's thread
@@ -71,19 +87,7 @@ class Strategy(Protocol):
         for name, x in zip(names, tensors):
             memory.pay(name, x)
 
-
-def strategy_for(config: ExchangeConfig, selector: Selector) -> Strategy:
-    """The strategy of ``config.communicator``, built once for an exchange."""
-    from deepreduce.exchange.allgather import AllgatherExchange
-    from deepreduce.exchange.hierarchical import HierarchicalExchange
-    from deepreduce.exchange.reducing import ReducingExchange
-
-    if config.communicator == "allgather":
-        return AllgatherExchange(selector, config.codec_threads)
-    if config.communicator == "hierarchical":
-        options = config.communicator_options
-        between_nodes = strategy_for(dataclasses.replace(
-            config, communicator=options["inter"],
-            communicator_options=options["inter_options"]), selector)
-        return HierarchicalExchange(config, selector, between_nodes)
-    return ReducingExchange(config, selector)
+    def written_positions(self, key, target):
+        """Where the last step with ``reuse_out`` may have made ``target``, the ``out``
+        array kept under ``key``, non-zero; None: anywhere (a pass over it finds them)."""
+        return None

@@ -367,3 +367,27 @@ class Failures:
         if self.causes:
             raise frames.PeerError("the hierarchical reduction failed on other ranks: "
                                    + "; ".join(sorted(self.causes)))
+
+
+@dataclass
+class CarriedStage:
+    """One stage of a hierarchical reduction that another strategy runs (stage 2: its
+    :class:`~deepreduce.exchange.strategy.Step`'s ``carry``): its one allgather, behind
+    ``signature`` and counted as ``name`` in the traffic, carries the reduction's
+    :class:`Failures` on to the next stage."""
+
+    failures: Failures
+    signature: str
+    name: str
+
+    @property
+    def failed(self) -> bool:
+        """Whether anything failed already (this rank then has nothing to send)."""
+        return bool(self.failures)
+
+    def allgather(self, transport, body, traffic, error: BaseException | None = None):
+        """Every member's ``body``, or None once anything failed; ``error``: this rank's
+        own failure, recorded first."""
+        if error is not None:
+            self.failures.fail(error)
+        return self.failures.allgather(transport, self.signature, body, traffic, self.name)
