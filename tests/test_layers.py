@@ -193,3 +193,61 @@ def test_the_codec_families_share_helpers_and_never_import_each_other():
                     ("deepreduce.codecs.", *CORE_BELOW_THE_CODECS)):
                 offenders.append(f"{relative}:{line} imports {module}")
     assert offenders == []
+
+
+#: The exchange's own layers (issue 44), bottom first: a module of deepreduce/exchange/
+#: imports only modules of the layers below its own, so the three strategies never
+#: import each other; the package's __init__ re-exports the facade, above them all.
+EXCHANGE_LAYERS = [
+    # the parts a step uses: error feedback, the stats, the codec threads, the
+    # per-tensor selection, the hierarchical topology, the allgather's sums
+    ("memory", "stats", "parallel", "selection", "topology", "summing"),
+    # the one strategy interface, and the allgather's encoding and decoding sides
+    ("strategy", "encoding", "decoding"),
+    # the strategies
+    ("allgather", "reducing", "hierarchical"),
+    # the facade, which picks a strategy from the settings
+    ("gradient_exchange",),
+]
+
+
+def exchange_layer(name: str) -> int | None:
+    """The layer of the exchange module ``name`` (``deepreduce.exchange.<name>``)."""
+    return next((layer for layer, names in enumerate(EXCHANGE_LAYERS) if name in names), None)
+
+
+def exchange_imports_not_below(paths) -> list:
+    """Every import, by a module of the exchange among ``paths``, of an exchange module
+    that is not in a layer below its own (the package itself included)."""
+    offenders = []
+    for path in paths:
+        own = exchange_layer(path.stem)
+        for line, module in sorted(deepreduce_imports(path)):
+            if module.split(".")[:2] != ["deepreduce", "exchange"]:
+                continue
+            theirs = exchange_layer(module.split(".")[2]) if module.count(".") >= 2 else None
+            if theirs is None or theirs >= own:
+                offenders.append(f"exchange/{path.name}:{line} imports {module}")
+    return offenders
+
+
+EXCHANGE_MODULES = sorted(path for path in (CORE / "exchange").glob("*.py")
+                          if path.name != "__init__.py")
+
+
+def test_every_exchange_module_has_a_layer():
+    assert [path.name for path in EXCHANGE_MODULES if exchange_layer(path.stem) is None] == []
+
+
+def test_the_exchange_modules_import_one_way():
+    assert exchange_imports_not_below(EXCHANGE_MODULES) == []
+
+
+def test_the_exchange_check_sees_a_strategy_importing_another(monkeypatch):
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: (
+        "from deepreduce.exchange.strategy import Step\n"
+        "def f():\n    from deepreduce.exchange.allgather import AllgatherExchange\n"
+        "from deepreduce.exchange import GradientExchange\n"))
+    assert exchange_imports_not_below([CORE / "exchange" / "hierarchical.py"]) == [
+        "exchange/hierarchical.py:3 imports deepreduce.exchange.allgather.AllgatherExchange",
+        "exchange/hierarchical.py:4 imports deepreduce.exchange.GradientExchange"]
