@@ -411,11 +411,26 @@ def quality_available() -> bool:
     return importlib.util.find_spec("benchmarks.outer_quality") is not None
 
 
+#: benchmarks.outer_quality's settings under ``--quick``: a tiny model, two outer steps.
+QUICK_QUALITY = ["--steps", "4", "--sync-every", "2", "--width", "64", "--depth", "1",
+                 "--heads", "2", "--windows", "8", "--curve-windows", "8",
+                 "--text-bytes", "200000"]
+
+
 def quality_part(args):
-    """:func:`benchmarks.outer_quality.run`'s ``(markdown section, record)``."""
+    """:func:`benchmarks.outer_quality.run`'s ``(markdown section, record)``, with its own
+    defaults (or :data:`QUICK_QUALITY`), its plot beside ``args.out``. A failure there
+    is reported in the section instead of losing the other parts' figures."""
     from benchmarks import outer_quality
 
-    return outer_quality.run(args)
+    quality_args = outer_quality.parse_args(QUICK_QUALITY if args.quick else [])
+    quality_args.out = str(Path(args.out).with_name("outer_quality.md"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # (where the plot goes)
+    try:
+        return outer_quality.run(quality_args)
+    except Exception as exc:  # (its own bug must not cost the other parts' figures)
+        return (f"## Quality\n\n`benchmarks.outer_quality.run` failed: "
+                f"{type(exc).__name__}: {exc}\n", {"error": repr(exc)})
 
 
 # -- the report ----------------------------------------------------------------------------
