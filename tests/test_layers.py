@@ -202,8 +202,9 @@ EXCHANGE_LAYERS = [
     # the parts a step uses: error feedback, the stats, the codec threads, the
     # per-tensor selection, the hierarchical topology, the allgather's sums
     ("memory", "stats", "parallel", "selection", "topology", "summing"),
-    # the one strategy interface, and the allgather's encoding and decoding sides
-    ("strategy", "encoding", "decoding"),
+    # the one strategy interface, the allgather's encoding and decoding sides, the
+    # hierarchical's layout of the shards
+    ("strategy", "encoding", "decoding", "shards"),
     # the strategies
     ("allgather", "reducing", "hierarchical"),
     # the facade, which picks a strategy from the settings

@@ -19,7 +19,8 @@ is the data path of a step, one job a module:
   - :mod:`~deepreduce.exchange.reducing`: SparCML's and OmniReduce's communicators,
     which sum inside the collective;
   - :mod:`~deepreduce.exchange.hierarchical`: dense inside a node, one of the two above
-    between nodes, with its nodes and shards in :mod:`~deepreduce.exchange.topology`;
+    between nodes, with its nodes and shards in :mod:`~deepreduce.exchange.topology`
+    and the layout of a step's shards in :mod:`~deepreduce.exchange.shards`;
 - :mod:`~deepreduce.exchange.stats`: bytes and times of every step;
   :mod:`~deepreduce.exchange.parallel`: the codec threads.
 
