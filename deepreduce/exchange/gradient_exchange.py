@@ -139,13 +139,15 @@ class GradientExchange:
         self._init_runtime()
 
     def __repr__(self):
-        memory = "None" if self.memory is None else f"ResidualMemory(beta={self.memory.beta})"
-        options = "".join(f", {k}={v!r}" for k, v in self.communicator_options.items())
-        return (f"{type(self).__name__}({self.pipeline!r}, error_feedback={memory}, "
-                f"min_size={self.min_size}, seed={self.seed}, "
-                f"communicator={self.communicator!r}{options})")
+        config, residuals = self.config, self.selector.memory
+        memory = "None" if residuals is None else f"ResidualMemory(beta={residuals.beta})"
+        options = "".join(f", {k}={v!r}" for k, v in config.communicator_options.items())
+        return (f"{type(self).__name__}({self.selector.pipeline!r}, error_feedback={memory}, "
+                f"min_size={config.min_size}, seed={config.seed}, "
+                f"communicator={config.communicator!r}{options})")
 
-    # -- what the parts hold -----------------------------------------------------------
+    # -- what the parts hold, under the names the integrations read (deepreduce.torch,
+    # deepreduce.horovod, the benchmarks); the exchange's own code reads its parts ------
     pipeline = _Part("selector", "The configured pipeline (sparsifier and codecs, seeded).")
     small_pipeline = _Part("selector", "The lossless pipeline of tensors below ``min_size``.")
     memory = _Part("selector", "The residuals of error feedback (None without).")
@@ -168,15 +170,17 @@ class GradientExchange:
         With the hierarchical communicator each residual covers this rank's shard,
         which ``transport`` (the reduction's) locates.
         """
-        if self.memory is not None:
-            self.strategy.pay(self.memory, names, tensors, transport)
+        memory = self.selector.memory
+        if memory is not None:
+            self.strategy.pay(memory, names, tensors, transport)
 
     def rescale(self, factor: float) -> None:
         """Multiply every residual by ``factor``: keep error feedback in the units of the
         gradients when they change, as a loss scaler's gradients do when it changes its
         scale (``factor`` = new scale / old scale; by a power of two, exact)."""
-        if self.memory is not None:
-            self.memory.rescale(factor)
+        memory = self.selector.memory
+        if memory is not None:
+            memory.rescale(factor)
 
     def agree_finite(self, tensors, transport) -> bool:
         """Whether every rank's ``tensors`` are finite, as :meth:`reduce_async`'s
