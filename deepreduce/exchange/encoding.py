@@ -90,6 +90,19 @@ def shared_payloads(tensors, selector, selections_share: bool, *, shared_below: 
     below ``summed_whole_below`` apart from the larger: two or more tensors a
     payload. Each of them then costs a slice of a payload instead of one (its
     header, checksum and codec calls, and decoding them again for every rank).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from deepreduce.config import ExchangeConfig
+    >>> from deepreduce.exchange.selection import Selector
+    >>> selector = Selector(ExchangeConfig(min_size=1024))
+    >>> sizes = [10, 20, 5000, 6000, 1 << 22]
+    >>> tensors = [np.ones(size, np.float32) for size in sizes]
+    >>> shared = shared_payloads(tensors, selector, True, shared_below=1 << 22,
+    ...                          payload_elements=1 << 22, summed_whole_below=1 << 16)
+    >>> [(payload.selects, [t for t, _ in payload.members]) for payload in shared]
+    [(False, [0, 1]), (True, [2, 3])]
     """
     groups, min_size = {}, selector.min_size
     for t, x in enumerate(tensors):

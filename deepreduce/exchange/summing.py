@@ -228,6 +228,22 @@ class ReusedSums:
     as a tensor instead of copying it. An array anything still views (a tensor
     TensorFlow has not released, a result the caller kept) is left alone and a
     fresh one replaces it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> sums = ReusedSums()
+    >>> total, stale = sums.zeros("w", 4, np.float32)
+    >>> total[1] = 2.0
+    >>> sums.keep("w", total, np.array([1]))
+    >>> again, stale = sums.zeros("w", 4, np.float32)  # nobody else views it: rewritten
+    >>> again is total, stale.tolist()
+    (True, [1])
+    >>> kept = again[1:]
+    >>> sums.keep("w", again, stale)
+    >>> fresh, stale = sums.zeros("w", 4, np.float32)  # a view of it is alive: a new one
+    >>> fresh is again, stale
+    (False, None)
     """
 
     def __init__(self):
