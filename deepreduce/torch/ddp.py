@@ -23,6 +23,9 @@ import math
 import numbers
 import threading
 import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -201,8 +204,7 @@ class DeepReduceState:
         self._keys = {}          # id(parameter) -> stable key, given at its first bucket
         self._estimates = {}     # (shape, dtype) -> estimated payload bytes
         self._agreed = False     # settings compared across ranks
-        self._failure = None     # an error every rank raised: no collective after it
-        self._guarded = _GuardedTransport(self)
+        self._guarded = _GuardedTransport(self)  # the transport, stopped by a shared failure
         self._results = {}       # bucket index -> the tensor its reductions are written into
         self._layouts = {}       # bucket index -> its _Layout (see _layout)
         self._in_iteration = False   # a bucket of this backward pass was seen
@@ -238,7 +240,7 @@ class DeepReduceState:
     def __getstate__(self):
         state = dict(self.__dict__)
         for runtime in ("process_group", "_transport", "_keys", "_estimates", "_agreed",
-                        "_failure", "_guarded", "_results", "_layouts", "_in_iteration",
+                        "_guarded", "_results", "_layouts", "_in_iteration",
                         "_nonfinite_iteration", "grad_scaler"):
             state.pop(runtime, None)
         return state
@@ -259,10 +261,145 @@ class DeepReduceState:
         after which the scale changed and the next one."""
         self.exchange.rescale(factor)
 
-    # -- what the hook needs ---------------------------------------------------------
+    # -- the group -------------------------------------------------------------------
     @property
     def stats(self):
         return self.exchange.stats
+
+    @property
+    def transport(self) -> TorchTransport:
+        """The transport every collective of this state runs on: bound at the first use
+        (the first hook call, or :func:`deepreduce.torch.allreduce`), on every rank,
+        to :func:`transport_of` the state's group, which creates deepreduce's own
+        process groups for it then (the transport's and :attr:`flag_group`)."""
+        if self._transport is None:
+            self._transport = transport_of(self.process_group)
+        return self._transport
+
+    @property
+    def flag_group(self):
+        """The group of the per-bucket "all finite?" flags: the ranks of the state's group
+        in a second group of deepreduce's own (:attr:`TorchTransport.flag_group
+        <deepreduce.torch.transport.TorchTransport.flag_group>`), created with the
+        transport's when the state binds its group (see :attr:`transport`). The flags
+        are allreduced from the autograd thread while the transport's thread may still
+        run earlier buckets' collectives, and DDP's own bookkeeping allreduce runs on
+        the state's group: on one group the ranks could see them in different orders.
+        Held weakly, as the transport's; RuntimeError once destroyed."""
+        return self.transport.flag_group
+
+    # -- reducing --------------------------------------------------------------------
+    def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Start reducing a DDP bucket: what :func:`deepreduce_hook` does, which see.
+
+        1. The first call compares every rank's settings; the first bucket of a
+           backward pass follows ``grad_scaler``'s scale.
+        2. A bucket that is not finite on every rank (``check_finite``) goes as DDP's
+           allreduce of the gradients as they are.
+        3. Otherwise each parameter's gradient goes through :meth:`reduce_async`, or,
+           before ``start_iter`` and for a bucket below ``min_compression_rate``, the
+           bucket goes as a plain allreduce, with what error feedback owes added.
+        4. The last bucket of a backward pass counts it in :attr:`iter` (or in
+           ``nonfinite_iters``).
+
+        Returns the Future DDP waits for: the averaged bucket, or the failure
+        ``loss.backward()`` raises, naming this rank and the bucket.
+        """
+        buffer = bucket.buffer()
+        # (GradBucket's methods let go of the GIL: called before the communication thread
+        # has work, they do not wait for it)
+        index, last = bucket.index(), bucket.is_last()
+        if not buffer.dtype.is_floating_point:
+            raise TypeError(f"deepreduce_hook reduces floating-point gradients; bucket "
+                            f"{index} holds {buffer.dtype}")
+        self._agree()
+        self._begin_bucket()
+        finite = self._finite_everywhere(buffer, index)
+        if finite:
+            reduction = self._reduce_finite(self._layout(bucket, index, buffer), buffer)
+        else:  # every rank: DDP's own allreduce of the gradients as they are, nothing paid
+            reduction = _Reduction(self._guarded.submit(
+                lambda: self._allreduce(buffer, buffer, nonfinite=True)), buffer)
+        self._end_bucket(last, finite)
+        return reduction.future(self, index)
+
+    def reduce_async(self, names, tensors, op="average", *, check=None, as_rows=None,
+                     out=None, reuse_out=False):
+        """Start reducing this rank's ``tensors`` over the state's group: what the hook's
+        compressing path and :func:`deepreduce.torch.allreduce` do. The first call
+        compares every rank's settings; ``check`` (a tensor, with ``check_finite``):
+        every rank learns first whether it is finite everywhere, and a non-finite one
+        goes whole and exact (see :meth:`GradientExchange.reduce_async
+        <deepreduce.exchange.GradientExchange.reduce_async>`'s ``finite``, which
+        takes the other arguments too). Returns its concurrent future."""
+        self._agree()
+        finite = True if check is None else self._finite_everywhere(check)
+        return self.exchange.reduce_async(names, tensors, self._guarded, op, as_rows=as_rows,
+                                          out=out, reuse_out=reuse_out, finite=finite)
+
+    def _reduce_finite(self, layout, buffer) -> "_Reduction":
+        """Start reducing ``buffer``, finite on every rank: compressed (:meth:`_compresses`),
+        or a plain allreduce. The parameters' gradients go to the exchange as torch
+        views of the buffer on the device path; else, as the codecs work on host
+        memory, as numpy views of a CPU buffer, or of a host copy of another (decoded
+        into the copy, which is copied back before DDP reads it)."""
+        on_host_copy = not (self.device_path or layout.on_host)
+        host = buffer.detach().cpu() if on_host_copy else buffer
+        grads = layout.gradients(host)
+        keys = layout.keys
+        if not self._compresses(layout):
+            self.exchange.pay(keys, grads, self._guarded)  # what error feedback still owes
+            return _Reduction(self._guarded.submit(lambda: self._allreduce(buffer, host)),
+                              buffer, on_device=not on_host_copy)
+        if on_host_copy:
+            return _Reduction(self.reduce_async(keys, grads, out=grads), buffer,
+                              copy_back=lambda: buffer.copy_(host), on_device=False)
+        if self.device_path:
+            # (encoding copies what it needs before this returns: the sums may overwrite)
+            return _Reduction(self.reduce_async(keys, self._small_to_host(grads), out=grads),
+                              buffer)
+        reduced, reuse = self._result_tensor(layout, buffer)
+        out = grads if reduced is buffer else layout.views_of(reduced)
+        return _Reduction(self.reduce_async(keys, grads, out=out, reuse_out=reuse), reduced)
+
+    def _small_to_host(self, grads) -> list:
+        """The device path's ``grads`` with those below ``min_size`` on the host: they
+        travel losslessly from there, and are small enough to cross in one copy."""
+        inputs = list(grads)
+        small = [i for i, grad in enumerate(grads) if grad.numel() < self.exchange.min_size]
+        link = self.exchange.selector.link
+        for i, array in zip(small, link.to_host([grads[i] for i in small])):
+            inputs[i] = array
+        return inputs
+
+    def _allreduce(self, buffer, host, nonfinite=False) -> None:
+        """DDP's allreduce of ``buffer`` (of ``host`` first, when that is its host copy),
+        averaged, on the transport's thread; recorded in :attr:`stats`."""
+        if host is not buffer:  # the residuals owed were added on the host copy
+            buffer.copy_(host)
+        transport = self.transport  # (on deepreduce's own group: see transport_of)
+        buffer.div_(transport.size)
+        with transport.failing_as("allreduce of the whole bucket"):
+            dist.all_reduce(buffer, group=transport.group)
+        nbytes = buffer.numel() * buffer.element_size()
+        self.stats.record_step(StepStats(steps=1, tensors=1, bytes_sent=nbytes,
+                                         bytes_received=nbytes, dense_bytes=nbytes,
+                                         nonfinite_steps=int(nonfinite)))
+
+    # -- around the buckets ------------------------------------------------------------
+    def _agree(self):
+        """Compare the settings of all ranks once, before the first reduction."""
+        if self._agreed:
+            return
+        self._agreed = True
+        signature = ";".join(f"{k}={v}" for k, v in self._settings.items())
+        transport = self.transport
+
+        def compare():
+            gathered = transport.allgather(frames.signed(signature, b""), Traffic(), "settings")
+            check_peers({r: f for r, f in enumerate(gathered) if r != transport.rank},
+                        signature, transport.rank)
+        self._guarded.submit(compare)
 
     def _begin_bucket(self):
         """At the first bucket of a backward pass: follow the loss scaler's scale."""
@@ -287,18 +424,6 @@ class DeepReduceState:
             self.iter += 1
         self._in_iteration = self._nonfinite_iteration = False
 
-    @property
-    def flag_group(self):
-        """The group of the per-bucket "all finite?" flags: the ranks of the state's group
-        in a second group of deepreduce's own (:attr:`TorchTransport.flag_group
-        <deepreduce.torch.transport.TorchTransport.flag_group>`), created with the
-        transport's when the state binds its group (see :attr:`transport`). The flags
-        are allreduced from the autograd thread while the transport's thread may still
-        run earlier buckets' collectives, and DDP's own bookkeeping allreduce runs on
-        the state's group: on one group the ranks could see them in different orders.
-        Held weakly, as the transport's; RuntimeError once destroyed."""
-        return self.transport.flag_group
-
     def _finite_everywhere(self, buffer, index=None) -> bool:
         """Whether every rank's ``buffer`` (bucket ``index``) is finite (see
         ``check_finite``): checked here, the answers allreduced on the state's flag
@@ -319,65 +444,7 @@ class DeepReduceState:
             finite = flag
         return bool(finite.item())
 
-    def reduce_async(self, names, tensors, op="average", *, check=None, as_rows=None,
-                     out=None, reuse_out=False):
-        """Start reducing this rank's ``tensors`` over the state's group: what the hook's
-        compressing path and :func:`deepreduce.torch.allreduce` do. The first call
-        compares every rank's settings; ``check`` (a tensor, with ``check_finite``):
-        every rank learns first whether it is finite everywhere, and a non-finite one
-        goes whole and exact (see :meth:`GradientExchange.reduce_async
-        <deepreduce.exchange.GradientExchange.reduce_async>`'s ``finite``, which
-        takes the other arguments too). Returns its concurrent future."""
-        self._agree()
-        finite = True if check is None else self._finite_everywhere(check)
-        return self.exchange.reduce_async(names, tensors, self._guarded, op, as_rows=as_rows,
-                                          out=out, reuse_out=reuse_out, finite=finite)
-
-    @property
-    def transport(self) -> TorchTransport:
-        """The transport every collective of this state runs on: bound at the first use
-        (the first hook call, or :func:`deepreduce.torch.allreduce`), on every rank,
-        to :func:`transport_of` the state's group, which creates deepreduce's own
-        process groups for it then (the transport's and :attr:`flag_group`)."""
-        if self._transport is None:
-            self._transport = transport_of(self.process_group)
-        return self._transport
-
-    def _submit(self, fn):
-        """Run ``fn`` on the transport's thread unless the ranks already failed together."""
-        def guarded():
-            if self._failure is not None:
-                raise self._failure
-            try:
-                return fn()
-            except Exception as exc:  # noqa: BLE001 - every rank raises the same
-                self._failure = exc
-                raise
-        return self.transport.submit(guarded)
-
-    def _agree(self):
-        """Compare the settings of all ranks once, before the first reduction."""
-        if self._agreed:
-            return
-        self._agreed = True
-        signature = ";".join(f"{k}={v}" for k, v in self._settings.items())
-        transport = self.transport
-
-        def compare():
-            gathered = transport.allgather(frames.signed(signature, b""), Traffic(), "settings")
-            check_peers({r: f for r, f in enumerate(gathered) if r != transport.rank},
-                        signature, transport.rank)
-        self._submit(compare)
-
-    def _parameters(self, bucket):
-        """``(keys, shapes)`` of the bucket's parameters, in buffer order."""
-        params = bucket.parameters()
-        for position, p in enumerate(params):
-            # keys come from the first layout DDP builds (the same in every run of
-            # the same model), so checkpoints survive DDP's bucket rebuild
-            self._keys.setdefault(id(p), f"{bucket.index()}.{position}")
-        return [self._keys[id(p)] for p in params], [tuple(p.shape) for p in params]
-
+    # -- what a bucket's layout decides ------------------------------------------------
     def _layout(self, bucket, index: int, buffer) -> "_Layout":
         """What the hook derives from the layout of bucket ``index`` once, not every
         step: kept while DDP hands over the same buffer (DDP's rebuild after the first
@@ -385,12 +452,18 @@ class DeepReduceState:
         a new buffer never reuses its address)."""
         layout = self._layouts.get(index)
         if layout is None or not layout.serves(buffer):
-            layout = self._layouts[index] = _Layout(self, bucket, index, buffer)
+            params = bucket.parameters()
+            # keys come from the first layout DDP builds (the same in every run of the
+            # same model), so checkpoints survive DDP's bucket rebuild
+            keys = [self._keys.setdefault(id(p), f"{index}.{position}")
+                    for position, p in enumerate(params)]
+            layout = self._layouts[index] = _Layout(index, buffer, params, keys,
+                                                    self.device_path)
         return layout
 
-    def _result_tensor(self, index, layout, buffer):
-        """``(tensor, reuse)``: the tensor the reduction of bucket ``index`` (on the CPU)
-        is written into and handed to DDP: with DDP's default gradient layout
+    def _result_tensor(self, layout, buffer):
+        """``(tensor, reuse)``: the tensor the reduction of a bucket on the CPU is written
+        into and handed to DDP: with DDP's default gradient layout
         (``gradient_as_bucket_view=False``) DDP copies the result into every ``.grad``
         whichever tensor it is, so it is one of our own, kept from step to step, and only
         the positions the last step made non-zero are reset (``reuse``); when the
@@ -399,26 +472,24 @@ class DeepReduceState:
         grad = layout.params[0].grad
         if grad is not None and grad.untyped_storage().data_ptr() == layout.storage:
             return buffer, False
-        kept = self._results.get(index)
+        kept = self._results.get(layout.index)
         if kept is None or kept.shape != buffer.shape or kept.dtype != buffer.dtype:
             # zeros: what the exchange remembers having written into a tensor this one
             # replaces (and whose memory it may reuse) is then still a safe thing to reset
-            kept = self._results[index] = torch.zeros_like(buffer)
+            kept = self._results[layout.index] = torch.zeros_like(buffer)
         return kept, True
 
-    def _compresses(self, shapes, dtype) -> bool:
-        if self.iter < self.start_iter:
-            return False
-        dense = sum(math.prod(s) for s in shapes) * dtype.itemsize
-        estimate = sum(self._estimate(s, dtype) for s in shapes)
-        return dense >= self.min_compression_rate * estimate
-
-    def _compresses_layout(self, layout) -> bool:
-        """:meth:`_compresses` of a bucket's layout, its estimates worked out once."""
+    def _compresses(self, layout) -> bool:
+        """Whether the bucket of ``layout`` goes compressed: from ``start_iter`` on, when
+        its dense bytes are at least ``min_compression_rate`` times its estimated
+        payload (worked out once per layout)."""
         if self.iter < self.start_iter:
             return False
         if layout.compressible is None:
-            layout.compressible = self._compresses(layout.shapes, layout.numpy_dtype)
+            dtype = layout.numpy_dtype
+            estimate = sum(self._estimate(shape, dtype) for shape in layout.shapes)
+            layout.compressible = \
+                sum(layout.sizes) * dtype.itemsize >= self.min_compression_rate * estimate
         return layout.compressible
 
     def _estimate(self, shape, dtype) -> int:
@@ -445,7 +516,7 @@ def deepreduce_hook(state: DeepReduceState,
     the sparsifier and the codecs here, in the backward pass; the
     collectives, decoding and sums run on the transport's thread, and the
     returned future completes there, so communication overlaps the rest of
-    the backward pass.
+    the backward pass. The steps are :meth:`DeepReduceState.reduce_bucket`'s.
 
     Examples
     --------
@@ -466,49 +537,7 @@ def deepreduce_hook(state: DeepReduceState,
     410
     >>> dist.destroy_process_group()
     """
-    buffer = bucket.buffer()
-    # (GradBucket's methods let go of the GIL: called before the communication thread
-    # has work, they do not wait for it)
-    index, last = bucket.index(), bucket.is_last()
-    if not buffer.dtype.is_floating_point:
-        raise TypeError(f"deepreduce_hook reduces floating-point gradients; bucket "
-                        f"{index} holds {buffer.dtype}")
-    state._agree()
-    state._begin_bucket()
-    if not state._finite_everywhere(buffer, index):
-        # every rank: DDP's own allreduce of the gradients as they are, nothing paid
-        size = state.transport.size
-        result = state._submit(lambda: _allreduce_average(state, buffer, buffer, True, size,
-                                                          nonfinite=True))
-        state._end_bucket(last, finite=False)
-        return _future_of(result, buffer, state, index)
-    layout = state._layout(bucket, index, buffer)
-    if state.device_path:
-        return _device_step(state, last, buffer, layout)
-    keys = layout.keys
-    # the codecs work on host memory: a CPU bucket is used in place, another is copied
-    on_host = layout.on_host
-    if on_host:
-        host, views = buffer, layout.views
-    else:
-        host = buffer.detach().cpu()
-        views = layout.per_parameter(host_array(host))
-    compressed = state._compresses_layout(layout)
-    reduced, reuse = buffer, False
-    if compressed and on_host:
-        reduced, reuse = state._result_tensor(index, layout, buffer)
-    if compressed:
-        out = views if reduced is buffer else layout.views_of(reduced)
-        started = state.reduce_async(keys, views, out=out, reuse_out=reuse)
-    else:
-        # what error feedback still owes goes now
-        state.exchange.pay(keys, views, state._guarded)
-        size = state.transport.size
-        started = state._submit(lambda: _allreduce_average(state, buffer, host, on_host, size))
-    state._end_bucket(last, finite=True)
-    # (decoded into the host copy of a bucket elsewhere: copied back before DDP reads it)
-    copy_back = (lambda: buffer.copy_(host)) if compressed and not on_host else None
-    return _future_of(started, reduced, state, index, before=copy_back, on_device=False)
+    return state.reduce_bucket(bucket)
 
 
 class _Layout:
@@ -516,12 +545,12 @@ class _Layout:
     the parameters' keys and shapes, where each lies in the buffer, views of it, and
     whether the bucket is worth compressing (see :meth:`DeepReduceState._layout`)."""
 
-    def __init__(self, state, bucket, index, buffer):
+    def __init__(self, index, buffer, params, keys, device_path):
         self.buffer = buffer  # (held: its memory is not handed to another buffer)
         self.index = index
         self.storage = buffer.untyped_storage().data_ptr()
-        self.params = bucket.parameters()
-        keys, shapes = state._parameters(bucket)
+        self.params = params
+        shapes = [tuple(p.shape) for p in params]
         sizes = [math.prod(s) for s in shapes]
         if sum(sizes) != buffer.numel():  # not a layout of whole parameters: one tensor
             keys, shapes, sizes = [f"bucket{index}"], [(buffer.numel(),)], [buffer.numel()]
@@ -530,7 +559,9 @@ class _Layout:
         self.numpy_dtype = _numpy_dtype(buffer.dtype)
         self.compressible = None  # worked out at the first step that may compress
         self.on_host = buffer.device.type == "cpu"
-        self.views = self.per_parameter(host_array(buffer.detach())) if self.on_host else None
+        self.device_path = device_path
+        self.views = self.per_parameter(host_array(buffer.detach())) \
+            if self.on_host and not device_path else None
         self._kept = None  # (tensor, its views): the last result tensor other than buffer
 
     def serves(self, buffer) -> bool:
@@ -539,6 +570,14 @@ class _Layout:
             buffer.untyped_storage().data_ptr() == self.storage
             and buffer.shape == self.buffer.shape and buffer.dtype == self.buffer.dtype
             and buffer.device == self.buffer.device)
+
+    def gradients(self, tensor) -> list:
+        """Each parameter's gradient in ``tensor``, the buffer or its host copy, as the
+        exchange takes it: torch views on the device path, else numpy views (kept for
+        the buffer on the CPU)."""
+        if self.device_path:
+            return self.per_parameter(tensor)
+        return self.views if self.on_host else self.per_parameter(host_array(tensor))
 
     def per_parameter(self, flat) -> list:
         """Each parameter's slice of ``flat`` (the buffer's elements), shaped."""
@@ -552,53 +591,36 @@ class _Layout:
         return self._kept[1]
 
 
-def _device_step(state, last, buffer, layout):
-    """The hook's step with the dense work on the bucket's device (``state.device_path``):
-    only the selected pairs and the small tensors cross to the host codecs, and the
-    decoded pairs are summed into the bucket where it lives."""
-    keys = layout.keys
-    views = [buffer[end - n:end].view(shape)
-             for end, n, shape in zip(layout.ends, layout.sizes, layout.shapes)]
-    exchange = state.exchange
-    if state._compresses_layout(layout):
-        link = exchange.selector.link
-        # small tensors travel losslessly from the host: they are small, and cross in one
-        # copy
-        inputs = list(views)
-        small = [i for i, view in enumerate(views) if view.numel() < exchange.min_size]
-        for i, array in zip(small, link.to_host([views[i] for i in small])):
-            inputs[i] = array
-        # (encoding copies what it needs before this returns: the sums may overwrite)
-        started = state.reduce_async(keys, inputs, out=views)
-    else:
-        if exchange.memory is not None:
-            for key, view in zip(keys, views):   # what error feedback still owes goes now
-                exchange.memory.pay(key, view)
-        size = state.transport.size
-        started = state._submit(lambda: _allreduce_average(state, buffer, buffer, True, size))
-    state._end_bucket(last, finite=True)
-    return _future_of(started, buffer, state, layout.index)
+class _Reduction(NamedTuple):
+    """A bucket's reduction under way: ``tensor`` holds the result once the concurrent
+    future ``done`` is and ``copy_back`` (when given) has run. ``on_device``: a result
+    on a GPU has DDP's streams wait for what was recorded on the device when it is set
+    (one copied back from the host is there by then)."""
 
+    done: Future
+    tensor: torch.Tensor
+    # (Optional, not "| None": Python 3.9 would evaluate it, as this module cannot
+    # postpone its annotations: DDP checks the hook's against dist.GradBucket)
+    copy_back: Optional[Callable[[], object]] = None
+    on_device: bool = True
 
-def _future_of(started, tensor, state, index, before=None, on_device=True):
-    """The hook's one ending: a torch Future that gets ``tensor`` when the concurrent
-    future ``started`` is done, after ``before()`` when given (its exception when either
-    fails, see :func:`_fail`: ``state``'s bucket ``index``). ``on_device``: a tensor on a
-    GPU then has DDP's streams wait for what was recorded on the device when the
-    result is set (the host path's copy back waits by itself)."""
-    result = torch.futures.Future(devices=[tensor.device]) if on_device and tensor.is_cuda \
-        else torch.futures.Future()
+    def future(self, state, index) -> torch.futures.Future[torch.Tensor]:
+        """The hook's one ending: the torch Future DDP waits for, which gets ``tensor``,
+        or the failure of ``state``'s bucket ``index`` (see :func:`_fail`)."""
+        tensor = self.tensor
+        result = torch.futures.Future(devices=[tensor.device]) \
+            if self.on_device and tensor.is_cuda else torch.futures.Future()
 
-    def deliver(future):
-        try:
-            future.result()
-            if before is not None:
-                before()
-            result.set_result(tensor)
-        except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
-            _fail(result, exc, state, index)
-    started.add_done_callback(deliver)
-    return result
+        def deliver(done):
+            try:
+                done.result()
+                if self.copy_back is not None:
+                    self.copy_back()
+                result.set_result(tensor)
+            except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
+                _fail(result, exc, state, index)
+        self.done.add_done_callback(deliver)
+        return result
 
 
 def _fail(result, exc, state, index) -> None:
@@ -667,25 +689,17 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return host_array(torch.empty(0, dtype=dtype)).dtype
 
 
-def _allreduce_average(state, buffer, host, on_host, size, nonfinite=False):
-    if not on_host:  # the residuals owed were added on the host copy
-        buffer.copy_(host)
-    buffer.div_(size)
-    transport = state.transport  # (on deepreduce's own group: see transport_of)
-    with transport.failing_as("allreduce of the whole bucket"):
-        dist.all_reduce(buffer, group=transport.group)
-    nbytes = buffer.numel() * buffer.element_size()
-    state.stats.record_step(StepStats(steps=1, tensors=1, bytes_sent=nbytes,
-                                      bytes_received=nbytes, dense_bytes=nbytes,
-                                      nonfinite_steps=int(nonfinite)))
 
 
 class _GuardedTransport(Transport):
-    """The state's transport, with every task run through ``state._submit``."""
+    """The state's transport, which runs no task once one has failed: the failure every
+    rank raised (a collective's, a decoding error of the same bundles) is raised by
+    every later task instead, so no rank starts a collective the others would not."""
 
     def __init__(self, state):
         super().__init__()
-        self._state = state
+        self._state = state  # (its transport is bound at the first use)
+        self.failure = None
 
     @property
     def rank(self):
@@ -696,7 +710,15 @@ class _GuardedTransport(Transport):
         return self._state.transport.size
 
     def submit(self, fn, *args):
-        return self._state._submit(lambda: fn(*args))
+        def guarded():
+            if self.failure is not None:
+                raise self.failure
+            try:
+                return fn(*args)
+            except Exception as exc:  # noqa: BLE001 - every rank raises the same
+                self.failure = exc
+                raise
+        return self._state.transport.submit(guarded)
 
     def allgather(self, frame, traffic, stage):
         return self._state.transport.allgather(frame, traffic, stage)
