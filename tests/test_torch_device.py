@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 import deepreduce as dr  # noqa: E402
 from deepreduce.exchange import GradientExchange  # noqa: E402
+from deepreduce.exchange.selection import Selector  # noqa: E402
 from deepreduce.torch import device as device_module  # noqa: E402
 from deepreduce.torch.device import (DeviceSelector, HostLink, from_host,  # noqa: E402
                                      SAMPLED_FROM, host_array, propose_on_device,
@@ -50,7 +51,7 @@ def pair(settings):
         fresh = dict(settings, error_feedback=dr.ResidualMemory(memory.beta)) \
             if isinstance(memory, dr.ResidualMemory) else settings
         return GradientExchange(min_size=MIN_SIZE, selector=selector, **fresh)
-    return make(dr.selection.Selector), make(DeviceSelector)
+    return make(Selector), make(DeviceSelector)
 
 
 def device_inputs(grads):
@@ -298,7 +299,7 @@ def test_sums_of_tensors_of_several_dtypes_come_back_together():
     dtype, and every sum has the numpy path's bits."""
     settings = dict(sparsifier=dr.TopK(0.05), value="raw")
     host, device = (GradientExchange(min_size=MIN_SIZE, selector=selector, **settings)
-                    for selector in (dr.selection.Selector, DeviceSelector))
+                    for selector in (Selector, DeviceSelector))
     rng = np.random.default_rng(3)
     grads = [rng.standard_normal(5000).astype(np.float32),
              rng.standard_normal(3000).astype(np.float16)]
