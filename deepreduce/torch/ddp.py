@@ -206,7 +206,7 @@ class DeepReduceState:
         self._agreed = False     # settings compared across ranks
         self._guarded = _GuardedTransport(self)  # the transport, stopped by a shared failure
         self._results = {}       # bucket index -> the tensor its reductions are written into
-        self._layouts = {}       # bucket index -> its _Layout (see _layout)
+        self._layouts = {}       # bucket index -> its _BucketLayout (see _layout)
         self._in_iteration = False   # a bucket of this backward pass was seen
         self._nonfinite_iteration = False  # one of them was non-finite
 
@@ -445,7 +445,7 @@ class DeepReduceState:
         return bool(finite.item())
 
     # -- what a bucket's layout decides ------------------------------------------------
-    def _layout(self, bucket, index: int, buffer) -> "_Layout":
+    def _layout(self, bucket, index: int, buffer) -> "_BucketLayout":
         """What the hook derives from the layout of bucket ``index`` once, not every
         step: kept while DDP hands over the same buffer (DDP's rebuild after the first
         iteration allocates new ones; the layout's views hold the old one's memory, so
@@ -457,8 +457,8 @@ class DeepReduceState:
             # same model), so checkpoints survive DDP's bucket rebuild
             keys = [self._keys.setdefault(id(p), f"{index}.{position}")
                     for position, p in enumerate(params)]
-            layout = self._layouts[index] = _Layout(index, buffer, params, keys,
-                                                    self.device_path)
+            layout = self._layouts[index] = _BucketLayout(index, buffer, params, keys,
+                                                          self.device_path)
         return layout
 
     def _result_tensor(self, layout, buffer):
@@ -540,7 +540,7 @@ def deepreduce_hook(state: DeepReduceState,
     return state.reduce_bucket(bucket)
 
 
-class _Layout:
+class _BucketLayout:
     """What the hook derives once from the layout of a bucket, for every step it keeps:
     the parameters' keys and shapes, where each lies in the buffer, views of it, and
     whether the bucket is worth compressing (see :meth:`DeepReduceState._layout`)."""
