@@ -265,8 +265,10 @@ def bytes_section(record) -> list:
              "6 sigma / 4 around the mean instead (bins centred on -3, -1.5, 0, +1.5 sigma); "
              "its codes' entropy is shown for comparison.", ""]
     capture = record["capture"]
-    lines += [f"Pseudo-gradients: `benchmarks.outer_model` with sizes "
-              f"{capture['sizes'] or 'default'} ({capture['parameters']:,} parameters), AdamW "
+    sizes = capture["sizes"]
+    lines += ["Pseudo-gradients: `benchmarks.outer_model` with "
+              + (f"sizes {sizes}" if sizes else "its default sizes")
+              + f" ({capture['parameters']:,} parameters), AdamW "
               f"(lr {capture['lr']:g}, betas 0.9/0.95, weight decay 0.1), {capture['steps']} "
               f"inner steps of {capture['batch_size']} x {capture['sequence']} bytes on one "
               f"process from seed {capture['seed']} (loss {capture['first_loss']:.3f} -> "
