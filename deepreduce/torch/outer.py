@@ -173,8 +173,10 @@ class OuterOptimizer:
     model's and the inner optimizer's, at any inner step. :meth:`load_state_dict` into a
     new object (same settings) continues bit for bit as a run that never stopped.
 
-    **The last steps.** Inner steps after the last outer step are each rank's own;
-    call :meth:`sync` once more at the end for a common model (every rank at once).
+    **The last steps.** Inner steps after the last outer step are each rank's own: when
+    ``inner_steps % sync_every`` is not 0 at the end, call :meth:`sync` once more (every
+    rank at once) for a common model. (A :meth:`sync` right after an outer step is not
+    a no-op: the momentum and the residuals still move the parameters.)
 
     Examples
     --------
