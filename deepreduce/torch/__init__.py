@@ -25,6 +25,7 @@ import torch
 from deepreduce.sparse import SparseTensor
 from deepreduce.torch.ddp import (DeepReduceState, deepreduce_hook, from_host, host_array,
                                   transport_of)
+from deepreduce.torch.outer import OuterOptimizer as OuterOptimizer  # (docs/diloco.md)
 from deepreduce.torch.transport import CollectiveError
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "allreduce", "allreduce_async",
