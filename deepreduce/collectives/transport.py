@@ -125,6 +125,66 @@ def split_frames(buffer, lengths) -> list:
     return [view[end - length:end] for end, length in zip(ends.tolist(), list(lengths))]
 
 
+class GuardedTransport(Transport):
+    """Another transport that runs no task once one has failed: the failure every rank
+    raised (a collective's, or a decoding error of the same bundles) is raised by every
+    later task instead, so no rank starts a collective that the others would not.
+
+    Parameters
+    ----------
+    bind : callable
+        Returns the transport to run on, called at each use: an integration that binds
+        its process group late (at the first step) hands over its accessor.
+
+    Attributes
+    ----------
+    failure : Exception or None
+        The first failure of a task, raised again by every task after it.
+
+    Examples
+    --------
+    >>> member = ThreadTransport.group(1)[0]
+    >>> guarded = GuardedTransport(lambda: member)
+    >>> guarded.submit(lambda: 1 / 0).exception()
+    ZeroDivisionError('division by zero')
+    >>> guarded.submit(lambda: "runs").exception()
+    ZeroDivisionError('division by zero')
+    """
+
+    def __init__(self, bind):
+        super().__init__()
+        self._bind = bind
+        self.failure = None
+
+    @property
+    def rank(self):
+        return self._bind().rank
+
+    @property
+    def size(self):
+        return self._bind().size
+
+    def submit(self, fn, *args):
+        def guarded():
+            if self.failure is not None:
+                raise self.failure
+            try:
+                return fn(*args)
+            except Exception as exc:  # noqa: BLE001 - every rank raises the same
+                self.failure = exc
+                raise
+        return self._bind().submit(guarded)
+
+    def allgather(self, frame, traffic, stage):
+        return self._bind().allgather(frame, traffic, stage)
+
+    def alltoall(self, frames, traffic, stage):
+        return self._bind().alltoall(frames, traffic, stage)
+
+    def split(self, color, key=None):
+        return self._bind().split(color, key)
+
+
 class ThreadTransport(Transport):
     """``size`` members in one process, one per thread: for tests and experiments.
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from deepreduce.collectives import frames
 from deepreduce.collectives.signed import check_peers
-from deepreduce.collectives.transport import Traffic, Transport
+from deepreduce.collectives.transport import GuardedTransport, Traffic
 from deepreduce.config import ExchangeConfig
 from deepreduce.exchange import GradientExchange
 from deepreduce.exchange.selection import Selector
@@ -204,7 +204,8 @@ class DeepReduceState:
         self._keys = {}          # id(parameter) -> stable key, given at its first bucket
         self._estimates = {}     # (shape, dtype) -> estimated payload bytes
         self._agreed = False     # settings compared across ranks
-        self._guarded = _GuardedTransport(self)  # the transport, stopped by a shared failure
+        # the transport, stopped by a failure every rank shares
+        self._guarded = GuardedTransport(lambda: self.transport)
         self._results = {}       # bucket index -> the tensor its reductions are written into
         self._layouts = {}       # bucket index -> its _BucketLayout (see _layout)
         self._in_iteration = False   # a bucket of this backward pass was seen
@@ -687,44 +688,3 @@ def _raise_failure(value):
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return host_array(torch.empty(0, dtype=dtype)).dtype
-
-
-
-
-class _GuardedTransport(Transport):
-    """The state's transport, which runs no task once one has failed: the failure every
-    rank raised (a collective's, a decoding error of the same bundles) is raised by
-    every later task instead, so no rank starts a collective the others would not."""
-
-    def __init__(self, state):
-        super().__init__()
-        self._state = state  # (its transport is bound at the first use)
-        self.failure = None
-
-    @property
-    def rank(self):
-        return self._state.transport.rank
-
-    @property
-    def size(self):
-        return self._state.transport.size
-
-    def submit(self, fn, *args):
-        def guarded():
-            if self.failure is not None:
-                raise self.failure
-            try:
-                return fn(*args)
-            except Exception as exc:  # noqa: BLE001 - every rank raises the same
-                self.failure = exc
-                raise
-        return self._state.transport.submit(guarded)
-
-    def allgather(self, frame, traffic, stage):
-        return self._state.transport.allgather(frame, traffic, stage)
-
-    def alltoall(self, frames, traffic, stage):
-        return self._state.transport.alltoall(frames, traffic, stage)
-
-    def split(self, color, key=None):
-        return self._state.transport.split(color, key)
