@@ -7,6 +7,8 @@ elsewhere (no torchft) the module skips.
 """
 
 import doctest
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -23,6 +25,7 @@ from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
 import deepreduce as dr  # noqa: E402
 import deepreduce.torch.torchft as drft  # noqa: E402
+from deepreduce.torch.outer import MODES  # noqa: E402
 
 OUTER_STEPS, SYNC_EVERY = 3, 4
 
@@ -44,22 +47,30 @@ class CountingGloo(ProcessGroupGloo):
 
 
 def small_model():
-    torch.manual_seed(0)  # the same start on every replica
-    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
-                               torch.nn.Linear(128, 64))
+    """A fresh copy of one model, the same start on every replica (the initial weights
+    are drawn once: the replicas' threads share torch's global generator)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
+                                torch.nn.Linear(128, 64))
+    model.load_state_dict(INITIAL)
+    return model
 
 
+torch.manual_seed(0)
+INITIAL = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
+                              torch.nn.Linear(128, 64)).state_dict()
 DENSE_BYTES = 4 * sum(p.numel() for p in small_model().parameters())
 
 
 def replica(replica_id, lighthouse, settings, outer_steps=OUTER_STEPS, min_replicas=2,
-            gloo_timeout=10, lost_at=None):
+            gloo_timeout=10, lost_at=None, started=None):
     """One replica group: DiLoCo (AdamW inside, Nesterov SGD outside) until the manager
     has committed ``outer_steps``, with its manager wrapped by deepreduce unless
     ``settings`` is None. Returns the final parameters, the wrapper (or None), the
     bytes the replica handed to its process group, and its commits (each outer step's
     verdict and the residuals after it). ``lost_at``: the replica dies at the start of
-    that outer step's exchange, after the quorum that counts it in."""
+    that outer step's exchange, after the quorum that counts it in. ``started``: a
+    barrier the replicas meet at once their managers heartbeat, so that the first quorum
+    counts them all."""
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     model = small_model()
     pg = CountingGloo(timeout=timedelta(seconds=gloo_timeout))
@@ -68,17 +79,24 @@ def replica(replica_id, lighthouse, settings, outer_steps=OUTER_STEPS, min_repli
                       replica_id=str(replica_id), store_addr="localhost", store_port=store.port,
                       rank=0, world_size=1, lighthouse_addr=lighthouse.address(),
                       timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=20),
-                      connect_timeout=timedelta(seconds=10))
+                      connect_timeout=timedelta(seconds=10),
+                      # the replicas start alike (small_model): no heal at step 0, whose
+                      # source (and so the result) would depend on timing
+                      init_sync=False)
     compressed = None if settings is None else drft.DeepReduceManager(manager, **settings)
+    if started is not None:
+        started.wait()
+        time.sleep(0.3)  # a few heartbeats (every 100 ms) reach the lighthouse
     commits = []
-    if compressed is not None:  # record each outer step's verdict and the residuals after
-        should_commit = compressed.should_commit
+    outermost = compressed or manager
+    should_commit = outermost.should_commit
 
-        def recording(timeout=None):
-            committed = should_commit(timeout)
-            commits.append((committed, compressed.state_dict()["residuals"]))
-            return committed
-        compressed.should_commit = recording
+    def recording(timeout=None):  # each outer step's verdict, and the residuals after it
+        committed = should_commit(timeout=timeout)
+        commits.append((committed, compressed and compressed.state_dict()["residuals"]))
+        return committed
+    outermost.should_commit = recording
+    if compressed is not None:
         allreduce = compressed.allreduce
 
         def dying(tensor, *args, **kwargs):
@@ -91,7 +109,7 @@ def replica(replica_id, lighthouse, settings, outer_steps=OUTER_STEPS, min_repli
     data = torch.Generator().manual_seed(100 + replica_id)  # each replica its own batches
     target = torch.randn(64, 64, generator=torch.Generator().manual_seed(7))
     try:
-        with DiLoCo(compressed or manager, [model], inner, outer, sync_every=SYNC_EVERY,
+        with DiLoCo(outermost, [model], inner, outer, sync_every=SYNC_EVERY,
                     pin_memory=False):
             for _ in range(4 * outer_steps * SYNC_EVERY):  # (a loop that never commits ends)
                 if manager.current_step() >= outer_steps:
@@ -131,18 +149,19 @@ def test_diloco_through_deepreduce_keeps_replicas_identical_and_sends_compressed
     # all-finite byte and the settings once; SparseLoCo's 64 of 4096 at 2 bits
     total = ex0.stats.total
     assert total.steps == OUTER_STEPS and total.dense_bytes == OUTER_STEPS * DENSE_BYTES
-    assert total.compressed_tensors == 2 * OUTER_STEPS   # the two weights; biases exact
+    assert total.compressed_tensors == 4 * OUTER_STEPS   # min_size 0: the biases chunk-wise too
     assert sent0 < DENSE_BYTES * OUTER_STEPS / 20
     assert total.bytes_sent <= sent0 <= total.bytes_sent + OUTER_STEPS * 200 + 400
-    # every weight's residual is kept, under a stable name, and owes something
-    names = set(ex0.state_dict()["residuals"])
-    assert {"fragment0.tensor0", "fragment0.tensor2"} <= names
+    # every tensor's residual is kept, under a stable name, and decays by 0.95
+    assert set(ex0.state_dict()["residuals"]) == {f"fragment0.tensor{i}" for i in range(4)}
+    assert ex0.exchange.memory.beta == 0.95
 
 
 def test_lossless_settings_give_torchft_allreduce_result():
     ours = run_replicas({"sparsifier": None, "value": "raw"})
     theirs = run_replicas(None)
-    for (params, _, sent, _), (reference, _, dense_sent, _) in zip(ours, theirs):
+    for (params, _, sent, commits), (reference, _, dense_sent, their_commits) in zip(ours, theirs):
+        assert [c for c, _ in commits] == [c for c, _ in their_commits] == [True] * OUTER_STEPS
         for a, b in zip(params, reference):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         assert dense_sent == OUTER_STEPS * DENSE_BYTES   # torchft's allreduce: every float
@@ -154,10 +173,12 @@ def test_a_replica_that_drops_fails_one_outer_step_then_training_goes_on():
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000,
                                   heartbeat_timeout_ms=1000)
     try:
+        started = threading.Barrier(2)
         with ThreadPoolExecutor(2) as pool:
-            survivor = pool.submit(replica, 0, lighthouse, {}, min_replicas=1, gloo_timeout=3)
+            survivor = pool.submit(replica, 0, lighthouse, {}, min_replicas=1, gloo_timeout=3,
+                                   started=started)
             dropped = pool.submit(replica, 1, lighthouse, {}, min_replicas=1, gloo_timeout=3,
-                                  lost_at=1)
+                                  lost_at=1, started=started)
             with pytest.raises(RuntimeError, match="replica 1 lost"):
                 dropped.result(timeout=120)
             params, compressed, _, commits = survivor.result(timeout=120)
@@ -195,10 +216,16 @@ def test_checkpoint_of_the_residuals_continues_exactly():
 
 def test_settings_are_the_exchange_configs():
     (_, compressed, _, _), = run_replicas(
-        {"error_feedback": dr.ResidualMemory(beta=0.9), "min_size": 0}, replicas=1,
+        {"error_feedback": dr.ResidualMemory(beta=0.9), "min_size": 1024}, replicas=1,
         min_replicas=1, outer_steps=1)
     assert compressed.exchange.memory.beta == 0.9
-    assert compressed.stats.total.compressed_tensors == 4   # min_size 0: the biases too
+    assert compressed.stats.total.compressed_tensors == 2   # the biases travel exact
+    defaults = drft.DeepReduceManager(compressed.manager).exchange.config
+    sparseloco = MODES["sparseloco"]   # the same as OuterOptimizer's
+    assert (defaults.sparsifier, defaults.index, defaults.value, defaults.min_size) == tuple(
+        sparseloco[k] for k in ("sparsifier", "index", "value", "min_size"))
+    assert drft.DeepReduceManager(compressed.manager, error_feedback=0.5).exchange.memory.beta \
+        == 0.5
     with pytest.raises(ValueError, match="allgather"):
         drft.DeepReduceManager(compressed.manager, communicator="sparse_allreduce")
     with pytest.raises(ValueError, match="fragments"):

@@ -42,17 +42,22 @@ from deepreduce.collectives.signed import check_peers
 from deepreduce.collectives.transport import Traffic, Transport
 from deepreduce.config import ExchangeConfig
 from deepreduce.exchange import GradientExchange
+from deepreduce.exchange.memory import ResidualMemory
 from deepreduce.torch.device import from_host, host_array
+from deepreduce.torch.outer import MODES
 from deepreduce.torch.transport import CollectiveError, _reason
 
 __all__ = ["DeepReduceManager", "ReplicaGroupTransport", "SPARSELOCO"]
 
-#: The settings :class:`DeepReduceManager` starts from: SparseLoCo's message (Sarfi et
-#: al. 2025, arXiv 2508.15706), 64 of every 4,096 entries (64 x 64 tiles of a matrix)
-#: with 2-bit statistical quantisation, and the index codec that knows each chunk holds
-#: exactly 64. SparseLoCo also decays the error feedback (``beta`` < 1), which replaces
-#: DiLoCo's outer momentum: pass ``error_feedback=deepreduce.ResidualMemory(beta=...)``.
-SPARSELOCO = {"sparsifier": "chunktopk:k=64", "index": "chunked", "value": "statq:bits=2"}
+#: The settings :class:`DeepReduceManager` starts from: SparseLoCo's (Sarfi et al. 2025,
+#: arXiv 2508.15706), as :class:`deepreduce.torch.outer.OuterOptimizer`'s
+#: ``mode="sparseloco"`` has them: 64 of every 4,096 entries (64 x 64 tiles of a matrix),
+#: the index codec that knows each chunk holds exactly 64, 2-bit statistical
+#: quantisation over +-6 sigma, every tensor chunk-wise (``min_size`` 0), and error
+#: feedback whose residual decays by beta = 0.95 at every outer step, which takes the
+#: place of DiLoCo's outer momentum.
+SPARSELOCO = {key: MODES["sparseloco"][key]
+              for key in ("sparsifier", "index", "value", "min_size", "error_feedback")}
 
 #: What a collective of :class:`ReplicaGroupTransport` waits at most when the group's
 #: own timeout is unknown.
@@ -166,11 +171,14 @@ class DeepReduceManager:
     **settings
         The settings of :class:`~deepreduce.config.ExchangeConfig`, as in every
         deepreduce integration: ``sparsifier``, ``index``, ``value``,
-        ``error_feedback``, ``min_size``, ``seed``, ``codec_threads``
-        (``communicator`` must stay "allgather"). Those not given are
-        :data:`SPARSELOCO`'s, then ExchangeConfig's (``error_feedback`` True,
-        ``min_size`` 1024: biases and norms travel exact). Dense DiLoCo with bf16
-        values is ``sparsifier=None, value="bf16"``.
+        ``error_feedback`` (also a number: the decay beta of the residuals, as
+        :class:`~deepreduce.torch.outer.OuterOptimizer` takes it), ``min_size``,
+        ``seed``, ``codec_threads`` (``communicator`` must stay "allgather"). Those
+        not given are :data:`SPARSELOCO`'s, then ExchangeConfig's. SparseLoCo's outer
+        step is then torchft's DiLoCo with ``SGD(lr=1.0)`` (alpha, no momentum) as the
+        outer optimizer; DiLoCo's own Nesterov momentum goes with
+        ``error_feedback=True`` (beta 1), and dense DiLoCo in bf16 is
+        ``sparsifier=None, value="bf16", error_feedback=True, min_size=1024``.
 
     Attributes
     ----------
@@ -230,14 +238,14 @@ class DeepReduceManager:
     ...                   timeout=timedelta(seconds=10))
     >>> compressed = drft.DeepReduceManager(manager)
     >>> inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    >>> outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    >>> outer = torch.optim.SGD(model.parameters(), lr=1.0)    # SparseLoCo: no momentum
     >>> with DiLoCo(compressed, [model], inner, outer, sync_every=2, pin_memory=False):
     ...     for _ in range(2):
     ...         inner.zero_grad()
     ...         model(torch.randn(8, 64)).square().mean().backward()
     ...         inner.step()
-    >>> manager.current_step(), compressed.stats.last.compressed_tensors
-    (1, 1)
+    >>> manager.current_step(), compressed.stats.last.compressed_tensors   # weight, bias
+    (1, 2)
     >>> compressed.stats.last.ratio > 10        # 64 of 4096 weights, 2 bits each
     True
     >>> manager.shutdown(wait=False); lighthouse.shutdown()
@@ -250,6 +258,9 @@ class DeepReduceManager:
             raise ValueError(f"fragments must be an integer >= 1, got {fragments!r}")
         if config is None:
             settings = {**SPARSELOCO, **settings}
+            feedback = settings.get("error_feedback")
+            if isinstance(feedback, numbers.Real) and not isinstance(feedback, bool):
+                settings["error_feedback"] = ResidualMemory(beta=feedback)
         config = ExchangeConfig.from_settings(config, **settings)
         if config.communicator != "allgather":
             raise ValueError("deepreduce over torchft sends bundles by allgather; got "
