@@ -133,8 +133,8 @@ class GuardedTransport(Transport):
     Parameters
     ----------
     bind : callable
-        Returns the transport to run on, called at each use: an integration that binds
-        its process group late (at the first step) hands over its accessor.
+        Returns the transport to run on, called once, at the first use: an integration
+        that binds its process group late (at its first step) hands over its accessor.
 
     Attributes
     ----------
@@ -153,16 +153,23 @@ class GuardedTransport(Transport):
 
     def __init__(self, bind):
         super().__init__()
-        self._bind = bind
+        self._bind, self._inner = bind, None
         self.failure = None
 
     @property
+    def inner(self) -> Transport:
+        """The transport it runs on: ``bind()``, called at the first use."""
+        if self._inner is None:
+            self._inner = self._bind()
+        return self._inner
+
+    @property
     def rank(self):
-        return self._bind().rank
+        return self.inner.rank
 
     @property
     def size(self):
-        return self._bind().size
+        return self.inner.size
 
     def submit(self, fn, *args):
         def guarded():
@@ -173,16 +180,16 @@ class GuardedTransport(Transport):
             except Exception as exc:  # noqa: BLE001 - every rank raises the same
                 self.failure = exc
                 raise
-        return self._bind().submit(guarded)
+        return self.inner.submit(guarded)
 
     def allgather(self, frame, traffic, stage):
-        return self._bind().allgather(frame, traffic, stage)
+        return self.inner.allgather(frame, traffic, stage)
 
     def alltoall(self, frames, traffic, stage):
-        return self._bind().alltoall(frames, traffic, stage)
+        return self.inner.alltoall(frames, traffic, stage)
 
     def split(self, color, key=None):
-        return self._bind().split(color, key)
+        return self.inner.split(color, key)
 
 
 class ThreadTransport(Transport):
