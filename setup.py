@@ -49,7 +49,7 @@ EXTENSIONS = [
      "varint-based index codecs); in the core, which never imports deepreduce.codecs"),
     ("deepreduce._topkscan", "deepreduce/_topkscan.c", [],
      "the candidate scan and selection of the Top-k sparsifier (deepreduce.sparsifiers.TopK), "
-     "error feedback's addition included"),
+     "error feedback's addition included, and the chunk-wise Top-k's dense selection (ChunkTopK)"),
     ("deepreduce._sparsesum", "deepreduce/_sparsesum.c", [],
      "the sum of the ranks' sparse parts into the dense result "
      "(deepreduce.sums.sum_sorted_into)"),

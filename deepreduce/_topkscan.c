@@ -1,6 +1,6 @@
 /*
  * Compiled candidate scan and selection of deepreduce's Top-k sparsifier
- * (deepreduce.sparsifiers.TopK).
+ * (deepreduce.sparsifiers.TopK), and the chunk-wise Top-k's selection (ChunkTopK).
  *
  * TopK estimates a threshold from a sample and then needs every position whose
  * magnitude reaches it: about 1-2% of a gradient. numpy does that in three passes
@@ -49,6 +49,20 @@
  * TopK's numpy code, which stays as the fallback and draws its own positions. On
  * the tensors of 16K-64K values a model has dozens of, the sample cost more than
  * the scan when numpy drew, gathered, added and partitioned it in eight calls.
+ *
+ *   chunk_largest(values, k, chunk, side, columns) -> numpy int64 array
+ *
+ * the dense selection of the chunk-wise Top-k (deepreduce.sparsifiers.ChunkTopK):
+ * in every chunk the k positions of largest fabs(values), NaN lowest, ties to the
+ * lowest positions (a chunk of at most k values is kept whole), all of them
+ * increasing. The chunks are consecutive runs of chunk values when side is 0, else
+ * the side x side tiles (chunk == side * side) of the matrix whose rows hold
+ * columns values. One pass per chunk reads its values (a tile row by row) into
+ * their magnitude keys and counts a histogram of the keys' top bits; a radix
+ * select on the keys of the bin that holds the k-th largest finds it, and a last
+ * pass over the keys writes the positions. numpy's form (ChunkTopK._select_dense,
+ * the fallback) pays for an abs, a transposing copy of the tiles, a partition of
+ * every row, masks and flatnonzero, each a pass over the whole tensor.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -707,6 +721,272 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------ chunk-wise selection */
+
+/* Bins of one level of the chunk selection: the keys' top bits at the first level,
+ * then bits of key - smallest among the keys still in question. */
+#define CHUNK_DIGIT_BITS 11
+#define CHUNK_BINS (1 << CHUNK_DIGIT_BITS)
+/* Candidates this few are settled by an insertion sort: cheaper than another level. */
+#define CHUNK_FEW 48
+
+/* Key types of the chunk selection: a float32's magnitude key (key_32) fits in 32
+ * bits, which halves the chunk's buffer; a float64's (key_64) takes 64. */
+static inline uint32_t chunk_key_32(uint32_t bits)
+{
+    return (uint32_t)key_32(bits);
+}
+
+/* The threshold of one chunk's selection: the k largest keys are those above
+ * `threshold` and the first `ties` (in position order) equal to it. */
+#define DEFINE_CHUNK_KTH(name, key_type)                                               \
+    /* The rank-th largest (from 1) of the keys of candidate[0..count), which all   */ \
+    /* share every bit above those the histogram has not looked at yet; reorders  */   \
+    /* candidate. Each level keeps the candidates of the bin that holds the        */  \
+    /* rank-th and narrows the range by CHUNK_DIGIT_BITS bits, so a 64-bit key     */  \
+    /* takes at most 6 levels.                                                     */  \
+    static key_type name(key_type *candidate, Py_ssize_t count, Py_ssize_t rank,       \
+                         Py_ssize_t *histogram, Py_ssize_t *ties)                      \
+    {                                                                                  \
+        for (;;) {                                                                     \
+            if (count <= CHUNK_FEW) {                                                  \
+                for (Py_ssize_t i = 1; i < count; i++) { /* descending */              \
+                    key_type key = candidate[i];                                       \
+                    Py_ssize_t j = i;                                                  \
+                    for (; j > 0 && candidate[j - 1] < key; j--)                       \
+                        candidate[j] = candidate[j - 1];                               \
+                    candidate[j] = key;                                                \
+                }                                                                      \
+                key_type kth = candidate[rank - 1];                                    \
+                Py_ssize_t above = 0;                                                  \
+                while (candidate[above] > kth)                                         \
+                    above++;                                                           \
+                *ties = rank - above;                                                  \
+                return kth;                                                            \
+            }                                                                          \
+            key_type smallest = candidate[0], largest = candidate[0];                  \
+            for (Py_ssize_t i = 1; i < count; i++) {                                   \
+                smallest = candidate[i] < smallest ? candidate[i] : smallest;          \
+                largest = candidate[i] > largest ? candidate[i] : largest;             \
+            }                                                                          \
+            key_type range = largest - smallest;                                       \
+            int shift = 0;                                                             \
+            while (shift < (int)(8 * sizeof(key_type)) && (range >> shift) >> CHUNK_DIGIT_BITS) \
+                shift++;                                                               \
+            Py_ssize_t bins = (Py_ssize_t)(range >> shift) + 1;                        \
+            memset(histogram, 0, (size_t)bins * sizeof *histogram);                    \
+            for (Py_ssize_t i = 0; i < count; i++)                                     \
+                histogram[(candidate[i] - smallest) >> shift]++;                       \
+            Py_ssize_t digit = bins - 1;                                               \
+            while (histogram[digit] < rank)                                            \
+                rank -= histogram[digit--];                                            \
+            if (shift == 0) { /* one key a bin: the rank-th is found */                \
+                *ties = rank;                                                          \
+                return smallest + (key_type)digit;                                     \
+            }                                                                          \
+            Py_ssize_t kept = 0;                                                       \
+            for (Py_ssize_t i = 0; i < count; i++) {                                   \
+                key_type key = candidate[i];                                           \
+                candidate[kept] = key;                                                 \
+                kept += (Py_ssize_t)((key - smallest) >> shift) == digit;              \
+            }                                                                          \
+            count = kept;                                                              \
+        }                                                                              \
+    }
+
+DEFINE_CHUNK_KTH(chunk_kth_32, uint32_t)
+DEFINE_CHUNK_KTH(chunk_kth_64, uint64_t)
+
+/* The buffers of one chunk selection: the chunk's keys in position order, the
+ * candidates of its threshold, a level's histogram and, for tiles, each tile of a
+ * row of tiles' kept positions within it. */
+typedef struct {
+    char *key;
+    char *candidate;
+    Py_ssize_t *histogram;
+    Py_ssize_t *kept;
+    Py_ssize_t *cursor;
+} ChunkBuffers;
+
+/* One chunk: key[0..length) gets the keys of the chunk's values (read by
+ * read_key(i), i its position in the chunk, in increasing order), and out[0..k) the
+ * positions in the chunk of its k largest keys, increasing (1 <= k < length). The
+ * first level's histogram, on the keys' top CHUNK_DIGIT_BITS bits, is counted while
+ * the keys are read. */
+#define DEFINE_CHUNK_SELECT(name, key_type, top_shift, kth_of)                         \
+    static void name(const ChunkBuffers *buffers, key_type *key, Py_ssize_t length,    \
+                     Py_ssize_t k, Py_ssize_t *out)                                    \
+    {                                                                                  \
+        key_type *candidate = (key_type *)buffers->candidate;                          \
+        Py_ssize_t *histogram = buffers->histogram;                                    \
+        Py_ssize_t rank = k, digit = CHUNK_BINS - 1, count = 0;                        \
+        while (histogram[digit] < rank)                                                \
+            rank -= histogram[digit--];                                                \
+        for (Py_ssize_t i = 0; i < length; i++) {                                      \
+            candidate[count] = key[i];                                                 \
+            count += (Py_ssize_t)(key[i] >> (top_shift)) == digit;                     \
+        }                                                                              \
+        Py_ssize_t ties;                                                               \
+        key_type threshold = kth_of(candidate, count, rank, histogram, &ties);         \
+        Py_ssize_t taken = 0;                                                          \
+        for (Py_ssize_t i = 0; i < length && taken < k; i++) {                         \
+            out[taken] = i;                                                            \
+            Py_ssize_t above = key[i] > threshold, equal = key[i] == threshold;        \
+            taken += above | (equal & (ties > 0));                                     \
+            ties -= equal;                                                             \
+        }                                                                              \
+    }
+
+DEFINE_CHUNK_SELECT(chunk_select_32, uint32_t, 31 - CHUNK_DIGIT_BITS, chunk_kth_32)
+DEFINE_CHUNK_SELECT(chunk_select_64, uint64_t, 63 - CHUNK_DIGIT_BITS, chunk_kth_64)
+
+/* The keys of `length` values at `value` (raw bits), into key, counting the first
+ * level's histogram. */
+#define READ_KEYS(key_type, key_of, top_shift, value, length)                          \
+    do {                                                                               \
+        for (Py_ssize_t j = 0; j < (length); j++) {                                    \
+            key_type read = key_of((value)[j]);                                        \
+            key[filled + j] = read;                                                    \
+            histogram[read >> (top_shift)]++;                                          \
+        }                                                                              \
+        filled += (length);                                                            \
+    } while (0)
+
+/* The whole selection for one key width: flat chunks (side == 0) or tiles of side x
+ * side in rows of `columns` values; the positions, increasing, into out, which holds
+ * exactly as many as the chunks keep. */
+#define DEFINE_CHUNK_LARGEST(name, key_type, bits_type, key_of, top_shift, select)     \
+    static void name(const ChunkBuffers *buffers, const bits_type *value, Py_ssize_t n, \
+                     Py_ssize_t k, Py_ssize_t chunk, Py_ssize_t side, Py_ssize_t columns, \
+                     int64_t *out)                                                     \
+    {                                                                                  \
+        key_type *key = (key_type *)buffers->key;                                      \
+        Py_ssize_t *histogram = buffers->histogram;                                    \
+        Py_ssize_t written = 0;                                                        \
+        if (side == 0) {                                                               \
+            for (Py_ssize_t start = 0; start < n; start += chunk) {                    \
+                Py_ssize_t length = n - start < chunk ? n - start : chunk;             \
+                Py_ssize_t keep = k < length ? k : length;                             \
+                if (keep == length) {                                                  \
+                    for (Py_ssize_t i = 0; i < length; i++)                            \
+                        out[written++] = start + i;                                    \
+                    continue;                                                          \
+                }                                                                      \
+                Py_ssize_t filled = 0;                                                 \
+                memset(histogram, 0, CHUNK_BINS * sizeof *histogram);                  \
+                READ_KEYS(key_type, key_of, top_shift, value + start, length);         \
+                select(buffers, key, length, keep, buffers->kept);                     \
+                for (Py_ssize_t i = 0; i < keep; i++)                                  \
+                    out[written++] = start + buffers->kept[i];                         \
+            }                                                                          \
+            return;                                                                    \
+        }                                                                              \
+        /* tiles: each row of tiles is selected tile by tile, then its positions are */ \
+        /* merged row by row of values, so that they come out increasing */           \
+        Py_ssize_t across = columns / side;                                            \
+        for (Py_ssize_t top = 0; top < n; top += side * columns) {                     \
+            for (Py_ssize_t tile = 0; tile < across; tile++) {                         \
+                Py_ssize_t filled = 0;                                                 \
+                memset(histogram, 0, CHUNK_BINS * sizeof *histogram);                  \
+                for (Py_ssize_t row = 0; row < side; row++)                            \
+                    READ_KEYS(key_type, key_of, top_shift,                             \
+                              value + top + row * columns + tile * side, side);        \
+                select(buffers, key, chunk, k, buffers->kept + tile * k);              \
+                buffers->cursor[tile] = 0;                                             \
+            }                                                                          \
+            for (Py_ssize_t row = 0; row < side; row++) {                              \
+                Py_ssize_t row_end = (row + 1) * side;                                 \
+                for (Py_ssize_t tile = 0; tile < across; tile++) {                     \
+                    const Py_ssize_t *kept = buffers->kept + tile * k;                 \
+                    Py_ssize_t at = buffers->cursor[tile];                             \
+                    for (; at < k && kept[at] < row_end; at++)                         \
+                        out[written++] = top + row * columns + tile * side + kept[at] - row * side; \
+                    buffers->cursor[tile] = at;                                        \
+                }                                                                      \
+            }                                                                          \
+        }                                                                              \
+    }
+
+DEFINE_CHUNK_LARGEST(chunk_largest_32, uint32_t, uint32_t, chunk_key_32,
+                     31 - CHUNK_DIGIT_BITS, chunk_select_32)
+DEFINE_CHUNK_LARGEST(chunk_largest_64, uint64_t, uint64_t, key_64,
+                     63 - CHUNK_DIGIT_BITS, chunk_select_64)
+
+/* Tiles with every tile kept whole: the positions are all of them, 0..n. */
+static void every_position(Py_ssize_t n, int64_t *out)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        out[i] = i;
+}
+
+static PyObject *chunk_largest(PyObject *module, PyObject *args)
+{
+    PyObject *values_object;
+    Py_ssize_t k, chunk, side, columns;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "Onnnn:chunk_largest", &values_object, &k, &chunk, &side,
+                          &columns))
+        return NULL;
+    Py_buffer values;
+    char format;
+    if (get_values(values_object, &values, &format, 0) < 0)
+        return NULL;
+    Py_ssize_t n = values.len / values.itemsize;
+    PyObject *result = NULL;
+    ChunkBuffers buffers = {0};
+    if (k < 0 || chunk < 1 || side < 0
+            || (side > 0 && (side > chunk / side || side * side != chunk || columns < side
+                             || columns % side || n % (side * columns)))) {
+        PyErr_Format(PyExc_ValueError, "need k >= 0, chunk >= 1 and, for tiles (side > 0), "
+                     "chunk == side * side and rows of columns values that tile; got k=%zd, "
+                     "chunk=%zd, side=%zd, columns=%zd for %zd values", k, chunk, side,
+                     columns, n);
+        goto done;
+    }
+    Py_ssize_t chunks = n / chunk, rest = n % chunk;
+    Py_ssize_t keep = k < chunk ? k : chunk;
+    Py_ssize_t total = chunks * keep + (k < rest ? k : rest);
+    Py_buffer out;
+    result = new_array(total, "int64", &out);
+    if (result == NULL)
+        goto done;
+    if (total == n || total == 0) { /* every chunk kept whole, or none of any */
+        RELEASED_BEGIN(n, 1 << 16)
+        every_position(total, out.buf);
+        RELEASED_END
+        PyBuffer_Release(&out);
+        goto done;
+    }
+    Py_ssize_t length = chunk < n ? chunk : n, across = side ? columns / side : 1;
+    buffers.key = PyMem_RawMalloc((size_t)length * values.itemsize);
+    buffers.candidate = PyMem_RawMalloc((size_t)length * values.itemsize);
+    buffers.histogram = PyMem_RawMalloc(CHUNK_BINS * sizeof *buffers.histogram);
+    buffers.kept = PyMem_RawMalloc((size_t)across * (size_t)keep * sizeof *buffers.kept);
+    buffers.cursor = PyMem_RawMalloc((size_t)across * sizeof *buffers.cursor);
+    if (!buffers.key || !buffers.candidate || !buffers.histogram || !buffers.kept
+            || !buffers.cursor) {
+        PyBuffer_Release(&out);
+        Py_CLEAR(result);
+        PyErr_NoMemory();
+        goto done;
+    }
+    RELEASED_BEGIN(n, 1 << 12)
+    if (format == 'f')
+        chunk_largest_32(&buffers, values.buf, n, k, chunk, side, columns, out.buf);
+    else
+        chunk_largest_64(&buffers, values.buf, n, k, chunk, side, columns, out.buf);
+    RELEASED_END
+    PyBuffer_Release(&out);
+done:
+    PyMem_RawFree(buffers.key);
+    PyMem_RawFree(buffers.candidate);
+    PyMem_RawFree(buffers.histogram);
+    PyMem_RawFree(buffers.kept);
+    PyMem_RawFree(buffers.cursor);
+    PyBuffer_Release(&values);
+    return result;
+}
+
 static PyObject *set_avx2(PyObject *module, PyObject *args)
 {
     int on;
@@ -740,6 +1020,14 @@ static PyMethodDef methods[] = {
      "The threshold of TopK's sampled selection: from count of values (+ addend),\n"
      "one drawn at random in each of count equal strata, the magnitude about k plus\n"
      "a safe margin of them reach. See deepreduce.sparsifiers.TopK._sampled_low."},
+    {"chunk_largest", chunk_largest, METH_VARARGS,
+     "chunk_largest(values, k, chunk, side, columns) -> numpy int64 array\n\n"
+     "The positions, increasing, of the k largest abs(values) of every chunk (NaN\n"
+     "lowest, ties to the lowest position; a chunk of at most k values is kept\n"
+     "whole): consecutive chunks of chunk values when side is 0, else side x side\n"
+     "tiles (chunk == side * side) of the matrix of rows of columns values. values:\n"
+     "a C-contiguous one-dimensional float32 or float64 array. See\n"
+     "deepreduce.sparsifiers.ChunkTopK."},
     {"_set_avx2", set_avx2, METH_VARARGS,
      "_set_avx2(on) -> bool\n\n"
      "For the tests: whether the float32 scan takes its AVX2 block from now on (only\n"
@@ -760,5 +1048,6 @@ static int prepare_module(void)
 }
 
 DEFINE_MODULE(_topkscan, "deepreduce._topkscan",
-              "Compiled candidate scan of the Top-k sparsifier (see deepreduce.sparsifiers.TopK).",
+              "Compiled candidate scan of the Top-k sparsifier and selection of the chunk-wise "
+              "one (see deepreduce.sparsifiers.TopK and ChunkTopK).",
               prepare_module())

@@ -1,4 +1,8 @@
-"""Chunk-wise Top-k (dr.ChunkTopK): exactly k per chunk, equal to a per-chunk reference."""
+"""Chunk-wise Top-k (dr.ChunkTopK): exactly k per chunk, equal to a per-chunk reference.
+
+The dense selection runs in C (``deepreduce._topkscan.chunk_largest``) where the extension
+is built, else in numpy; the tests that compare them run both in one test.
+"""
 
 import math
 
@@ -8,7 +12,14 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 import deepreduce as dr
+from deepreduce import sparsifiers
+from deepreduce.sparse import BFLOAT16
 from deepreduce.sparsifiers import chunk_keys, get_sparsifier
+import extensions
+
+compiled_only = pytest.mark.skipif(sparsifiers._topkscan is None,
+                                   reason="deepreduce._topkscan is not built")
+FLOAT_DTYPES = [np.float16, np.float32, np.float64] + ([BFLOAT16] if BFLOAT16 is not None else [])
 
 
 def reference_chunks(shape, chunk, tiles=True):
@@ -119,3 +130,147 @@ def test_spec_and_bad_arguments():
                    {"k": True}):
         with pytest.raises(ValueError):
             dr.ChunkTopK(**kwargs)
+
+
+# ------------------------------------------------------------------ compiled against numpy
+
+def both_selections(sparsifier, x):
+    """``sparsifier(x)``'s indices with the compiled selection and with numpy's, the values
+    checked to be those of ``x`` there."""
+    outcomes = extensions.both(sparsifiers, "_topkscan", sparsifier, x)
+    for got in outcomes:
+        assert got.indices.dtype == np.int64
+        expected = np.asarray(x).reshape(-1)[got.indices]
+        assert got.values.dtype == expected.dtype
+        bits = f"u{expected.itemsize}"  # (bits: numpy sees no NaN in a bfloat16)
+        np.testing.assert_array_equal(got.values.view(bits), expected.view(bits))
+    return [got.indices for got in outcomes]
+
+
+def specials(dtype):
+    """Values where magnitudes are easy to get wrong: NaN of both signs, infinities, zeros of
+    both signs, subnormals, ties."""
+    info = np.finfo(np.float32 if np.dtype(dtype).itemsize < 4 else dtype)
+    return np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.0,
+                     info.smallest_subnormal, -info.smallest_subnormal, info.max],
+                    dtype=np.float64)
+
+
+def draw_values(rng, shape, dtype, kind):
+    """A tensor of ``shape``: Gaussian, a few special values among Gaussians, only special
+    values (ties everywhere), values spread over one binade (a radix digit sees them all
+    alike), or equal but for their last bits."""
+    size = math.prod(shape)
+    if kind == "gaussian":
+        x = rng.standard_normal(size)
+    elif kind == "specials":
+        x = rng.choice(specials(dtype), size)
+    elif kind == "some_specials":
+        x = rng.standard_normal(size)
+        where = rng.random(size) < 0.05
+        x[where] = rng.choice(specials(dtype), int(where.sum()))
+    elif kind == "one_binade":
+        x = 1.0 + rng.random(size)
+    else:  # "last_bits": the same value, its lowest mantissa bits drawn
+        x = np.full(size, 1.5)
+        x = x.astype(dtype)
+        bits = x.view(f"u{x.itemsize}")
+        bits |= rng.integers(0, 8, size).astype(bits.dtype)
+        return x.reshape(shape)
+    with np.errstate(over="ignore"):
+        return x.astype(dtype).reshape(shape)
+
+
+VALUE_KINDS = ["gaussian", "specials", "some_specials", "one_binade", "last_bits"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(FLOAT_DTYPES), kind=st.sampled_from(VALUE_KINDS),
+       chunk=st.sampled_from([1, 2, 4, 7, 9, 16, 64, 100, 256]), tiles=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_compiled_and_numpy_selections_agree(data, dtype, kind, chunk, tiles, seed):
+    side = math.isqrt(chunk)
+    shape = data.draw(st.one_of(
+        st.lists(st.integers(0, 70), min_size=1, max_size=3).map(tuple),
+        # shapes that tile (for a square chunk), stacked matrices among them
+        st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4)).map(
+            lambda t: (t[0], t[1] * side, t[2] * side)),
+        st.tuples(st.integers(1, 5), st.integers(1, 5)).map(
+            lambda t: (t[0] * side, t[1] * side))))
+    k = data.draw(st.one_of(st.integers(0, 3), st.integers(0, chunk + 2)))
+    x = draw_values(np.random.default_rng(seed), shape, dtype, kind)
+    sparsifier = dr.ChunkTopK(k=k, chunk=chunk, tiles=tiles)
+    compiled, numpy = both_selections(sparsifier, x)
+    np.testing.assert_array_equal(compiled, numpy)
+    if dtype in (np.float32, np.float64) and kind != "gaussian":
+        np.testing.assert_array_equal(compiled, reference(x, k, chunk, tiles))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", VALUE_KINDS)
+@pytest.mark.parametrize("shape, k, chunk", [((256, 192), 64, 4096), ((128, 128), 1, 4096),
+                                             ((128, 128), 4095, 4096), ((3, 64, 128), 7, 1024),
+                                             ((10_000,), 64, 4096), ((4096 * 3 + 5,), 100, 4096),
+                                             ((200, 300), 64, 4096)])
+def test_compiled_and_numpy_agree_on_large_chunks(dtype, kind, shape, k, chunk):
+    # chunks large enough that the C radix select takes several levels before its sort
+    x = draw_values(np.random.default_rng(k), shape, dtype, kind)
+    compiled, numpy = both_selections(dr.ChunkTopK(k=k, chunk=chunk), x)
+    np.testing.assert_array_equal(compiled, numpy)
+    np.testing.assert_array_equal(compiled, reference(x, k, chunk))
+
+
+def test_compiled_and_numpy_agree_on_strided_and_foreign_order_input():
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((128, 256)).astype(np.float32)
+    for x in [wide[:, ::2], wide.T, wide[::2], wide.astype(">f4"), np.asfortranarray(wide),
+              wide.reshape(-1)[::3]]:
+        compiled, numpy = both_selections(dr.ChunkTopK(k=16, chunk=1024), x)
+        np.testing.assert_array_equal(compiled, numpy)
+        np.testing.assert_array_equal(compiled, reference(np.asarray(x, np.float32), 16, 1024))
+
+
+def test_signed_zeros_tie_and_nan_ranks_below_them():
+    x = np.array([np.nan, -0.0, 0.0, -np.nan, -0.0, 0.0, np.nan, 0.0], np.float32)
+    for k, expected in [(1, [1]), (3, [1, 2, 4]), (6, [1, 2, 4, 5, 7, 0]),
+                        (7, [0, 1, 2, 3, 4, 5, 7])]:
+        for got in both_selections(dr.ChunkTopK(k=k, chunk=8), x):
+            np.testing.assert_array_equal(got, np.sort(expected))
+
+
+@compiled_only
+def test_compiled_selection_checks_its_arguments():
+    chunk_largest = sparsifiers._topkscan.chunk_largest
+    values = np.zeros(64, np.float32)
+    for args in [(-1, 16, 0, 0), (1, 0, 0, 0), (1, 16, 3, 8), (1, 16, 4, 6), (1, 16, 4, 32),
+                 (1, 16, -1, 0)]:
+        with pytest.raises(ValueError):
+            chunk_largest(values, *args)
+    for bad in [values.astype(np.float16), values[::2], values.reshape(8, 8),
+                values.astype(np.int32)]:
+        with pytest.raises(TypeError):
+            chunk_largest(bad, 1, 16, 0, 0)
+    np.testing.assert_array_equal(chunk_largest(values, 1, 16, 4, 16), [0, 4, 8, 12])
+    np.testing.assert_array_equal(chunk_largest(values, 1, 16, 0, 0), [0, 16, 32, 48])
+
+
+@compiled_only
+def test_compiled_selection_lets_other_threads_run():
+    import threading
+
+    x = np.random.default_rng(0).standard_normal((2048, 1024)).astype(np.float32)
+    ticks, done = [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(1)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        for _ in range(3):
+            dr.ChunkTopK(k=64)(x)
+    finally:
+        done.set()
+        thread.join()
+    assert ticks
