@@ -70,21 +70,32 @@ def _in(host: int, *cmd) -> list:
 
 
 class TwoHosts:
-    """Two namespaces joined by a shaped veth pair; deleted on leaving."""
+    """Two namespaces joined by a shaped veth pair; deleted on leaving. The names and
+    addresses are this benchmark's unless given (another benchmark takes its own, so
+    that both can run side by side)."""
+
+    def __init__(self, namespaces=NAMESPACES, veth=VETH, addresses=ADDRESSES, prefix=PREFIX):
+        self.namespaces, self.veth, self.addresses, self.prefix = \
+            namespaces, veth, addresses, prefix
+
+    def inside(self, host: int, *cmd) -> list:
+        """``cmd`` run inside host ``host``'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[host], *cmd]
 
     def __enter__(self):
         check_rights()
         self._delete()  # left over from an interrupted run
         try:
-            for name in NAMESPACES:
+            for name in self.namespaces:
                 _run(["ip", "netns", "add", name])
-            _run(["ip", "link", "add", VETH[0], "netns", NAMESPACES[0], "type", "veth",
-                  "peer", "name", VETH[1], "netns", NAMESPACES[1]])
+            _run(["ip", "link", "add", self.veth[0], "netns", self.namespaces[0], "type",
+                  "veth", "peer", "name", self.veth[1], "netns", self.namespaces[1]])
             for host in (0, 1):
-                _run(_in(host, "ip", "addr", "add", f"{ADDRESSES[host]}/{PREFIX}", "dev",
-                         VETH[host]))
-                _run(_in(host, "ip", "link", "set", VETH[host], "up"))
-                _run(_in(host, "ip", "link", "set", "lo", "up"))
+                _run(self.inside(host, "ip", "addr", "add",
+                                 f"{self.addresses[host]}/{self.prefix}", "dev",
+                                 self.veth[host]))
+                _run(self.inside(host, "ip", "link", "set", self.veth[host], "up"))
+                _run(self.inside(host, "ip", "link", "set", "lo", "up"))
         except BaseException:
             self._delete()
             raise
@@ -93,12 +104,12 @@ class TwoHosts:
     def shape(self, rate: str) -> None:
         """Both ends of the veth to ``rate`` (a tc token bucket each: both directions)."""
         for host in (0, 1):
-            _run(_in(host, "tc", "qdisc", "replace", "dev", VETH[host], "root", "tbf", "rate",
-                     rate, "burst", burst(rate), "latency", "50ms"))
+            _run(self.inside(host, "tc", "qdisc", "replace", "dev", self.veth[host], "root",
+                             "tbf", "rate", rate, "burst", burst(rate), "latency", "50ms"))
 
     def _delete(self):
         listed = _run(["ip", "netns", "list"]).stdout.split()
-        for name in NAMESPACES:
+        for name in self.namespaces:
             if name in listed:  # (deleting a namespace deletes its end of the veth)
                 _run(["ip", "netns", "del", name], check=False)
 

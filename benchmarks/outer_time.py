@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import ROOT, best_wall_and_cpu, free_port, table
-from benchmarks.e2e import NetnsError, burst, check_rights
+from benchmarks.e2e import NetnsError, check_rights
+from benchmarks.hierarchical import TwoHosts, veth_bytes
 
 NAMESPACES = ("drouter0", "drouter1")
 VETH = ("dro0", "dro1")
@@ -49,73 +50,6 @@ WORLD = 2
 SPARSELOCO = dict(sparsifier="chunktopk:k=64,chunk=4096", index="chunked",
                   value="statq:bits=2,sigmas=6")
 LINK_GBITS = 1.0
-
-
-# -- the two hosts -----------------------------------------------------------------------
-
-def _run(cmd, timeout=30, check=True):
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode:
-        raise NetnsError(f"{' '.join(cmd)} failed ({proc.returncode}): "
-                         f"{proc.stderr.strip() or proc.stdout.strip()}")
-    return proc
-
-
-def _in(host: int, *cmd) -> list:
-    return ["ip", "netns", "exec", NAMESPACES[host], *cmd]
-
-
-class TwoHosts:
-    """Two namespaces joined by a shaped veth pair; deleted on leaving."""
-
-    def __enter__(self):
-        check_rights()
-        self._delete()  # left over from an interrupted run of this benchmark
-        try:
-            for name in NAMESPACES:
-                _run(["ip", "netns", "add", name])
-            _run(["ip", "link", "add", VETH[0], "netns", NAMESPACES[0], "type", "veth",
-                  "peer", "name", VETH[1], "netns", NAMESPACES[1]])
-            for host in (0, 1):
-                _run(_in(host, "ip", "addr", "add", f"{ADDRESSES[host]}/{PREFIX}", "dev",
-                         VETH[host]))
-                _run(_in(host, "ip", "link", "set", VETH[host], "up"))
-                _run(_in(host, "ip", "link", "set", "lo", "up"))
-        except BaseException:
-            self._delete()
-            raise
-        return self
-
-    def shape(self, rate: str) -> None:
-        for host in (0, 1):
-            _run(_in(host, "tc", "qdisc", "replace", "dev", VETH[host], "root", "tbf", "rate",
-                     rate, "burst", burst(rate), "latency", "50ms"))
-
-    def _delete(self):
-        listed = _run(["ip", "netns", "list"]).stdout.split()
-        for name in NAMESPACES:
-            if name in listed:
-                _run(["ip", "netns", "del", name], check=False)
-
-    def __exit__(self, *exc):
-        self._delete()
-
-
-def veth_bytes():
-    """Bytes the veth end named by ``DR_VETH`` has sent and received so far, or None."""
-    name = os.environ.get("DR_VETH")
-    try:
-        return sum(int(Path(f"/sys/class/net/{name}/statistics/{what}_bytes").read_text())
-                   for what in ("tx", "rx"))
-    except (OSError, TypeError, ValueError):
-        return None
-
-
-def outer_optimizer_committed() -> bool:
-    """Whether ``deepreduce/torch/outer.py`` is in a commit of this checkout."""
-    proc = subprocess.run(["git", "log", "-1", "--format=%h", "--", "deepreduce/torch/outer.py"],
-                          cwd=ROOT, capture_output=True, text=True)
-    return proc.returncode == 0 and bool(proc.stdout.strip())
 
 
 # -- the ranks -------------------------------------------------------------------------
@@ -174,38 +108,17 @@ def _outer_scheme(tensors: dict, **settings):
     return step
 
 
-def _exchange_scheme(tensors: dict):
-    from deepreduce.config import ExchangeConfig
-    from deepreduce.exchange import GradientExchange
-    from deepreduce.exchange.memory import ResidualMemory
-    from deepreduce.torch.transport import TorchTransport
-
-    config = ExchangeConfig(**SPARSELOCO, min_size=0, error_feedback=ResidualMemory(0.95))
-    exchange = GradientExchange(config=config)
-    transport = TorchTransport()
-    names, arrays = list(tensors), list(tensors.values())
-
-    def step():
-        exchange.reduce_async(names, arrays, transport, op="average").result()
-        return exchange.stats.last, None
-    return step
-
-
-def schemes(tensors: dict, with_outer: bool) -> list:
+def schemes(tensors: dict) -> list:
     import torch
 
     made = [("allreduce fp32 (dense DiLoCo as sent elsewhere)",
              _allreduce_scheme(tensors, torch.float32)),
             ("allreduce bf16", _allreduce_scheme(tensors, torch.bfloat16))]
-    if with_outer:
-        made += [("OuterOptimizer diloco, raw fp32", _outer_scheme(tensors, mode="diloco")),
-                 ("OuterOptimizer diloco, bf16", _outer_scheme(tensors, mode="diloco",
-                                                               value="bf16")),
-                 ("OuterOptimizer sparseloco (chunktopk k=64, chunked, statq 2 bits)",
-                  _outer_scheme(tensors, mode="sparseloco"))]
-    else:
-        made.append(("GradientExchange sparseloco settings (chunktopk k=64, chunked, statq "
-                     "2 bits, decay 0.95)", _exchange_scheme(tensors)))
+    made += [("OuterOptimizer diloco, raw fp32", _outer_scheme(tensors, mode="diloco")),
+             ("OuterOptimizer diloco, bf16", _outer_scheme(tensors, mode="diloco",
+                                                           value="bf16")),
+             ("OuterOptimizer sparseloco (chunktopk k=64, chunked, statq 2 bits)",
+              _outer_scheme(tensors, mode="sparseloco"))]
     return made
 
 
@@ -218,7 +131,7 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     tensors = _rank_tensors(args.gradients, rank)
-    made = schemes(tensors, os.environ.get("DR_OUTER") == "1")
+    made = schemes(tensors)
     results = {label: dict(ms=[], wire=[], encode_ms=[], decode_ms=[], sent=[])
                for label, _ in made}
     for label, step in made:  # a warm-up step each (and the first outer step's agreement)
@@ -242,15 +155,14 @@ def worker(args) -> None:
                 r["sent"].append(stats.bytes_sent)
     if rank == 0:
         Path(args.worker_out).write_text(json.dumps(dict(
-            results=results, parameters=int(sum(x.size for x in tensors.values())),
-            outer_optimizer=os.environ.get("DR_OUTER") == "1")))
+            results=results, parameters=int(sum(x.size for x in tensors.values())))))
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # before the interpreter finalises (pytorch#179291), as the torch tests
 
 
-def run_ranks(args, gradients: str, out: Path, port: int, with_outer: bool,
+def run_ranks(args, gradients: str, out: Path, port: int, net: TwoHosts,
               timeout: float) -> None:
     procs = []
     try:
@@ -258,8 +170,8 @@ def run_ranks(args, gradients: str, out: Path, port: int, with_outer: bool,
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD),
                        MASTER_ADDR=ADDRESSES[0], MASTER_PORT=str(port),
                        GLOO_SOCKET_IFNAME=VETH[rank], DR_VETH=VETH[rank],
-                       DR_OUTER="1" if with_outer else "0", OMP_NUM_THREADS="1")
-            cmd = _in(rank, sys.executable, "-m", "benchmarks.outer", "--time-worker",
+                       OMP_NUM_THREADS="1")
+            cmd = net.inside(rank, sys.executable, "-m", "benchmarks.outer", "--time-worker",
                       "--worker-out", str(out), "--gradients", gradients,
                       "--repeats", str(args.repeats))
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True))
@@ -327,15 +239,13 @@ def run(args, captured) -> dict:
         record["skipped"] = str(exc)
         print(f"time: the two-host part is skipped: {exc}", flush=True)
         return record
-    with_outer = outer_optimizer_committed()
-    record["outer_optimizer"] = with_outer
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
-    with TwoHosts() as net:
+    with TwoHosts(NAMESPACES, VETH, ADDRESSES, PREFIX) as net:
         for rate in rates:
             net.shape(rate)
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "worker.json"
-                run_ranks(args, facts["path"], out, free_port(), with_outer, timeout=900)
+                run_ranks(args, facts["path"], out, free_port(), net, timeout=900)
                 data = json.loads(out.read_text())
             data.update(rate=rate, load=os.getloadavg()[0])
             record["rates"].append(data)
@@ -380,16 +290,11 @@ def section(record) -> list:
               "counters (both directions, TCP/IP framing included). allreduce: the "
               "pseudo-gradients flattened (and cast) into one buffer, `dist.all_reduce`d "
               "and averaged, as DiLoCo's implementations send them. "
-              + ("`deepreduce/torch/outer.py` is committed, so the deepreduce rows are "
-                 "`OuterOptimizer.sync()`, the whole outer step (pseudo-gradients, error "
-                 "feedback, exchange with encode and decode, outer SGD step, copy back), in "
-                 "its modes: dense DiLoCo fp32 (`value=\"raw\"`) and bf16, and SparseLoCo "
-                 "(`chunktopk:k=64,chunk=4096`, `chunked`, `statq:bits=2,sigmas=6`, decay "
-                 "0.95)." if record.get("outer_optimizer") else
-                 "`deepreduce/torch/outer.py` was not committed when this ran: the deepreduce "
-                 "row is a `GradientExchange` with SparseLoCo's settings (chunktopk k=64, "
-                 "`chunked`, `statq:bits=2,sigmas=6`, error feedback with decay 0.95) over "
-                 "`TorchTransport`, encode and decode included."), ""]
+              "The deepreduce rows are `OuterOptimizer.sync()`, the whole outer step "
+              "(pseudo-gradients, error feedback, exchange with encode and decode, outer SGD "
+              "step, copy back), in its modes: dense DiLoCo fp32 (`value=\"raw\"`) and bf16, "
+              "and SparseLoCo (`chunktopk:k=64,chunk=4096`, `chunked`, "
+              "`statq:bits=2,sigmas=6`, decay 0.95).", ""]
     for run in record["rates"]:
         bits_per_s = rate_bits(run["rate"])
         lines += [f"#### {run['rate']} (load average {run['load']:.1f})", ""]
