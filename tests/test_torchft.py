@@ -62,7 +62,7 @@ DENSE_BYTES = 4 * sum(p.numel() for p in small_model().parameters())
 
 
 def replica(replica_id, lighthouse, settings, outer_steps=OUTER_STEPS, min_replicas=2,
-            gloo_timeout=10, lost_at=None, started=None):
+            gloo_timeout=10, lost_at=None, poisoned_at=None, started=None):
     """One replica group: DiLoCo (AdamW inside, Nesterov SGD outside) until the manager
     has committed ``outer_steps``, with its manager wrapped by deepreduce unless
     ``settings`` is None. Returns the final parameters, the wrapper (or None), the
@@ -70,7 +70,7 @@ def replica(replica_id, lighthouse, settings, outer_steps=OUTER_STEPS, min_repli
     verdict and the residuals after it). ``lost_at``: the replica dies at the start of
     that outer step's exchange, after the quorum that counts it in. ``started``: a
     barrier the replicas meet at once their managers heartbeat, so that the first quorum
-    counts them all."""
+    counts them all. ``poisoned_at``: that outer step's first pseudo-gradient holds a NaN."""
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     model = small_model()
     pg = CountingGloo(timeout=timedelta(seconds=gloo_timeout))
@@ -102,6 +102,8 @@ def replica(replica_id, lighthouse, settings, outer_steps=OUTER_STEPS, min_repli
         def dying(tensor, *args, **kwargs):
             if manager.current_step() == lost_at:
                 raise RuntimeError(f"replica {replica_id} lost")
+            if manager.current_step() == poisoned_at and compressed._position == 0:
+                tensor.view(-1)[0] = float("nan")
             return allreduce(tensor, *args, **kwargs)
         compressed.allreduce = dying
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -128,11 +130,13 @@ def run_replicas(settings, replicas=2, **options):
     """``replica`` on ``replicas`` threads around one lighthouse; their results in order.
     ``settings`` is one dict for all, or a list of one per replica."""
     per_replica = settings if isinstance(settings, list) else [settings] * replicas
+    poisoned = options.pop("poisoned_at", [None] * replicas)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=options.get("min_replicas", 2),
                                   join_timeout_ms=500, heartbeat_timeout_ms=1000)
     try:
         with ThreadPoolExecutor(replicas) as pool:
-            futures = [pool.submit(replica, r, lighthouse, per_replica[r], **options)
+            futures = [pool.submit(replica, r, lighthouse, per_replica[r],
+                                   poisoned_at=poisoned[r], **options)
                        for r in range(replicas)]
             return [f.result(timeout=120) for f in futures]
     finally:
@@ -194,6 +198,18 @@ def test_a_replica_that_drops_fails_one_outer_step_then_training_goes_on():
             before = commits[i - 1][1]
             assert residuals.keys() == before.keys()
             assert all(torch.equal(residuals[k], before[k]) for k in before)
+
+
+def test_a_non_finite_pseudo_gradient_travels_exact_and_leaves_the_residuals():
+    (params0, ex0, _, commits0), (params1, ex1, _, commits1) = run_replicas(
+        [{}, {}], outer_steps=2, poisoned_at=[None, 1])
+    for ex, commits in ((ex0, commits0), (ex1, commits1)):
+        assert ex.stats.total.nonfinite_steps == 1    # the second outer step, on both
+        (_, before), (_, after) = commits
+        assert all(torch.equal(after[k], before[k]) for k in before)
+    # as torchft's allreduce would: the NaN reaches both replicas' parameters
+    assert torch.isnan(params0[0]).any() and torch.isnan(params1[0]).any()
+    assert torch.isnan(params0[0]).sum() == torch.isnan(params1[0]).sum()
 
 
 def test_settings_that_differ_between_replicas_fail_on_both():

@@ -12,7 +12,7 @@ and routes that call through :class:`deepreduce.exchange.GradientExchange`::
 
     import torchft, deepreduce.torch.torchft as drft
     manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), use_async_quorum=False, ...)
-    compressed = drft.DeepReduceManager(manager)       # SparseLoCo-like settings
+    compressed = drft.DeepReduceManager(manager)       # SparseLoCo's settings
     with torchft.local_sgd.DiLoCo(compressed, [model], inner, outer, sync_every=30):
         ...                                           # the training loop, unchanged
 
@@ -21,7 +21,9 @@ sparsifier, the index and value codecs), every participant's bundle reaches ever
 participant by an allgather on torchft's replica process group
 (:class:`ReplicaGroupTransport`), and each decodes, sums in rank order and divides by
 the number of participants, as torchft's own allreduce does. Everything else the
-manager does (quorum, healing, commits, checkpoints) is torchft's.
+manager does (quorum, healing, commits, checkpoints) is torchft's. The exchange works on
+host copies of the pseudo-gradients (numpy and the compiled codecs): a copy per outer
+step, every ``sync_every`` inner steps.
 """
 
 from __future__ import annotations
@@ -386,8 +388,7 @@ class DeepReduceManager:
         participating = self.manager.is_participating()
         # a replica that is not participating (healing, a spare) sends zeros, as in
         # torchft's allreduce, and keeps its residuals
-        arrays = [_host(q.tensor) if participating else
-                  np.zeros(tuple(q.tensor.shape), _host(torch.empty(0, dtype=q.tensor.dtype)).dtype)
+        arrays = [_host(q.tensor) if participating else np.zeros_like(_host(q.tensor))
                   for q in queued]
         names = [q.name if participating else None for q in queued]
         finite = self.exchange.agree_finite(arrays, transport) if self.check_finite else True
