@@ -723,28 +723,54 @@ done:
 
 /* ------------------------------------------------------------ chunk-wise selection */
 
-/* Bins of one level of the chunk selection: the keys' top bits at the first level,
- * then bits of key - smallest among the keys still in question. */
+/* Most bits of key - smallest that one level of the chunk selection's radix select
+ * counts: a histogram of 16 KB at most, in the L1 cache. */
 #define CHUNK_DIGIT_BITS 11
-#define CHUNK_BINS (1 << CHUNK_DIGIT_BITS)
 /* Candidates this few are settled by an insertion sort: cheaper than another level. */
 #define CHUNK_FEW 48
 
-/* Key types of the chunk selection: a float32's magnitude key (key_32) fits in 32
- * bits, which halves the chunk's buffer; a float64's (key_64) takes 64. */
-static inline uint32_t chunk_key_32(uint32_t bits)
+/* A float32's magnitude key (key_32) fits in a signed 32-bit integer, which the
+ * vector units of every x86-64 processor compare; a float64's takes 64 bits. */
+static inline int32_t chunk_key_32(uint32_t bits)
 {
-    return (uint32_t)key_32(bits);
+    int32_t magnitude = (int32_t)(bits & 0x7fffffffu);
+    return magnitude > 0x7f800000 ? 0 : magnitude + 1;
 }
 
-/* The threshold of one chunk's selection: the k largest keys are those above
- * `threshold` and the first `ties` (in position order) equal to it. */
+/* Bit i of the result is set when key[i] >= low, for the BLOCK keys at key. */
+static inline uint64_t keys_reaching_32(const int32_t *key, int32_t low)
+{
+#if SSE2_SCAN
+    /* low >= 0 (keys are), so key >= low is key > low - 1, a signed compare */
+    const __m128i limit = _mm_set1_epi32(low - 1);
+#define REACHES(at) _mm_cmpgt_epi32(_mm_loadu_si128((const __m128i *)(key + (at))), limit)
+    uint64_t mask = 0;
+    for (int j = 0; j < BLOCK; j += 16)
+        mask |= bits_of_16(REACHES(j), REACHES(j + 4), REACHES(j + 8), REACHES(j + 12)) << j;
+#undef REACHES
+    return mask;
+#else
+    uint64_t mask = 0;
+    for (int i = 0; i < BLOCK; i++)
+        mask |= (uint64_t)(key[i] >= low) << i;
+    return mask;
+#endif
+}
+
+static inline uint64_t keys_reaching_64(const uint64_t *key, uint64_t low)
+{
+    uint64_t mask = 0;
+    for (int i = 0; i < BLOCK; i++)
+        mask |= (uint64_t)(key[i] >= low) << i;
+    return mask;
+}
+
+/* The rank-th largest (from 1) of candidate[0..count) (reordered), and in *ties how
+ * many keys equal to it are among the rank largest. A radix select: each level
+ * counts the candidates' digits of key - smallest, keeps those of the bin that holds
+ * the rank-th and so narrows their range by the digit's bits; a 64-bit key takes
+ * at most 6 levels of 11 bits, and the few candidates left are sorted. */
 #define DEFINE_CHUNK_KTH(name, key_type)                                               \
-    /* The rank-th largest (from 1) of the keys of candidate[0..count), which all   */ \
-    /* share every bit above those the histogram has not looked at yet; reorders  */   \
-    /* candidate. Each level keeps the candidates of the bin that holds the        */  \
-    /* rank-th and narrows the range by CHUNK_DIGIT_BITS bits, so a 64-bit key     */  \
-    /* takes at most 6 levels.                                                     */  \
     static key_type name(key_type *candidate, Py_ssize_t count, Py_ssize_t rank,       \
                          Py_ssize_t *histogram, Py_ssize_t *ties)                      \
     {                                                                                  \
@@ -769,9 +795,13 @@ static inline uint32_t chunk_key_32(uint32_t bits)
                 smallest = candidate[i] < smallest ? candidate[i] : smallest;          \
                 largest = candidate[i] > largest ? candidate[i] : largest;             \
             }                                                                          \
+            /* about one candidate a bin: a histogram no larger than they need */     \
+            int width = 1;                                                             \
+            while (width < CHUNK_DIGIT_BITS && ((Py_ssize_t)1 << width) < count)       \
+                width++;                                                               \
             key_type range = largest - smallest;                                       \
             int shift = 0;                                                             \
-            while (shift < (int)(8 * sizeof(key_type)) && (range >> shift) >> CHUNK_DIGIT_BITS) \
+            while (shift < (int)(8 * sizeof(key_type)) && (range >> shift) >> width)   \
                 shift++;                                                               \
             Py_ssize_t bins = (Py_ssize_t)(range >> shift) + 1;                        \
             memset(histogram, 0, (size_t)bins * sizeof *histogram);                    \
@@ -794,89 +824,93 @@ static inline uint32_t chunk_key_32(uint32_t bits)
         }                                                                              \
     }
 
-DEFINE_CHUNK_KTH(chunk_kth_32, uint32_t)
+DEFINE_CHUNK_KTH(chunk_kth_32, int32_t)
 DEFINE_CHUNK_KTH(chunk_kth_64, uint64_t)
 
-/* The buffers of one chunk selection: the chunk's keys in position order, the
- * candidates of its threshold, a level's histogram and, for tiles, each tile of a
- * row of tiles' kept positions within it. */
+/* The buffers of one chunk selection: the chunk's keys in position order; the
+ * candidates' keys, positions in the chunk and a copy of the keys that the radix
+ * select reorders; a level's histogram; and, for tiles, each tile of a row of tiles'
+ * kept positions within it and how many of them the merge has written. */
 typedef struct {
     char *key;
     char *candidate;
+    char *scratch;
+    Py_ssize_t *position;
     Py_ssize_t *histogram;
     Py_ssize_t *kept;
     Py_ssize_t *cursor;
 } ChunkBuffers;
 
-/* One chunk: key[0..length) gets the keys of the chunk's values (read by
- * read_key(i), i its position in the chunk, in increasing order), and out[0..k) the
- * positions in the chunk of its k largest keys, increasing (1 <= k < length). The
- * first level's histogram, on the keys' top CHUNK_DIGIT_BITS bits, is counted while
- * the keys are read. */
-#define DEFINE_CHUNK_SELECT(name, key_type, top_shift, kth_of)                         \
-    static void name(const ChunkBuffers *buffers, key_type *key, Py_ssize_t length,    \
-                     Py_ssize_t k, Py_ssize_t *out)                                    \
+/* out[0..k) gets the positions, increasing, of the k largest of key[0..length)
+ * (1 <= k < length; ties to the first). The k-th largest is at least the smallest of
+ * the largest keys of any k disjoint groups (they are k keys): with groups of
+ * length / k consecutive keys, whose largest the vector units find, that bound
+ * leaves a few times k candidates, the only keys that the radix select and the
+ * last pass look at. */
+#define DEFINE_CHUNK_SELECT(name, key_type, reaching, kth_of, attributes)              \
+    attributes static void name(const ChunkBuffers *buffers, const key_type *key,      \
+                                Py_ssize_t length, Py_ssize_t k, Py_ssize_t *out)      \
     {                                                                                  \
-        key_type *candidate = (key_type *)buffers->candidate;                          \
-        Py_ssize_t *histogram = buffers->histogram;                                    \
-        Py_ssize_t rank = k, digit = CHUNK_BINS - 1, count = 0;                        \
-        while (histogram[digit] < rank)                                                \
-            rank -= histogram[digit--];                                                \
-        for (Py_ssize_t i = 0; i < length; i++) {                                      \
-            candidate[count] = key[i];                                                 \
-            count += (Py_ssize_t)(key[i] >> (top_shift)) == digit;                     \
+        Py_ssize_t group = length / k;                                                 \
+        key_type low = key[0];                                                         \
+        for (Py_ssize_t j = 0; j < k; j++) {                                           \
+            const key_type *member = key + j * group;                                  \
+            key_type largest = member[0];                                              \
+            for (Py_ssize_t i = 1; i < group; i++)                                     \
+                largest = member[i] > largest ? member[i] : largest;                   \
+            low = j == 0 || largest < low ? largest : low;                             \
         }                                                                              \
-        Py_ssize_t ties;                                                               \
-        key_type threshold = kth_of(candidate, count, rank, histogram, &ties);         \
-        Py_ssize_t taken = 0;                                                          \
-        for (Py_ssize_t i = 0; i < length && taken < k; i++) {                         \
-            out[taken] = i;                                                            \
-            Py_ssize_t above = key[i] > threshold, equal = key[i] == threshold;        \
+        key_type *candidate = (key_type *)buffers->candidate;                          \
+        Py_ssize_t *position = buffers->position, count = 0;                           \
+        Py_ssize_t base = 0;                                                           \
+        for (; base + BLOCK <= length; base += BLOCK)                                  \
+            for (uint64_t mask = reaching(key + base, low); mask; mask &= mask - 1) {  \
+                Py_ssize_t at = base + LOWEST_BIT(mask);                               \
+                candidate[count] = key[at];                                            \
+                position[count++] = at;                                                \
+            }                                                                          \
+        for (; base < length; base++) {                                                \
+            candidate[count] = key[base];                                              \
+            position[count] = base;                                                    \
+            count += key[base] >= low;                                                 \
+        }                                                                              \
+        key_type *scratch = (key_type *)buffers->scratch;                              \
+        memcpy(scratch, candidate, (size_t)count * sizeof *scratch);                   \
+        Py_ssize_t ties, taken = 0;                                                    \
+        key_type threshold = kth_of(scratch, count, k, buffers->histogram, &ties);     \
+        for (Py_ssize_t i = 0; i < count && taken < k; i++) {                          \
+            out[taken] = position[i];                                                  \
+            Py_ssize_t above = candidate[i] > threshold, equal = candidate[i] == threshold; \
             taken += above | (equal & (ties > 0));                                     \
             ties -= equal;                                                             \
         }                                                                              \
     }
 
-DEFINE_CHUNK_SELECT(chunk_select_32, uint32_t, 31 - CHUNK_DIGIT_BITS, chunk_kth_32)
-DEFINE_CHUNK_SELECT(chunk_select_64, uint64_t, 63 - CHUNK_DIGIT_BITS, chunk_kth_64)
-
-/* The keys of `length` values at `value` (raw bits), into key, counting the first
- * level's histogram. */
-#define READ_KEYS(key_type, key_of, top_shift, value, length)                          \
-    do {                                                                               \
-        for (Py_ssize_t j = 0; j < (length); j++) {                                    \
-            key_type read = key_of((value)[j]);                                        \
-            key[filled + j] = read;                                                    \
-            histogram[read >> (top_shift)]++;                                          \
-        }                                                                              \
-        filled += (length);                                                            \
-    } while (0)
+DEFINE_CHUNK_SELECT(chunk_select_32, int32_t, keys_reaching_32, chunk_kth_32, )
+DEFINE_CHUNK_SELECT(chunk_select_64, uint64_t, keys_reaching_64, chunk_kth_64, )
 
 /* The whole selection for one key width: flat chunks (side == 0) or tiles of side x
  * side in rows of `columns` values; the positions, increasing, into out, which holds
  * exactly as many as the chunks keep. */
-#define DEFINE_CHUNK_LARGEST(name, key_type, bits_type, key_of, top_shift, select)     \
-    static void name(const ChunkBuffers *buffers, const bits_type *value, Py_ssize_t n, \
-                     Py_ssize_t k, Py_ssize_t chunk, Py_ssize_t side, Py_ssize_t columns, \
-                     int64_t *out)                                                     \
+#define DEFINE_CHUNK_LARGEST(name, key_type, bits_type, key_of, select, attributes)    \
+    attributes static void name(const ChunkBuffers *buffers, const bits_type *value,   \
+                                Py_ssize_t n, Py_ssize_t k, Py_ssize_t chunk,          \
+                                Py_ssize_t side, Py_ssize_t columns, int64_t *out)     \
     {                                                                                  \
         key_type *key = (key_type *)buffers->key;                                      \
-        Py_ssize_t *histogram = buffers->histogram;                                    \
         Py_ssize_t written = 0;                                                        \
         if (side == 0) {                                                               \
             for (Py_ssize_t start = 0; start < n; start += chunk) {                    \
                 Py_ssize_t length = n - start < chunk ? n - start : chunk;             \
-                Py_ssize_t keep = k < length ? k : length;                             \
-                if (keep == length) {                                                  \
+                if (k >= length) { /* the last, shorter chunk may be kept whole */     \
                     for (Py_ssize_t i = 0; i < length; i++)                            \
                         out[written++] = start + i;                                    \
                     continue;                                                          \
                 }                                                                      \
-                Py_ssize_t filled = 0;                                                 \
-                memset(histogram, 0, CHUNK_BINS * sizeof *histogram);                  \
-                READ_KEYS(key_type, key_of, top_shift, value + start, length);         \
-                select(buffers, key, length, keep, buffers->kept);                     \
-                for (Py_ssize_t i = 0; i < keep; i++)                                  \
+                for (Py_ssize_t i = 0; i < length; i++)                                \
+                    key[i] = key_of(value[start + i]);                                 \
+                select(buffers, key, length, k, buffers->kept);                        \
+                for (Py_ssize_t i = 0; i < k; i++)                                     \
                     out[written++] = start + buffers->kept[i];                         \
             }                                                                          \
             return;                                                                    \
@@ -886,11 +920,21 @@ DEFINE_CHUNK_SELECT(chunk_select_64, uint64_t, 63 - CHUNK_DIGIT_BITS, chunk_kth_
         Py_ssize_t across = columns / side;                                            \
         for (Py_ssize_t top = 0; top < n; top += side * columns) {                     \
             for (Py_ssize_t tile = 0; tile < across; tile++) {                         \
-                Py_ssize_t filled = 0;                                                 \
-                memset(histogram, 0, CHUNK_BINS * sizeof *histogram);                  \
-                for (Py_ssize_t row = 0; row < side; row++)                            \
-                    READ_KEYS(key_type, key_of, top_shift,                             \
-                              value + top + row * columns + tile * side, side);        \
+                for (Py_ssize_t row = 0; row < side; row++) {                          \
+                    const bits_type *from = value + top + row * columns + tile * side; \
+                    for (Py_ssize_t i = 0; i < side; i++)                              \
+                        key[row * side + i] = key_of(from[i]);                         \
+                }                                                                      \
+                /* the next tile's rows lie a row of the matrix apart, in different */ \
+                /* pages, where the hardware's prefetch does not follow: asked for */ \
+                /* now, they arrive while this tile is selected */                    \
+                Py_ssize_t next = tile + 1 < across ? top + (tile + 1) * side           \
+                                                    : top + side * columns;            \
+                if (next < n)                                                          \
+                    for (Py_ssize_t row = 0; row < side; row++)                        \
+                        for (size_t line = 0; line < side * sizeof *value;             \
+                             line += CACHE_LINE)                                       \
+                            PREFETCH((const char *)(value + next + row * columns) + line); \
                 select(buffers, key, chunk, k, buffers->kept + tile * k);              \
                 buffers->cursor[tile] = 0;                                             \
             }                                                                          \
@@ -900,17 +944,38 @@ DEFINE_CHUNK_SELECT(chunk_select_64, uint64_t, 63 - CHUNK_DIGIT_BITS, chunk_kth_
                     const Py_ssize_t *kept = buffers->kept + tile * k;                 \
                     Py_ssize_t at = buffers->cursor[tile];                             \
                     for (; at < k && kept[at] < row_end; at++)                         \
-                        out[written++] = top + row * columns + tile * side + kept[at] - row * side; \
+                        out[written++] = top + row * columns + tile * side             \
+                                         + kept[at] - row * side;                      \
                     buffers->cursor[tile] = at;                                        \
                 }                                                                      \
             }                                                                          \
         }                                                                              \
     }
 
-DEFINE_CHUNK_LARGEST(chunk_largest_32, uint32_t, uint32_t, chunk_key_32,
-                     31 - CHUNK_DIGIT_BITS, chunk_select_32)
-DEFINE_CHUNK_LARGEST(chunk_largest_64, uint64_t, uint64_t, key_64,
-                     63 - CHUNK_DIGIT_BITS, chunk_select_64)
+DEFINE_CHUNK_LARGEST(chunk_largest_32, int32_t, uint32_t, chunk_key_32, chunk_select_32, )
+DEFINE_CHUNK_LARGEST(chunk_largest_64, uint64_t, uint64_t, key_64, chunk_select_64, )
+
+#if AVX2_SCAN
+/* The float32 selection compiled for AVX2 (taken where use_avx2 says): the same
+ * keys and comparisons, eight lanes wide, and the largest of a group in one
+ * instruction a vector where SSE2 has no signed 32-bit maximum. */
+DEFINE_CHUNK_SELECT(chunk_select_32_avx2, int32_t, keys_reaching_32, chunk_kth_32, AVX2_TARGET)
+DEFINE_CHUNK_LARGEST(chunk_largest_32_avx2, int32_t, uint32_t, chunk_key_32,
+                     chunk_select_32_avx2, AVX2_TARGET)
+#endif
+
+static void chunk_largest_32_any(const ChunkBuffers *buffers, const uint32_t *value,
+                                 Py_ssize_t n, Py_ssize_t k, Py_ssize_t chunk,
+                                 Py_ssize_t side, Py_ssize_t columns, int64_t *out)
+{
+#if AVX2_SCAN
+    if (use_avx2) {
+        chunk_largest_32_avx2(buffers, value, n, k, chunk, side, columns, out);
+        return;
+    }
+#endif
+    chunk_largest_32(buffers, value, n, k, chunk, side, columns, out);
+}
 
 /* Tiles with every tile kept whole: the positions are all of them, 0..n. */
 static void every_position(Py_ssize_t n, int64_t *out)
@@ -960,11 +1025,14 @@ static PyObject *chunk_largest(PyObject *module, PyObject *args)
     Py_ssize_t length = chunk < n ? chunk : n, across = side ? columns / side : 1;
     buffers.key = PyMem_RawMalloc((size_t)length * values.itemsize);
     buffers.candidate = PyMem_RawMalloc((size_t)length * values.itemsize);
-    buffers.histogram = PyMem_RawMalloc(CHUNK_BINS * sizeof *buffers.histogram);
+    buffers.scratch = PyMem_RawMalloc((size_t)length * values.itemsize);
+    buffers.position = PyMem_RawMalloc((size_t)length * sizeof *buffers.position);
+    buffers.histogram = PyMem_RawMalloc(((size_t)1 << CHUNK_DIGIT_BITS)
+                                        * sizeof *buffers.histogram);
     buffers.kept = PyMem_RawMalloc((size_t)across * (size_t)keep * sizeof *buffers.kept);
     buffers.cursor = PyMem_RawMalloc((size_t)across * sizeof *buffers.cursor);
-    if (!buffers.key || !buffers.candidate || !buffers.histogram || !buffers.kept
-            || !buffers.cursor) {
+    if (!buffers.key || !buffers.candidate || !buffers.scratch || !buffers.position
+            || !buffers.histogram || !buffers.kept || !buffers.cursor) {
         PyBuffer_Release(&out);
         Py_CLEAR(result);
         PyErr_NoMemory();
@@ -972,7 +1040,7 @@ static PyObject *chunk_largest(PyObject *module, PyObject *args)
     }
     RELEASED_BEGIN(n, 1 << 12)
     if (format == 'f')
-        chunk_largest_32(&buffers, values.buf, n, k, chunk, side, columns, out.buf);
+        chunk_largest_32_any(&buffers, values.buf, n, k, chunk, side, columns, out.buf);
     else
         chunk_largest_64(&buffers, values.buf, n, k, chunk, side, columns, out.buf);
     RELEASED_END
@@ -980,6 +1048,8 @@ static PyObject *chunk_largest(PyObject *module, PyObject *args)
 done:
     PyMem_RawFree(buffers.key);
     PyMem_RawFree(buffers.candidate);
+    PyMem_RawFree(buffers.scratch);
+    PyMem_RawFree(buffers.position);
     PyMem_RawFree(buffers.histogram);
     PyMem_RawFree(buffers.kept);
     PyMem_RawFree(buffers.cursor);

@@ -274,3 +274,23 @@ def test_compiled_selection_lets_other_threads_run():
         done.set()
         thread.join()
     assert ticks
+
+
+@compiled_only
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(VALUE_KINDS), k=st.sampled_from([1, 5, 64, 300, 4095]),
+       tiles=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_avx2_and_sse2_selections_agree(kind, k, tiles, seed):
+    scan = sparsifiers._topkscan
+    x = draw_values(np.random.default_rng(seed), (128, 192), np.float32, kind)
+    side = 64 if tiles else 0
+    outcomes = []
+    previous = scan._set_avx2(True)
+    try:
+        for avx2 in (True, False):  # (where the processor lacks AVX2 both take SSE2)
+            scan._set_avx2(avx2)
+            outcomes.append(scan.chunk_largest(x.reshape(-1), k, 4096, side, 192 if tiles else 0))
+    finally:
+        scan._set_avx2(previous)
+    np.testing.assert_array_equal(outcomes[0], outcomes[1])
+    np.testing.assert_array_equal(outcomes[0], reference(x, k, 4096, tiles))
