@@ -19,7 +19,7 @@ torchft = pytest.importorskip("torchft")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torchft.coordination import LighthouseServer  # noqa: E402
-from torchft.local_sgd import DiLoCo  # noqa: E402
+from torchft.local_sgd import DiLoCo, LocalSGD  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
@@ -62,7 +62,7 @@ DENSE_BYTES = 4 * sum(p.numel() for p in small_model().parameters())
 
 
 def replica(replica_id, lighthouse, settings, outer_steps=OUTER_STEPS, min_replicas=2,
-            gloo_timeout=10, lost_at=None, poisoned_at=None, started=None):
+            gloo_timeout=10, lost_at=None, poisoned_at=None, started=None, local_sgd=False):
     """One replica group: DiLoCo (AdamW inside, Nesterov SGD outside) until the manager
     has committed ``outer_steps``, with its manager wrapped by deepreduce unless
     ``settings`` is None. Returns the final parameters, the wrapper (or None), the
@@ -70,7 +70,8 @@ def replica(replica_id, lighthouse, settings, outer_steps=OUTER_STEPS, min_repli
     verdict and the residuals after it). ``lost_at``: the replica dies at the start of
     that outer step's exchange, after the quorum that counts it in. ``started``: a
     barrier the replicas meet at once their managers heartbeat, so that the first quorum
-    counts them all. ``poisoned_at``: that outer step's first pseudo-gradient holds a NaN."""
+    counts them all. ``poisoned_at``: that outer step's first pseudo-gradient holds a NaN.
+    ``local_sgd``: torchft's LocalSGD instead, which averages the parameters themselves."""
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     model = small_model()
     pg = CountingGloo(timeout=timedelta(seconds=gloo_timeout))
@@ -111,8 +112,8 @@ def replica(replica_id, lighthouse, settings, outer_steps=OUTER_STEPS, min_repli
     data = torch.Generator().manual_seed(100 + replica_id)  # each replica its own batches
     target = torch.randn(64, 64, generator=torch.Generator().manual_seed(7))
     try:
-        with DiLoCo(outermost, [model], inner, outer, sync_every=SYNC_EVERY,
-                    pin_memory=False):
+        with (LocalSGD(outermost, model, inner, sync_every=SYNC_EVERY) if local_sgd else
+              DiLoCo(outermost, [model], inner, outer, sync_every=SYNC_EVERY, pin_memory=False)):
             for _ in range(4 * outer_steps * SYNC_EVERY):  # (a loop that never commits ends)
                 if manager.current_step() >= outer_steps:
                     break
@@ -170,6 +171,17 @@ def test_lossless_settings_give_torchft_allreduce_result():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         assert dense_sent == OUTER_STEPS * DENSE_BYTES   # torchft's allreduce: every float
         assert sent > dense_sent                         # raw values and indices: more
+
+
+def test_local_sgd_averages_the_parameters_as_torchft_does():
+    # LocalSGD sends the parameters themselves: only settings that lose nothing fit
+    lossless = {"sparsifier": None, "value": "raw", "error_feedback": False}
+    ours = run_replicas(lossless, local_sgd=True)
+    theirs = run_replicas(None, local_sgd=True)
+    assert torch.equal(ours[0][0][0], ours[1][0][0])
+    for (params, _, _, _), (reference, _, _, _) in zip(ours, theirs):
+        for a, b in zip(params, reference):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_a_replica_that_drops_fails_one_outer_step_then_training_goes_on():
