@@ -503,12 +503,14 @@ class ChunkTopK(Sparsifier):
     def _select_dense(self, flat: np.ndarray, layout) -> np.ndarray:
         kind, side, size = layout
         chunk, k = self.chunk, self.k
-        compiled = flat if flat.dtype.itemsize >= 4 else flat.astype(np.float32)
-        if _compiled_scan(compiled):
-            # one pass per chunk in C: its magnitudes, the k-th by a radix select, the
-            # positions; float16 and bfloat16 compare exactly as float32, as below
-            return _topkscan.chunk_largest(compiled, k, chunk, side if kind == "tiles" else 0,
-                                           size if kind == "tiles" else 0)
+        if _topkscan is not None:
+            # float16 and bfloat16 magnitudes order exactly as their float32 values do, as
+            # _magnitudes has it below
+            compiled = flat if flat.dtype.itemsize >= 4 else flat.astype(np.float32)
+            if _compiled_scan(compiled):  # one pass per chunk in C (ChunkTopK's notes there)
+                return _topkscan.chunk_largest(compiled, k, chunk,
+                                               side if kind == "tiles" else 0,
+                                               size if kind == "tiles" else 0)
         if kind == "tiles":
             cols = size
             rows = flat.size // cols
