@@ -62,7 +62,8 @@ DENSE_BYTES = 4 * sum(p.numel() for p in small_model().parameters())
 
 
 def replica(replica_id, lighthouse, settings, outer_steps=OUTER_STEPS, min_replicas=2,
-            gloo_timeout=10, lost_at=None, poisoned_at=None, started=None, local_sgd=False):
+            gloo_timeout=10, lost_at=None, poisoned_at=None, started=None, local_sgd=False,
+            streaming=False):
     """One replica group: DiLoCo (AdamW inside, Nesterov SGD outside) until the manager
     has committed ``outer_steps``, with its manager wrapped by deepreduce unless
     ``settings`` is None. Returns the final parameters, the wrapper (or None), the
@@ -71,7 +72,9 @@ def replica(replica_id, lighthouse, settings, outer_steps=OUTER_STEPS, min_repli
     that outer step's exchange, after the quorum that counts it in. ``started``: a
     barrier the replicas meet at once their managers heartbeat, so that the first quorum
     counts them all. ``poisoned_at``: that outer step's first pseudo-gradient holds a NaN.
-    ``local_sgd``: torchft's LocalSGD instead, which averages the parameters themselves."""
+    ``local_sgd``: torchft's LocalSGD instead, which averages the parameters themselves.
+    ``streaming``: Streaming DiLoCo, the two layers as fragments synced in turn, each
+    exchange waited for one inner step later (``fragment_sync_delay=1``)."""
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     model = small_model()
     pg = CountingGloo(timeout=timedelta(seconds=gloo_timeout))
@@ -108,12 +111,15 @@ def replica(replica_id, lighthouse, settings, outer_steps=OUTER_STEPS, min_repli
             return allreduce(tensor, *args, **kwargs)
         compressed.allreduce = dying
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    fragments = [model[0], model[2]] if streaming else [model]
+    outer = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+             for f in fragments]
     data = torch.Generator().manual_seed(100 + replica_id)  # each replica its own batches
     target = torch.randn(64, 64, generator=torch.Generator().manual_seed(7))
     try:
         with (LocalSGD(outermost, model, inner, sync_every=SYNC_EVERY) if local_sgd else
-              DiLoCo(outermost, [model], inner, outer, sync_every=SYNC_EVERY, pin_memory=False)):
+              DiLoCo(outermost, fragments, inner, outer, sync_every=SYNC_EVERY, pin_memory=False,
+                     fragment_sync_delay=int(streaming))):
             for _ in range(4 * outer_steps * SYNC_EVERY):  # (a loop that never commits ends)
                 if manager.current_step() >= outer_steps:
                     break
@@ -171,6 +177,25 @@ def test_lossless_settings_give_torchft_allreduce_result():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         assert dense_sent == OUTER_STEPS * DENSE_BYTES   # torchft's allreduce: every float
         assert sent > dense_sent                         # raw values and indices: more
+
+
+def test_streaming_diloco_keeps_each_fragments_residuals_apart():
+    lossless = {"sparsifier": None, "value": "raw", "fragments": 2}
+    ours = run_replicas(lossless, streaming=True, outer_steps=4)
+    theirs = run_replicas(None, streaming=True, outer_steps=4)
+    for (params, _, _, _), (reference, _, _, _) in zip(ours, theirs):
+        for a, b in zip(params, reference):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    (params0, compressed, _, _), (params1, _, _, _) = run_replicas(
+        {"fragments": 2}, streaming=True, outer_steps=4)
+    # the fragment synced last (outer step 4: fragment 1, the second layer) is the same on
+    # both replicas; the other has trained on alone since its sync
+    assert all(torch.equal(a, b) for a, b in zip(params0[2:], params1[2:]))
+    assert not torch.equal(params0[0], params1[0])
+    assert set(compressed.state_dict()["residuals"]) == {
+        f"fragment{f}.tensor{i}" for f in (0, 1) for i in (0, 1)}
+    with pytest.raises(ValueError, match="fragments=len"):   # fragment 1 under 0's names
+        run_replicas({}, streaming=True, outer_steps=2)
 
 
 def test_local_sgd_averages_the_parameters_as_torchft_does():
