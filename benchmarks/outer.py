@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import platform
@@ -471,10 +472,28 @@ def report(record) -> str:
     return "\n".join(lines)
 
 
+def carried_over(record: dict, earlier_json: Path) -> dict:
+    """``record`` with the parts it did not run taken from the earlier run's record."""
+    earlier = json.loads(earlier_json.read_text())
+    kept = [part for part in earlier["parts"] if part not in record["parts"]]
+    for part in kept:
+        for key in (part, f"{part}_section"):
+            if key in earlier:
+                record[key] = earlier[key]
+    if kept:
+        anew = ", ".join(record["parts"])
+        record["command"] = f"{earlier['command']}\n    {record['command']}  # {anew} anew"
+    record["parts"] = [part for part in PARTS if part in record["parts"] or part in kept]
+    return record
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS),
                         help="comma-separated, of " + ", ".join(PARTS))
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other parts' figures of the earlier run in --out's "
+                             "json (the report says both commands)")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny model and short runs (for a test)")
     parser.add_argument("--size", type=int, default=1024, help="side of the synthetic tensors")
@@ -525,6 +544,8 @@ def main(argv=None):
         record["scale"] = scale_part(args, record.get("bytes"))
     if "quality" in args.parts and quality_available():
         record["quality_section"], record["quality"] = quality_part(args)
+    if args.update:
+        record = carried_over(record, Path(args.out).with_suffix(".json"))
     text = report(record)
     write_report(args.out, text, record)
     print(text)
