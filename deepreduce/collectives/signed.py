@@ -36,6 +36,15 @@ def signed_allgather(transport, signature: str, frame, traffic, stage: str) -> l
     return [memoryview(frame) if r == rank else bodies[r] for r in range(transport.size)]
 
 
+def agree_settings(transport, settings: dict, stage: str = "settings") -> None:
+    """Raise on every rank, naming what differs, unless every rank of ``transport`` has the
+    same ``settings`` (``{name: value}``, compared as their text): the check an
+    integration makes before its first step, so that ranks built alike cannot hang in a
+    collective that the others would not join. A collective: every rank calls it."""
+    signature = ";".join(f"{k}={v}" for k, v in settings.items())
+    signed_allgather(transport, signature, b"", Traffic(), stage)
+
+
 def signed_alltoall(transport, signature: str, per_rank: list, traffic, stage: str) -> dict:
     """Send ``per_rank[r]`` to rank ``r`` behind ``signature``; return the checked replies.
 

@@ -31,9 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from deepreduce.collectives import frames
-from deepreduce.collectives.signed import check_peers
-from deepreduce.collectives.transport import GuardedTransport, Traffic
+from deepreduce.collectives.signed import agree_settings
+from deepreduce.collectives.transport import GuardedTransport
 from deepreduce.config import ExchangeConfig
 from deepreduce.exchange import GradientExchange
 from deepreduce.exchange.selection import Selector
@@ -393,14 +392,7 @@ class DeepReduceState:
         if self._agreed:
             return
         self._agreed = True
-        signature = ";".join(f"{k}={v}" for k, v in self._settings.items())
-        transport = self.transport
-
-        def compare():
-            gathered = transport.allgather(frames.signed(signature, b""), Traffic(), "settings")
-            check_peers({r: f for r, f in enumerate(gathered) if r != transport.rank},
-                        signature, transport.rank)
-        self._guarded.submit(compare)
+        self._guarded.submit(agree_settings, self.transport, self._settings)
 
     def _begin_bucket(self):
         """At the first bucket of a backward pass: follow the loss scaler's scale."""

@@ -44,8 +44,7 @@ import zlib
 
 import torch
 
-from deepreduce.collectives.signed import signed_allgather
-from deepreduce.collectives.transport import Traffic
+from deepreduce.collectives.signed import agree_settings
 from deepreduce.config import ExchangeConfig
 from deepreduce.exchange import GradientExchange
 from deepreduce.exchange.memory import ResidualMemory
@@ -362,13 +361,9 @@ class OuterOptimizer:
         for s in self._synced:
             checksum = zlib.crc32(host_array(s.detach().cpu().contiguous()).view("u1"),
                                   checksum)
-        signature = ";".join(f"{k}={v}" for k, v in {**self._settings,
-                                                       "start": f"{checksum:08x}"}.items())
-
-        def compare():
-            signed_allgather(transport, signature, b"", Traffic(), "outer settings")
+        settings = {**self._settings, "start": f"{checksum:08x}"}
         try:
-            transport.submit(compare).result()
+            transport.submit(agree_settings, transport, settings, "outer settings").result()
         except ValueError as exc:
             raise ValueError(f"OuterOptimizer: {exc} ('start' is a checksum of the "
                              "parameters each rank starts from: seed the model alike on "

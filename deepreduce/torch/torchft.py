@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from deepreduce.collectives import frames
-from deepreduce.collectives.signed import check_peers
-from deepreduce.collectives.transport import Traffic, Transport
+from deepreduce.collectives.signed import agree_settings
+from deepreduce.collectives.transport import Transport
 from deepreduce.config import ExchangeConfig
 from deepreduce.exchange import GradientExchange
 from deepreduce.exchange.memory import ResidualMemory
@@ -400,14 +400,8 @@ class DeepReduceManager:
 
     def _agree(self):
         """Compare the settings of this quorum's members (raises on every one of them)."""
-        signature = ";".join(f"{k}={v}" for k, v in self._settings.items())
         transport = self.transport
-
-        def compare():
-            gathered = transport.allgather(frames.signed(signature, b""), Traffic(), "settings")
-            check_peers({r: f for r, f in enumerate(gathered) if r != transport.rank},
-                        signature, transport.rank)
-        transport.submit(compare).result()
+        transport.submit(agree_settings, transport, self._settings).result()
 
     def _deliver(self, batch):
         """On the transport's thread: write the reduced tensors in place, divided by the
