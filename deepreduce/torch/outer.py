@@ -33,21 +33,26 @@ min_size            1024                                0 (every tensor chunk-wi
 ==================  ==================================  ==================================
 
 Dense DiLoCo is the same object as the compressed kinds (the baseline runs the same
-code): its lossless exchange averages exactly what a dense allreduce averages.
+code, the same outer update and checkpoints); in float32 its outer step is an allreduce
+(see :attr:`OuterOptimizer.dense`).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import time
 import zlib
 
 import torch
+import torch.distributed as dist
 
 from deepreduce.collectives.signed import agree_settings
+from deepreduce.collectives.transport import Traffic
 from deepreduce.config import ExchangeConfig
 from deepreduce.exchange import GradientExchange
 from deepreduce.exchange.memory import ResidualMemory
+from deepreduce.exchange.stats import StepStats
 from deepreduce.registry import get_codec
 from deepreduce.torch.device import from_host, host_array
 
@@ -125,6 +130,11 @@ class OuterOptimizer:
         :meth:`step` calls, and outer steps taken (checkpointed).
     exchange : deepreduce.exchange.GradientExchange
         The exchange of the pseudo-gradients; ``exchange.memory`` holds the residuals.
+    dense : bool
+        No sparsifier and a lossless value codec (dense DiLoCo in float32): the outer
+        step is then an allreduce of the pseudo-gradients on the outer group, one per
+        dtype, which averages exactly what the exchange would, without coding every
+        element on the host.
     stats : deepreduce.exchange.stats.CompressionStats
         Bytes and times of every outer step (``stats.last.bytes_sent``: the bundle this
         rank sent at the last one; ``stats.last.dense_bytes``: the pseudo-gradients'
@@ -235,6 +245,8 @@ class OuterOptimizer:
             error_feedback=False if self.beta is None else ResidualMemory(self.beta),
             codec_threads=codec_threads)
         self.exchange = GradientExchange(config=config)
+        # nothing to select, code or remember: the outer step is an allreduce
+        self.dense = sparsifier is None and get_codec(value, family="value").lossless
         self.synced_on_host = bool(synced_on_host)
 
         self.names, self.params, self.skipped = _floating_parameters(params)
@@ -279,19 +291,48 @@ class OuterOptimizer:
         copied into the parameters."""
         transport = self.transport
         self._agree(transport)
-        with torch.no_grad():
-            pseudo = [host_array((s - p.detach().to(s.device)).cpu())
-                      for p, s in zip(self.params, self._synced)]
-        averaged, self.last_traffic = self.exchange.reduce_async(
-            self.names, pseudo, transport, op="average").result()
+        if self.dense:
+            averaged = self._allreduce_average(transport)
+        else:
+            with torch.no_grad():
+                pseudo = [host_array((s - p.detach().to(s.device)).cpu())
+                          for p, s in zip(self.params, self._synced)]
+            averaged, self.last_traffic = self.exchange.reduce_async(
+                self.names, pseudo, transport, op="average").result()
         with torch.no_grad():
             for s, a in zip(self._synced, averaged):
-                s.grad = from_host(a).to(device=s.device, dtype=s.dtype)
+                s.grad = (a if self.dense else from_host(a)).to(device=s.device, dtype=s.dtype)
             self._outer.step()
             for p, s in zip(self.params, self._synced):
                 s.grad = None
                 p.copy_(s)
         self.outer_steps += 1
+
+    def _allreduce_average(self, transport) -> list:
+        """The exact dense outer step: the pseudo-gradients, flattened into one buffer per
+        dtype, allreduced on the outer group and averaged (what the lossless exchange
+        would deliver, without coding every element); recorded in :attr:`stats`."""
+        began = time.perf_counter()
+        traffic, nbytes = Traffic(), 0
+        averaged = [None] * len(self.params)
+        with torch.no_grad():
+            pseudo = [(s - p.detach().to(s.device)).to(transport.device)
+                      for p, s in zip(self.params, self._synced)]
+            for dtype in dict.fromkeys(t.dtype for t in pseudo):
+                members = [i for i, t in enumerate(pseudo) if t.dtype == dtype]
+                flat = torch.cat([pseudo[i].reshape(-1) for i in members])
+                with transport.failing_as("allreduce of the pseudo-gradients"):
+                    dist.all_reduce(flat, group=transport.group)
+                flat.div_(transport.size)
+                for i, part in zip(members, flat.split([pseudo[i].numel() for i in members])):
+                    averaged[i] = part.view_as(pseudo[i])
+                nbytes += flat.numel() * flat.element_size()
+        traffic.add("allreduce", nbytes, nbytes)
+        self.last_traffic = traffic
+        self.stats.record_step(StepStats(steps=1, tensors=len(pseudo), bytes_sent=nbytes,
+                                         bytes_received=nbytes, dense_bytes=nbytes,
+                                         exchange_seconds=time.perf_counter() - began))
+        return averaged
 
     # -- what it holds -------------------------------------------------------------------
     @property
