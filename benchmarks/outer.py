@@ -482,7 +482,11 @@ def carried_over(record: dict, earlier_json: Path) -> dict:
                 record[key] = earlier[key]
     if kept:
         anew = ", ".join(record["parts"])
-        record["command"] = f"{earlier['command']}\n    {record['command']}  # {anew} anew"
+        # (an earlier update of the same parts is superseded by this one)
+        earlier_lines = [line for line in earlier["command"].split("\n    ")
+                         if line.split("  #")[0] != record["command"]]
+        record["command"] = "\n    ".join(earlier_lines
+                                          + [f"{record['command']}  # {anew} anew"])
     record["parts"] = [part for part in PARTS if part in record["parts"] or part in kept]
     return record
 

@@ -94,3 +94,21 @@ def test_the_modules_examples_run(outer):
     for module in (outer, outer_time):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.attempted and not result.failed, module.__name__
+
+
+def test_update_keeps_the_parts_it_did_not_run(tmp_path):
+    from benchmarks.outer import carried_over
+
+    earlier = dict(parts=["bytes", "time", "scale"], command="python -m benchmarks.outer",
+                   bytes={"b": 1}, time={"t": 1}, scale={"s": 1})
+    path = tmp_path / "outer.json"
+    path.write_text(json.dumps(earlier))
+    update = "python -m benchmarks.outer --parts time --update"
+    record = carried_over(dict(parts=["time"], command=update, time={"t": 2}), path)
+    assert record["parts"] == ["bytes", "time", "scale"]
+    assert (record["bytes"], record["time"], record["scale"]) == ({"b": 1}, {"t": 2}, {"s": 1})
+    assert record["command"].splitlines() == ["python -m benchmarks.outer",
+                                              f"    {update}  # time anew"]
+    path.write_text(json.dumps(record))  # a second update of the same part replaces the first
+    again = carried_over(dict(parts=["time"], command=update, time={"t": 3}), path)
+    assert again["command"] == record["command"] and again["time"] == {"t": 3}
