@@ -422,18 +422,21 @@ QUICK_QUALITY = ["--steps", "4", "--sync-every", "2", "--width", "64", "--depth"
 
 def quality_part(args):
     """:func:`benchmarks.outer_quality.run`'s ``(markdown section, record)``, with its own
-    defaults (or :data:`QUICK_QUALITY`), its plot beside ``args.out``. A failure there
-    is reported in the section instead of losing the other parts' figures."""
+    defaults (or :data:`QUICK_QUALITY`), its report and plot beside ``args.out``. A
+    failure there is reported in the section instead of losing the other parts'
+    figures."""
     from benchmarks import outer_quality
 
     quality_args = outer_quality.parse_args(QUICK_QUALITY if args.quick else [])
     quality_args.out = str(Path(args.out).with_name("outer_quality.md"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # (where the plot goes)
     try:
-        return outer_quality.run(quality_args)
+        section, record = outer_quality.run(quality_args)
     except Exception as exc:  # (its own bug must not cost the other parts' figures)
         return (f"## Quality\n\n`benchmarks.outer_quality.run` failed: "
                 f"{type(exc).__name__}: {exc}\n", {"error": repr(exc)})
+    outer_quality.write(quality_args.out, section, record)  # (its own report agrees)
+    return section, record
 
 
 # -- the report ----------------------------------------------------------------------------
