@@ -229,21 +229,32 @@ def run_ranks(args, measured: float, out: Path, port: int) -> None:
                       "--lr", str(args.lr), "--seed", str(args.seed),
                       "--link-gbits", f"{measured:.2g}")
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True))
-        deadline = time.monotonic() + args.timeout
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the ranks ran past {args.timeout} s")
-            if any(p.poll() not in (None, 0) for p in procs):
-                raise RuntimeError("a rank failed: "
-                                   + ", ".join(f"rank {r} exit {p.returncode}"
-                                               for r, p in enumerate(procs)
-                                               if p.returncode not in (None, 0)))
-            time.sleep(0.5)
+        wait_for_ranks(procs, args.timeout)
     finally:
-        for p in procs:  # only the processes started here, each by its own session id
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait(timeout=30)
+        stop_ranks(procs)
+
+
+def wait_for_ranks(procs: list, timeout: float) -> None:
+    """Until every rank's process has exited; raises when one fails or ``timeout`` runs out."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the ranks ran past {timeout} s")
+        if any(p.poll() not in (None, 0) for p in procs):
+            raise RuntimeError("a rank failed: "
+                               + ", ".join(f"rank {r} exit {p.returncode}"
+                                           for r, p in enumerate(procs)
+                                           if p.returncode not in (None, 0)))
+        time.sleep(0.5)
+
+
+def stop_ranks(procs: list) -> None:
+    """Kill the ranks still running: only the processes started here, each by its own
+    session id."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait(timeout=30)
 
 
 def run_rate(rate: str, args, net: TwoHosts, port: int) -> dict:

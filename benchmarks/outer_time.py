@@ -40,7 +40,7 @@ import numpy as np
 
 from benchmarks.common import ROOT, best_wall_and_cpu, free_port, table
 from benchmarks.e2e import NetnsError, check_rights
-from benchmarks.hierarchical import TwoHosts, veth_bytes
+from benchmarks.hierarchical import TwoHosts, stop_ranks, veth_bytes, wait_for_ranks
 
 NAMESPACES = ("drouter0", "drouter1")
 VETH = ("dro0", "dro1")
@@ -172,23 +172,12 @@ def run_ranks(args, gradients: str, out: Path, port: int, net: TwoHosts,
                        GLOO_SOCKET_IFNAME=VETH[rank], DR_VETH=VETH[rank],
                        OMP_NUM_THREADS="1")
             cmd = net.inside(rank, sys.executable, "-m", "benchmarks.outer", "--time-worker",
-                      "--worker-out", str(out), "--gradients", gradients,
-                      "--repeats", str(args.repeats))
+                             "--worker-out", str(out), "--gradients", gradients,
+                             "--repeats", str(args.repeats))
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the ranks ran past {timeout} s")
-            if any(p.poll() not in (None, 0) for p in procs):
-                raise RuntimeError("a rank failed: " + ", ".join(
-                    f"rank {r} exit {p.returncode}" for r, p in enumerate(procs)
-                    if p.returncode not in (None, 0)))
-            time.sleep(0.5)
+        wait_for_ranks(procs, timeout)
     finally:
-        for p in procs:  # only the processes started here, each by its own session id
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait(timeout=30)
+        stop_ranks(procs)
 
 
 # -- the codecs' throughput here ----------------------------------------------------------
