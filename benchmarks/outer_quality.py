@@ -15,7 +15,7 @@ same in every scheme), with the same inner AdamW:
   SparseLoCo's codecs (chunk-wise Top-k, ``chunked`` indices, 2-bit ``statq``) with error
   feedback (beta 1.0), keeping twice SparseLoCo's share by default (``--diloco-k``
   128 of 4096: Nesterov momentum on top of the compressed average amplifies what the
-  selection drops, and at 64 this model ended 1.5% above dense DiLoCo);
+  selection drops);
 * ``sparseloco``: ``mode="sparseloco"``: error feedback with decay 0.95 in place of the
   momentum, chunk-wise Top-64 of every 64 x 64 tile (1.56%), 2-bit ``statq``, outer
   lr 1.0.
