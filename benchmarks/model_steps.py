@@ -64,7 +64,7 @@ MODELS = {"e2e MLP": mlp_shapes, "ResNet-50": resnet50_shapes,
 
 
 def exchanges(ranks: int):
-    return [GradientExchange(dr.TopK(0.01), index="auto:link_gbits=1.0", value="fp16", seed=r)
+    return [GradientExchange(sparsifier=dr.TopK(0.01), index="auto:link_gbits=1.0", value="fp16", seed=r)
             for r in range(ranks)]
 
 

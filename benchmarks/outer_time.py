@@ -47,8 +47,6 @@ VETH = ("dro0", "dro1")
 ADDRESSES = ("10.78.0.1", "10.78.0.2")
 PREFIX = 24
 WORLD = 2
-SPARSELOCO = dict(sparsifier="chunktopk:k=64,chunk=4096", index="chunked",
-                  value="statq:bits=2,sigmas=6")
 LINK_GBITS = 1.0
 
 
@@ -187,12 +185,11 @@ def throughput(tensors: dict, repeat: int = 5) -> dict:
     per million parameters, against the wire time they save at 1 Gbit/s between 2 ranks."""
     from deepreduce.config import ExchangeConfig
     from deepreduce.exchange import GradientExchange
-    from deepreduce.exchange.memory import ResidualMemory
 
     names, arrays = list(tensors), list(tensors.values())
     other = [(x * 1.05).astype(np.float32) for x in arrays]
     n = sum(x.size for x in arrays)
-    config = ExchangeConfig(**SPARSELOCO, min_size=0, error_feedback=ResidualMemory(0.95))
+    config = ExchangeConfig.sparseloco()
     exchange = GradientExchange(config=config)
     peer = GradientExchange(config=config)
     bundle, theirs = exchange.encode_bundle(names, arrays), peer.encode_bundle(names, other)

@@ -131,7 +131,7 @@ def test_threads_code_the_same_bundles_sums_and_residuals(settings, every_coding
             bundles = [ex.encode_bundle(names, gradients(rng, step)) for ex in exchanges]
             sums = exchanges[1].decode_bundles(bundles, ranks=ranks, rank=1)
             steps.append((bundles, sums))
-        runs[threads] = steps, [ex.state_dict() for ex in exchanges]
+        runs[threads] = steps, [ex.selector.state_dict() for ex in exchanges]
     (one, one_states), (three, three_states) = runs[1], runs[3]
     for (bundles, sums), (bundles3, sums3) in zip(one, three):
         assert bundles == bundles3
@@ -148,13 +148,13 @@ def test_threads_code_the_same_bundles_sums_and_residuals(settings, every_coding
 
 def test_a_failed_coding_on_threads_raises_the_first_and_leaves_every_residual(
         monkeypatch, every_coding_on_threads):
-    ex = GradientExchange(dr.TopK(0.01), value="fp16", codec_threads=3)
+    ex = GradientExchange(sparsifier=dr.TopK(0.01), value="fp16", codec_threads=3)
     rng = np.random.default_rng(3)
     names = ["s1", "s2", "a", "b", "c"]
     grads = [rng.standard_normal(size).astype(np.float32)
              for size in (2048, 4096, SHARED_BELOW, 4 * SHARED_BELOW, SHARED_BELOW)]
     ex.encode_bundle(names, grads)
-    owed = [g + ex.memory.residual(name) for name, g in zip(names, grads)]
+    owed = [g + ex.selector.memory.residual(name) for name, g in zip(names, grads)]
 
     def failing(name):
         def encode_sparse(selected, dense=None):
@@ -166,7 +166,7 @@ def test_a_failed_coding_on_threads_raises_the_first_and_leaves_every_residual(
     with pytest.raises(RuntimeError, match="coding b failed"):
         ex.encode_bundle(names, grads)
     for name, expected in zip(names, owed):
-        np.testing.assert_array_equal(ex.memory.residual(name), expected)
+        np.testing.assert_array_equal(ex.selector.memory.residual(name), expected)
 
 
 def test_codings_that_share_a_random_stream_stay_on_one_thread():

@@ -240,10 +240,13 @@ def code(payloads, threads, least: int) -> float:
     start = time.perf_counter()
     to_code = [payload for payload in payloads if payload.coding is not None]
     codings = [payload.coding for payload in to_code]
-    count = 1 if sum(coding.selected.nnz >= least for coding in codings) < 2 else \
-        threads(codings)
-    coded = run_in_order(_encode, codings, count, cost=lambda coding: coding.selected.nnz,
-                         least=least)
+    if sum(coding.selected.nnz >= least for coding in codings) < 2:
+        # one thread: the caller's, straight to the pipelines (no pool to go through)
+        for payload, (pipeline, selected, dense) in zip(to_code, codings):
+            payload.data, payload.received = pipeline.encode_sparse(selected, dense)
+        return time.perf_counter() - start
+    coded = run_in_order(_encode, codings, threads(codings),
+                         cost=lambda coding: coding.selected.nnz, least=least)
     for payload, (data, received) in zip(to_code, coded):
         payload.data, payload.received = data, received
     return time.perf_counter() - start

@@ -80,7 +80,7 @@ class Selector:
     >>> import numpy as np, deepreduce as dr
     >>> from deepreduce.config import ExchangeConfig
     >>> from deepreduce.exchange.selection import Selector
-    >>> selector = Selector(ExchangeConfig(dr.TopK(1), value="raw", min_size=0))
+    >>> selector = Selector(ExchangeConfig(sparsifier=dr.TopK(1), value="raw", min_size=0))
     >>> selection = selector.select("w", np.array([0.5, -2.0, 1.0], np.float32))
     >>> payload, received = selection.pipeline.encode_sparse(selection.selected, selection.dense)
     >>> selector.settle(selection, received)
