@@ -279,7 +279,7 @@ def worker(args):
 
     def drh_builder(index_spec, value_spec, sparsifier=None, **communicator):
         def build(m, o):
-            compression = drh.Compression(sparsifier or dr.TopK(RATIO), index=index_spec,
+            compression = drh.Compression(sparsifier=sparsifier or dr.TopK(RATIO), index=index_spec,
                                           value=value_spec, **communicator)
             step = lambda x, y: plain_step(  # noqa: E731
                 m, o, x, y, lambda t: drh.DistributedGradientTape(t, compression=compression))

@@ -435,7 +435,7 @@ def test_curve_fit_values_take_the_default_index():
 
 def test_front_ends_take_settings_by_name_only():
     with pytest.raises(TypeError):
-        GradientExchange(sparsifier=dr.TopK(0.01))
+        GradientExchange(dr.TopK(0.01))
     with pytest.raises(TypeError, match="memory"):
         make_exchange(memory=None)     # (0.1's name of error_feedback)
     with pytest.raises(ValueError, match="not both"):
