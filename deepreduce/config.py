@@ -14,7 +14,7 @@ import numbers
 import warnings
 
 from deepreduce import collectives
-from deepreduce.memory import ResidualMemory
+from deepreduce.exchange.memory import ResidualMemory
 from deepreduce.pipeline import DEFAULT_INDEX
 from deepreduce.sparsifiers import Sparsifier
 
@@ -205,7 +205,7 @@ def _check_communicator(name, options) -> dict:
                          f"got {name!r}")
     options = {} if options is None else dict(options)
     if name == "hierarchical":  # dense inside a node, another communicator between nodes
-        from deepreduce.collectives.hierarchical import check_options
+        from deepreduce.exchange.topology import check_options
         return check_options(options, _check_communicator)
     if name == "allgather":
         if options:
