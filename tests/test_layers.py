@@ -291,3 +291,10 @@ def test_the_exchange_check_sees_a_strategy_importing_another(monkeypatch):
     assert exchange_imports_not_below([CORE / "exchange" / "hierarchical.py"]) == [
         "exchange/hierarchical.py:3 imports deepreduce.exchange.gathering.GatheringExchange",
         "exchange/hierarchical.py:4 imports deepreduce.exchange.GradientExchange"]
+
+
+def test_no_exchange_module_shares_a_name_with_a_collective():
+    # (two allgather.py, two hierarchical.py told two different things apart by their
+    # folder alone until issue 51)
+    collectives = {path.stem for path in (CORE / "collectives").glob("*.py")}
+    assert [path.name for path in EXCHANGE_MODULES if path.stem in collectives] == []
