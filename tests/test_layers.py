@@ -45,9 +45,9 @@ FRAMEWORK_FREE = ("collectives", "exchange", "config.py")
 #: to its selector instead (deepreduce.torch.device.DeviceSelector for torch's). Any
 #: other method whose name ends in one underscore is one of torch's in-place operations.
 TENSOR_METHODS = {"new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "numel",
-                  "detach", "cpu", "cuda", "to", "element_size", "is_floating_point",
-                  "data_ptr", "pin_memory", "contiguous", "record_stream", "untyped_storage",
-                  "numpy"}
+                  "clone", "detach", "cpu", "cuda", "to", "half", "bfloat16", "dim",
+                  "element_size", "is_floating_point", "is_contiguous", "data_ptr",
+                  "pin_memory", "contiguous", "record_stream", "untyped_storage", "numpy"}
 
 
 def framework_imports(path: pathlib.Path):
