@@ -248,6 +248,9 @@ EXCHANGE_LAYERS = [
     ("gathering", "reducing", "hierarchical"),
     # the facade, which picks a strategy from the settings
     ("gradient_exchange",),
+    # the frame every integration shares around the facade (settings, agreement,
+    # checkpoints), main's deepreduce/exchange/integration.py of issue 51
+    ("integration",),
 ]
 
 
