@@ -517,7 +517,7 @@ def random_pairs(shapes):
     """Top-k pairs of every compressed payload of ``shapes`` on random supports (the
     tensors below ``SHARED_BELOW`` elements share one, as the exchange codes them)."""
     import deepreduce as dr
-    from deepreduce.exchange.allgather import SHARED_BELOW
+    from deepreduce.exchange.gathering import SHARED_BELOW
 
     sizes = [int(np.prod(shape)) for shape in shapes]
     shared = [n for n in sizes if 1024 <= n < SHARED_BELOW]

@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 import deepreduce as dr
-from deepreduce.exchange.allgather import SHARED_BELOW
+from deepreduce.exchange.gathering import SHARED_BELOW
 from deepreduce.exchange import GradientExchange
 
 from benchmarks.common import RESULTS, copy_bandwidth, mlp_shapes, table, write_report

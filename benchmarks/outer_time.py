@@ -19,7 +19,7 @@ the two ranks differ), each scheme in turns, its order rotating:
   dense DiLoCo fp32 (``value="raw"``), bf16, and SparseLoCo
   (``chunktopk:k=64,chunk=4096``, ``chunked``, ``statq:bits=2,sigmas=6``, decay 0.95);
   without it, a :class:`~deepreduce.exchange.GradientExchange` of the SparseLoCo
-  settings over :class:`~deepreduce.torch.TorchTransport`.
+  settings over :class:`~deepreduce.torch.transport.TorchTransport`.
 
 A step's time is the longest of the two ranks'; the bytes across the veth come from
 its interface counters (both directions, TCP/IP framing included). The namespaces

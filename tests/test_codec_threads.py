@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import deepreduce as dr
-from deepreduce.exchange import allgather as allgather_exchange, parallel
-from deepreduce.codecs import _entropy, bloom, floats, golomb, qsgd
+from deepreduce.exchange import gathering, parallel
+from deepreduce.codecs.index import _entropy, bloom, golomb
+from deepreduce.codecs.values import floats, qsgd
 from deepreduce import sums
 from deepreduce.config import ExchangeConfig
 from deepreduce.exchange import GradientExchange
@@ -86,15 +87,15 @@ SHARED_BELOW = 1 << 16
 
 @pytest.fixture(autouse=True)
 def smaller_shared_payloads(monkeypatch):
-    monkeypatch.setattr(allgather_exchange, "SHARED_BELOW", SHARED_BELOW)
-    monkeypatch.setattr(allgather_exchange, "PAYLOAD_ELEMENTS", SHARED_BELOW)
+    monkeypatch.setattr(gathering, "SHARED_BELOW", SHARED_BELOW)
+    monkeypatch.setattr(gathering, "PAYLOAD_ELEMENTS", SHARED_BELOW)
 
 
 @pytest.fixture
 def every_coding_on_threads(monkeypatch):
     """Small tensors on the codec threads too (they keep to the caller's otherwise)."""
-    monkeypatch.setattr(allgather_exchange, "PARALLEL_ENTRIES", 0)
-    monkeypatch.setattr(allgather_exchange, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(gathering, "PARALLEL_ENTRIES", 0)
+    monkeypatch.setattr(gathering, "PARALLEL_BYTES", 0)
 
 
 # --------------------------------------------------------- the same bytes and sums
@@ -295,7 +296,7 @@ def record_compiled_calls(monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.skipif(floats._halfcast is None, reason="deepreduce.codecs._halfcast is not built")
+@pytest.mark.skipif(floats._halfcast is None, reason="deepreduce.codecs.values._halfcast is not built")
 def test_short_loops_keep_the_gil():
     # handing the GIL over and back costs more than a loop this short
     values, out = np.ones(1000, np.float32), np.empty(1000, np.float16)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import deepreduce as dr
 from deepreduce import bits as _bits
-from deepreduce.codecs import _entropy, auto, golomb, huffman, runs
+from deepreduce.codecs.index import _entropy, auto, golomb, huffman, runs
 from deepreduce.errors import DecodeError
 from deepreduce.registry import get_codec, registered_codecs
 from index_sets import assert_valid, random_set, round_trip

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import deepreduce as dr
-from deepreduce.exchange import allgather as allgather_exchange, decoding, gradient_exchange, stats
+from deepreduce.exchange import decoding, gathering, gradient_exchange, stats
 from deepreduce.bundle import pack_bundle, split_bundles
 from deepreduce.exchange import GradientExchange
 
@@ -105,9 +105,9 @@ def test_selections_sharing_a_payload_deliver_what_they_would_alone(
     # tensors from min_size up to SHARED_BELOW elements share payloads of their
     # selections; each delivers what coding it alone would, so the sums and the
     # residuals are the same bits
-    monkeypatch.setattr(allgather_exchange, "SHARED_BELOW", 1 << 13)
-    monkeypatch.setattr(allgather_exchange, "PAYLOAD_ELEMENTS", payload_elements)
-    monkeypatch.setattr(allgather_exchange, "SUMMED_WHOLE_BELOW", summed_whole_below)
+    monkeypatch.setattr(gathering, "SHARED_BELOW", 1 << 13)
+    monkeypatch.setattr(gathering, "PAYLOAD_ELEMENTS", payload_elements)
+    monkeypatch.setattr(gathering, "SUMMED_WHOLE_BELOW", summed_whole_below)
     shapes = [(60, 50), (300,), (1 << 13,), (50, 40), (2000,), (5,)]
     names = ["a", "b", "big", "c", "d", "tiny"]
 
@@ -666,7 +666,7 @@ def test_reduce_async_reusing_out_resets_only_what_it_wrote(
     from deepreduce.collectives import ThreadTransport
 
     if summed_whole_below is not None:
-        monkeypatch.setattr(allgather_exchange, "SUMMED_WHOLE_BELOW", summed_whole_below)
+        monkeypatch.setattr(gathering, "SUMMED_WHOLE_BELOW", summed_whole_below)
     names = [f"t{i}" for i in range(len(shapes))]
     reused, fresh = ([make_exchange(dr.TopK(0.05), index="auto", value="fp16", seed=r)
                       for r in range(2)] for _ in range(2))

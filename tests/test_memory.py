@@ -194,7 +194,7 @@ def test_settle_with_the_selection_has_the_same_bits(value, dtype):
 def test_a_bundle_whose_coding_fails_keeps_every_residual_owed(monkeypatch):
     # the exchange codes a bundle's tensors after all their selections and settles the
     # residuals after all codings: a failure sends nothing, so nothing may be settled
-    from deepreduce.exchange.allgather import SHARED_BELOW
+    from deepreduce.exchange.gathering import SHARED_BELOW
     from deepreduce.exchange import GradientExchange
 
     ex = GradientExchange(sparsifier=dr.TopK(0.01), value="fp16")

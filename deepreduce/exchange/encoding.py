@@ -1,6 +1,6 @@
 """The allgather strategy's encoding side: one rank's tensors to the payloads of its bundle.
 
-:meth:`~deepreduce.exchange.allgather.AllgatherExchange.encode` takes them through
+:meth:`~deepreduce.exchange.gathering.GatheringExchange.encode` takes them through
 these steps, in this order:
 
 1. :func:`shared_payloads`: which tensors share a payload (small ones losslessly,
@@ -53,7 +53,7 @@ class Sent:
 
 @dataclasses.dataclass(frozen=True)
 class Encoded:
-    """:meth:`~deepreduce.exchange.allgather.AllgatherExchange.encode`'s result: what to
+    """:meth:`~deepreduce.exchange.gathering.GatheringExchange.encode`'s result: what to
     send, what the ranks will decode of it, and the encoding's stats."""
 
     sent: Sent

@@ -16,7 +16,7 @@ from deepreduce.collectives.signed import signed_allgather
 from deepreduce.collectives.transport import Traffic
 from deepreduce.config import ExchangeConfig
 from deepreduce.errors import DecodeError
-from deepreduce.exchange.allgather import BUNDLE_SIGNATURE, AllgatherExchange
+from deepreduce.exchange.gathering import BUNDLE_SIGNATURE, GatheringExchange
 from deepreduce.exchange.hierarchical import HierarchicalExchange
 from deepreduce.exchange.reducing import ReducingExchange
 from deepreduce.exchange.selection import Selector
@@ -32,7 +32,7 @@ def strategy_for(config: ExchangeConfig, selector: Selector) -> Strategy:
     """The strategy of ``config.communicator``, built once for an exchange; the
     hierarchical one gets the strategy of its ``inter`` communicator from here too."""
     if config.communicator == "allgather":
-        return AllgatherExchange(selector, config.codec_threads)
+        return GatheringExchange(selector, config.codec_threads)
     if config.communicator == "hierarchical":
         options = config.communicator_options
         between_nodes = strategy_for(dataclasses.replace(
@@ -91,8 +91,8 @@ class GradientExchange:
         self.selector = selector(config)
         self.strategy = strategy_for(config, self.selector)
         # a non-finite step, and Horovod's graph path, go through the allgather's encoder
-        self._allgather = self.strategy if isinstance(self.strategy, AllgatherExchange) else \
-            AllgatherExchange(self.selector, config.codec_threads)
+        self._allgather = self.strategy if isinstance(self.strategy, GatheringExchange) else \
+            GatheringExchange(self.selector, config.codec_threads)
         self.stats = CompressionStats()
         self._init_runtime()
 
