@@ -31,18 +31,18 @@ fi
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     "$python" - <<'EOF'
-import importlib, numpy, torch
+import importlib, pathlib, re, numpy, torch
+# the compiled extensions as setup.py lists them, so that this list cannot go stale
+names = re.findall(r'\("(deepreduce(?:\.\w+)+)", "[\w/]+\.c"', pathlib.Path("setup.py").read_text())
 built = []
-for name in ("deepreduce._varint", "deepreduce._topkscan", "deepreduce.collectives._sparsesum",
-             "deepreduce.codecs._entropyc", "deepreduce.codecs._halfcast",
-             "deepreduce.codecs._qsgd", "deepreduce.codecs._bloomscan"):
+for name in names:
     try:
         importlib.import_module(name)
         built.append(name.rsplit(".", 1)[1])
     except ImportError:
         pass
 print("torch", torch.__version__, "CUDA", torch.version.cuda, "numpy", numpy.__version__,
-      "compiled extensions:", ", ".join(built) or "none")
+      f"compiled extensions ({len(built)} of {len(names)}):", ", ".join(built) or "none")
 EOF
 } 2>&1 | tee "$out/machine.txt"
 failed=0

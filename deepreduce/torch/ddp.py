@@ -215,7 +215,10 @@ class DeepReduceState:
         """The iteration, the residuals (per parameter), the random state, and the loss
         scale the residuals are in (see ``grad_scaler``)."""
         state = self.exchange.state_dict()
-        state["residuals"] = {name: from_host(residual)
+        # (the device path keeps its residuals as torch tensors already; the numpy path's
+        # and the host-side ones of small tensors are arrays)
+        state["residuals"] = {name: residual if isinstance(residual, torch.Tensor)
+                              else from_host(residual)
                               for name, residual in state["residuals"].items()}
         return {"iter": self.iter, "nonfinite_iters": self.nonfinite_iters,
                 "loss_scale": self._loss_scale, "settings": dict(self._settings), **state}
@@ -424,9 +427,12 @@ class DeepReduceState:
         be busy with earlier buckets."""
         if not self.check_finite:
             return True
+        finite = tensor_finite(buffer)  # on the buffer's device: numpy may not read it
         if not isinstance(self.transport, TorchTransport):  # (another transport: on its own)
-            return self.exchange.agree_finite([buffer], self._guarded)
-        finite = tensor_finite(buffer)
+            # the answer as one host value, NaN for "not finite": the exchange's agreement
+            # reads host arrays only
+            answer = torch.where(finite, 0.0, math.nan).to(torch.float32).reshape(1)
+            return self.exchange.agree_finite([host_array(answer.cpu())], self._guarded)
         if self.transport.size > 1:
             flag = finite.to(device=self.transport.device, dtype=torch.int32).reshape(1)
             try:

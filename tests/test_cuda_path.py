@@ -1,0 +1,152 @@
+"""The CUDA path's rules, checked on the CPU (docs/cuda.md).
+
+A GPU is not needed to check what the code does with a tensor that lives elsewhere:
+:class:`Unreadable` is a CPU tensor that numpy cannot read, as it cannot read a CUDA
+tensor, whose ``.cpu()`` is its host copy. The stream hand-offs run through the same
+code as on a GPU, with the CPU's stand-in streams recording what they were asked to
+do (:mod:`deepreduce.torch.streams`).
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import deepreduce as dr  # noqa: E402
+import deepreduce.torch as drt  # noqa: E402
+from deepreduce.collectives import ThreadTransport  # noqa: E402
+
+from benchmarks.device_step import LoopbackTransport  # noqa: E402
+
+
+class Unreadable(torch.Tensor):
+    """A CPU tensor that numpy cannot read, like a CUDA tensor: ``np.asarray`` and
+    ``.numpy()`` raise torch's message for a CUDA tensor; ``.cpu()`` is a plain copy."""
+
+    MESSAGE = ("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy "
+               "the tensor to host memory first.")
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError(self.MESSAGE)
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError(self.MESSAGE)
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def unreadable(values) -> Unreadable:
+    return torch.as_tensor(values, dtype=torch.float32).clone().as_subclass(Unreadable)
+
+
+def test_unreadable_is_unreadable():
+    x = unreadable([1.0, 2.0])
+    with pytest.raises(TypeError, match="numpy"):
+        np.asarray(x)
+    assert type(x.cpu()) is torch.Tensor and x.cpu().numpy().tolist() == [1.0, 2.0]
+
+
+class Bucket:
+    """What the hook reads of DDP's ``GradBucket``: its buffer, index, whether it is the
+    last of the backward pass, and its parameters (two: 3,000 and 100 values)."""
+
+    def __init__(self, buffer, index=0, last=True):
+        self._buffer, self._index, self._last = buffer, index, last
+        self._params = [torch.nn.Parameter(torch.zeros(30, 100)),
+                        torch.nn.Parameter(torch.zeros(100))]
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._last
+
+    def parameters(self):
+        return self._params
+
+
+def gradients(seed=0, bad=False):
+    values = np.random.default_rng(seed).standard_normal(3100).astype(np.float32)
+    if bad:
+        values[17] = np.inf
+    return unreadable(values)
+
+
+def state(device_path, transport):
+    made = drt.DeepReduceState(sparsifier=dr.TopK(0.05), value="fp16", start_iter=0,
+                               min_compression_rate=0, device_path=device_path)
+    made._transport = transport  # (as benchmarks/device_step.py binds its loopback)
+    return made
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_finite_check_on_a_loopback_transport_reads_no_device_tensor(device_path):
+    """benchmarks/device_step.py's states: check_finite (the default) with a transport
+    that is not torch.distributed's: the check runs on the tensor's device and only its
+    one-value answer crosses to the host."""
+    made = state(device_path, LoopbackTransport(2))
+    assert made._finite_everywhere(gradients()) is True
+    assert made._finite_everywhere(gradients(bad=True)) is False
+
+
+def test_finite_check_on_thread_ranks_reads_no_device_tensor():
+    """Two ranks (threads): one rank's inf makes the bucket non-finite on both."""
+    members = ThreadTransport.group(2)
+    states = [state(False, member) for member in members]
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda r: states[r]._finite_everywhere(gradients(r, bad=r == 1)),
+                                range(2)))
+        assert answers == [False, False]
+        answers = list(pool.map(lambda r: states[r]._finite_everywhere(gradients(r)), range(2)))
+        assert answers == [True, True]
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_finite_check_on_a_torch_transport_reads_no_device_tensor(world_of_one, device_path):
+    made = drt.DeepReduceState(sparsifier=dr.TopK(0.05), device_path=device_path)
+    assert made._finite_everywhere(gradients()) is True
+    assert made._finite_everywhere(gradients(bad=True)) is False
+
+
+def test_device_step_scheme_runs_the_hook_on_tensors_numpy_cannot_read():
+    """The device path of benchmarks/device_step.py, as it runs on a GPU: the hook over a
+    loopback transport of 2 ranks, check_finite on, a bucket numpy cannot read."""
+    made = state(True, LoopbackTransport(2))
+    buffer = gradients()
+    want = buffer.cpu()
+    result = drt.deepreduce_hook(made, Bucket(buffer)).wait()
+    assert result is buffer and made.iter == 1
+    kept = result.cpu()[:3000]  # two identical ranks, averaged: the selected values back
+    chosen = torch.topk(want[:3000].abs(), 150).indices
+    assert torch.equal(kept[chosen].half().float(), want[:3000][chosen].half().float())
+    assert torch.equal(result.cpu()[3000:], want[3000:])  # (below min_size: whole)
+
+
+def test_state_dict_round_trips_on_the_device_path():
+    """DeepReduceState.state_dict() on the device path (its residuals are torch tensors)
+    and load_state_dict() into a fresh state: the next step's residuals and results are
+    those of the state that never stopped."""
+    def fresh():
+        return state(True, LoopbackTransport(2))
+
+    going = fresh()
+    for step in range(2):
+        drt.deepreduce_hook(going, Bucket(gradients(step))).wait()
+    saved = going.state_dict()
+    assert all(isinstance(r, torch.Tensor) for r in saved["residuals"].values())
+    assert len(saved["residuals"]) == 1  # the 3,000-value parameter; the bias goes whole
+    resumed = fresh()
+    resumed.load_state_dict(saved)
+    assert resumed.iter == going.iter == 2
+    results = [drt.deepreduce_hook(s, Bucket(gradients(5))).wait().cpu()
+               for s in (going, resumed)]
+    assert torch.equal(results[0], results[1])
+    after = [s.state_dict()["residuals"] for s in (going, resumed)]
+    assert after[0].keys() == after[1].keys()
+    assert all(torch.equal(after[0][k].cpu(), after[1][k].cpu()) for k in after[0])
