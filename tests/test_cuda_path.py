@@ -150,3 +150,113 @@ def test_state_dict_round_trips_on_the_device_path():
     after = [s.state_dict()["residuals"] for s in (going, resumed)]
     assert after[0].keys() == after[1].keys()
     assert all(torch.equal(after[0][k].cpu(), after[1][k].cpu()) for k in after[0])
+
+
+# -- the device from the data (docs/cuda.md, "Which device") ---------------------------
+
+@pytest.fixture
+def no_current_device(monkeypatch):
+    """torch.cuda.current_device() raises: nothing may ask the calling thread's device."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("asked torch.cuda.current_device()")
+    monkeypatch.setattr(torch.cuda, "current_device", refuse)
+
+
+@pytest.mark.parametrize("config, backends", [
+    ("cpu:gloo,cuda:gloo", {"cpu": "gloo", "cuda": "gloo"}),
+    ("cuda:nccl", {"cuda": "nccl"}),
+    ("cpu:gloo,cuda:nccl", {"cpu": "gloo", "cuda": "nccl"}),
+])
+def test_backends_of_reads_every_device_types_backend(world_of_one, monkeypatch, config,
+                                                      backends):
+    import torch.distributed as dist
+    from deepreduce.torch import transport as transport_module
+
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: config)
+    assert transport_module.backends_of(dist.group.WORLD) == backends
+    # a mixed group is one deepreduce runs over
+    assert transport_module.TorchTransport._backend_of(dist.group.WORLD) == config
+
+
+def test_an_unknown_backend_is_refused_by_name(world_of_one, monkeypatch):
+    import torch.distributed as dist
+    from deepreduce.torch import transport as transport_module
+
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:ucc")
+    with pytest.raises(ValueError, match="ucc"):
+        transport_module.TorchTransport._backend_of(dist.group.WORLD)
+
+
+def test_frames_follow_the_data_never_the_current_device(world_of_one, monkeypatch,
+                                                         no_current_device):
+    import torch.distributed as dist
+    from deepreduce.torch.transport import frame_device
+
+    group = dist.group.WORLD
+    # gloo (and any group with a CPU backend): the host, whatever the tensors' device
+    assert frame_device(group, "cuda:1") == frame_device(group) == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert frame_device(group, torch.device("cuda", 1)) == torch.device("cpu")
+    # NCCL alone: the tensors' own GPU
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    assert frame_device(group, torch.device("cuda", 1)) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="device="):  # no tensors, no bound default group
+        frame_device(group)
+    with pytest.raises(ValueError, match="on cpu"):
+        frame_device(group, "cpu")
+    with pytest.raises(ValueError, match="names no GPU"):
+        frame_device(group, "cuda")
+
+
+def test_the_hook_binds_for_its_buckets_device(world_of_one, no_current_device):
+    """The first bucket binds the state's transport with the bucket's device; a shared
+    transport refuses tensors whose frames would travel elsewhere."""
+    from deepreduce.torch import transport as transport_module
+
+    made = drt.DeepReduceState(sparsifier=dr.TopK(0.05), start_iter=0, min_compression_rate=0)
+    assert made._transport is None
+    drt.deepreduce_hook(made, Bucket(torch.randn(3100))).wait()
+    assert made.transport is transport_module.transport_of() and \
+        made.transport.device == torch.device("cpu")
+    made.transport.check_device("cuda:3")  # (gloo: frames on the host for every device)
+
+
+def test_outer_optimizer_binds_for_its_parameters(world_of_one, no_current_device):
+    from deepreduce.torch.outer import OuterOptimizer
+    from deepreduce.torch.transport import transport_of
+
+    net = torch.nn.Linear(40, 40)
+    outer = OuterOptimizer(net.named_parameters(), sync_every=1)
+    outer.sync()
+    assert outer.transport is transport_of() and outer.outer_steps == 1
+
+
+class FakeConfigured:
+    """What ReplicaGroupTransport reads of torchft's configured group."""
+
+    def __init__(self, *device_types):
+        self._device_types = [torch.device(d) for d in device_types]
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+
+@pytest.mark.parametrize("served, data, frames", [
+    (("cpu", "cuda"), "cpu", "cpu"),         # gloo
+    (("cpu", "cuda"), "cuda:1", "cpu"),      # gloo, tensors on a GPU: frames on the host
+    (("cuda",), "cuda:1", "cuda:1"),         # torchft's NCCL group: the tensors' GPU
+    (("cuda",), "cpu", "cpu"),
+])
+def test_torchft_transport_follows_its_tensors(no_current_device, served, data, frames):
+    from deepreduce.torch.torchft import ReplicaGroupTransport
+
+    transport = ReplicaGroupTransport(FakeConfigured(*served))
+    transport.bind(torch.device(data))
+    assert transport.device == torch.device(frames)
+    asked = ReplicaGroupTransport(FakeConfigured(*served), device="cpu")
+    asked.bind(torch.device(data))
+    assert asked.device == torch.device("cpu")  # a device given is kept

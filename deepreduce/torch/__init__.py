@@ -23,10 +23,9 @@ import numpy as np
 import torch
 
 from deepreduce.sparse import SparseTensor
-from deepreduce.torch.ddp import (DeepReduceState, deepreduce_hook, from_host, host_array,
-                                  transport_of)
+from deepreduce.torch.ddp import DeepReduceState, deepreduce_hook, from_host, host_array
 from deepreduce.torch.outer import OuterOptimizer as OuterOptimizer  # (docs/diloco.md)
-from deepreduce.torch.transport import CollectiveError
+from deepreduce.torch.transport import CollectiveError, transport_of
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "allreduce", "allreduce_async",
            "transport_of", "CollectiveError"]
@@ -64,6 +63,7 @@ def allreduce_async(tensor, state: DeepReduceState, name: str | None = None,
     """
     if not tensor.dtype.is_floating_point:
         raise TypeError(f"allreduce reduces floating-point tensors, got {tensor.dtype}")
+    state.bind(tensor.device)
     sparse = tensor.is_sparse
     x = _sparse_to_numpy(tensor) if sparse else host_array(tensor.detach().cpu())
     result = torch.futures.Future()

@@ -21,8 +21,6 @@ residuals, checkpoints and a resumed run do not depend on the bucket layout.
 import copy
 import math
 import numbers
-import threading
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import NamedTuple, Optional
@@ -39,37 +37,9 @@ from deepreduce.exchange.selection import Selector
 from deepreduce.exchange.stats import StepStats
 from deepreduce.registry import get_codec
 from deepreduce.torch.device import DeviceSelector, from_host, host_array, tensor_finite
-from deepreduce.torch.transport import CollectiveError, TorchTransport
+from deepreduce.torch.transport import CollectiveError, TorchTransport, transport_of
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "transport_of", "host_array", "from_host"]
-
-# weak keys: a destroyed process group must not be kept alive (see TorchTransport)
-_TRANSPORTS = weakref.WeakKeyDictionary()
-_TRANSPORTS_LOCK = threading.Lock()
-
-
-def transport_of(process_group=None) -> TorchTransport:
-    """The shared :class:`~deepreduce.torch.transport.TorchTransport` of ``process_group``.
-
-    One per group and process, so every deepreduce collective of that group
-    (the hook's, :func:`deepreduce.torch.allreduce`'s) runs on one thread, in
-    the order it was started, which is the same on every rank. It runs them on
-    a process group of its own with the same members, and has a second one,
-    ``flag_group`` (:meth:`TorchTransport.private
-    <deepreduce.torch.transport.TorchTransport.private>`), both created by the
-    first call for ``process_group``, which every member must make: collectives
-    of DDP's own on ``process_group`` (``find_unused_parameters=True``'s
-    bookkeeping, from the autograd thread) then never meet deepreduce's.
-    """
-    group = dist.group.WORLD if process_group is None else process_group
-    if group is None:  # torch.distributed is not initialised: TorchTransport says so
-        return TorchTransport()
-    with _TRANSPORTS_LOCK:
-        transport = _TRANSPORTS.get(group)
-        if transport is None:
-            transport = _TRANSPORTS[group] = TorchTransport.private(group)
-        return transport
-
 
 def _device_path(asked, config) -> bool:
     """Whether the dense work runs on the gradients' device (see DeepReduceState)."""
@@ -275,8 +245,17 @@ class DeepReduceState:
         (the first hook call, or :func:`deepreduce.torch.allreduce`), on every rank,
         to :func:`transport_of` the state's group, which creates deepreduce's own
         process groups for it then (the transport's and :attr:`flag_group`)."""
+        return self.bind()
+
+    def bind(self, device=None) -> TorchTransport:
+        """Bind the state to its group now, if it is not bound yet: :func:`transport_of`
+        the group, for tensors on ``device``, which creates deepreduce's own process
+        groups. Collective: every rank of the group binds, in the same order with
+        respect to its other process-group creations. The hook binds at its first
+        bucket (with the bucket's device), :func:`deepreduce.torch.allreduce` at its
+        first tensor (with its device); call it before either to choose the moment."""
         if self._transport is None:
-            self._transport = transport_of(self.process_group)
+            self._transport = transport_of(self.process_group, device)
         return self._transport
 
     @property
@@ -315,6 +294,7 @@ class DeepReduceState:
         if not buffer.dtype.is_floating_point:
             raise TypeError(f"deepreduce_hook reduces floating-point gradients; bucket "
                             f"{index} holds {buffer.dtype}")
+        self.bind(buffer.device)
         self._agree()
         self._begin_bucket()
         finite = self._finite_everywhere(buffer, index)

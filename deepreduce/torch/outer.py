@@ -55,6 +55,7 @@ from deepreduce.exchange.memory import ResidualMemory
 from deepreduce.exchange.stats import StepStats
 from deepreduce.registry import get_codec
 from deepreduce.torch.device import from_host, host_array
+from deepreduce.torch.transport import transport_of
 
 __all__ = ["OuterOptimizer", "MODES"]
 
@@ -316,8 +317,11 @@ class OuterOptimizer:
         traffic, nbytes = Traffic(), 0
         averaged = [None] * len(self.params)
         with torch.no_grad():
-            pseudo = [(s - p.detach().to(s.device)).to(transport.device)
-                      for p, s in zip(self.params, self._synced)]
+            # where the parameters are, when the group takes tensors there (NCCL, gloo,
+            # "cpu:gloo,cuda:nccl"), else where its frames travel
+            pseudo = [(s - p.detach().to(s.device)) for p, s in zip(self.params, self._synced)]
+            pseudo = [t if transport.serves(t.device) else t.to(transport.device)
+                      for t in pseudo]
             for dtype in dict.fromkeys(t.dtype for t in pseudo):
                 members = [i for i, t in enumerate(pseudo) if t.dtype == dtype]
                 flat = torch.cat([pseudo[i].reshape(-1) for i in members])
@@ -339,9 +343,8 @@ class OuterOptimizer:
     def transport(self):
         """The transport of the outer group (:func:`deepreduce.torch.transport_of`), bound
         at the first outer step; it makes deepreduce's own groups of the same ranks then."""
-        if self._transport is None:
-            import deepreduce.torch  # (the package's public function; it imports this module)
-            self._transport = deepreduce.torch.transport_of(self.process_group)
+        if self._transport is None:  # (frames where the parameters are, for NCCL)
+            self._transport = transport_of(self.process_group, self.params[0].device)
         return self._transport
 
     @property

@@ -2,8 +2,10 @@
 
 :class:`TorchTransport` moves the byte frames of :mod:`deepreduce.collectives`'
 communicators and of :class:`~deepreduce.exchange.GradientExchange` between the
-ranks of a process group; :func:`deepreduce.torch.transport_of` gives the shared
-one of a group, over process groups of its own (:meth:`TorchTransport.private`).
+ranks of a process group; :func:`transport_of` gives the shared one of a group,
+over process groups of its own (:meth:`TorchTransport.private`). Where its byte
+frames travel follows the group's backends and the tensors it serves
+(:func:`frame_device`), never the calling thread's current CUDA device.
 A collective that fails raises :class:`CollectiveError`, naming it.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import threading
 import time
 import weakref
 
@@ -20,7 +23,7 @@ import torch.distributed as dist
 
 from deepreduce.collectives.transport import Transport, members_of, split_frames
 
-__all__ = ["TorchTransport", "CollectiveError"]
+__all__ = ["TorchTransport", "CollectiveError", "transport_of", "frame_device", "backends_of"]
 
 
 class CollectiveError(RuntimeError):
@@ -44,26 +47,28 @@ class CollectiveError(RuntimeError):
 class TorchTransport(Transport):
     """``torch.distributed`` collectives on uint8 tensors of one process group.
 
-    Frames travel as byte tensors on ``device``: the CPU for gloo, the current
-    CUDA device for NCCL (NCCL moves only GPU memory), so the same code serves
-    both. gloo and NCCL move equal-sized tensors only, so an allgather of
-    variable-length frames sends each in a slot of ``8 + capacity`` bytes,
-    its length first: one collective when every frame fits (the capacity
-    follows the longest frames of the same stage lately, which every rank
-    saw alike, so every rank picks the same), and a second one for what
-    overflows when one does not. ``Traffic`` counts the bytes that really
-    cross, padding included.
+    Frames travel as byte tensors on :attr:`device` (:func:`frame_device`): the CPU
+    where the group has a backend for CPU tensors (gloo, or a mixed
+    ``"cpu:gloo,cuda:nccl"`` group), else the device of the tensors the transport serves
+    (NCCL moves only GPU memory), so the same code serves both. gloo and NCCL move
+    equal-sized tensors only, so an allgather of variable-length frames sends each in a
+    slot of ``8 + capacity`` bytes, its length first: one collective when every frame
+    fits (the capacity follows the longest frames of the same stage lately, which every
+    rank saw alike, so every rank picks the same), and a second one for what overflows
+    when one does not. ``Traffic`` counts the bytes that really cross, padding included.
 
     Parameters
     ----------
     process_group : torch.distributed.ProcessGroup, optional
         The group to communicate in; the default (world) group when None.
-        Its backend must be gloo or NCCL. The transport holds it weakly, so
-        ``destroy_process_group`` really destroys it; the transport's
-        collectives then raise RuntimeError.
+        Its backends must be gloo or NCCL (one, or ``"cpu:gloo,cuda:nccl"``). The
+        transport holds it weakly, so ``destroy_process_group`` really destroys it;
+        the transport's collectives then raise RuntimeError.
     device : torch.device or str, optional
-        Where the byte tensors live; by default the CPU for gloo and
-        ``cuda:<current device>`` for NCCL.
+        The device of the tensors the transport serves (a DDP bucket's, the
+        parameters'): where the frames travel when the group has no backend for the
+        CPU. Needed for an NCCL group, unless the default group is bound to a device
+        (``init_process_group(device_id=...)``).
     """
 
     BACKENDS = ("gloo", "nccl")
@@ -84,10 +89,7 @@ class TorchTransport(Transport):
         if self.rank < 0:
             raise ValueError("this process is not a member of the given process group")
         self.size = dist.get_world_size(group)
-        if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                      else torch.device("cpu"))
-        self.device, self.backend = torch.device(device), backend
+        self.device, self.backend = frame_device(group, device), backend
         # The tensors of the last collective, kept until the next one starts (and, at
         # exit, until gloo lets go of them: _release_at_exit). A gloo thread drops its
         # references just after a collective completes; if it dropped the last one it
@@ -100,11 +102,31 @@ class TorchTransport(Transport):
 
     @classmethod
     def _backend_of(cls, group) -> str:
+        """The backend of ``group`` as torch.distributed names it ("gloo", "nccl",
+        "cpu:gloo,cuda:nccl"), once each of its backends is one deepreduce runs over."""
         backend = str(dist.get_backend(group)).lower()
-        if backend not in cls.BACKENDS:
-            raise ValueError(f"process group backend {backend!r} is not supported; deepreduce "
-                             f"runs over {' or '.join(cls.BACKENDS)}")
+        backends = backends_of(group)
+        unknown = {device: name for device, name in backends.items() if name not in cls.BACKENDS}
+        if unknown:
+            named = ", ".join(f"{name} for {device}" for device, name in unknown.items())
+            raise ValueError(f"process group backend {backend!r} ({named}) is not supported; "
+                             f"deepreduce "
+                             f"runs over {' or '.join(cls.BACKENDS)} (one of them, or one per "
+                             "device type: 'cpu:gloo,cuda:nccl')")
         return backend
+
+    def serves(self, device) -> bool:
+        """Whether a collective of this transport's group takes tensors on ``device``
+        where they are (its group has a backend for their device type)."""
+        return torch.device(device).type in backends_of(self.group)
+
+    def check_device(self, device) -> None:
+        """ValueError unless tensors on ``device`` travel on this transport's
+        :attr:`device` (every user of a shared transport serves the same device)."""
+        if device is not None and frame_device(self.group, device) != self.device:
+            raise ValueError(f"this transport's frames travel on {self.device}, as the first "
+                             f"tensors it served asked; tensors on {torch.device(device)} "
+                             "need a transport over another process group")
 
     @classmethod
     def private(cls, process_group=None, device=None) -> "TorchTransport":
@@ -326,6 +348,94 @@ class TorchTransport(Transport):
             raise RuntimeError("torch.distributed ranked the new group's members otherwise "
                                "than their keys")
         return transport
+
+
+# weak keys: a destroyed process group must not be kept alive (see TorchTransport)
+_TRANSPORTS = weakref.WeakKeyDictionary()
+_TRANSPORTS_LOCK = threading.Lock()
+
+
+def transport_of(process_group=None, device=None) -> TorchTransport:
+    """The shared :class:`TorchTransport` of ``process_group`` (the default group when
+    None), made at the first call for the group.
+
+    One per group and process, so every deepreduce collective of that group
+    (the DDP hook's, :func:`deepreduce.torch.allreduce`'s, an
+    :class:`~deepreduce.torch.outer.OuterOptimizer`'s) runs on one thread, in
+    the order it was started, which is the same on every rank. It runs them on
+    a process group of its own with the same members, and has a second one,
+    ``flag_group`` (:meth:`TorchTransport.private`), both created by the first
+    call for ``process_group``, which every member must make: collectives of
+    DDP's own on ``process_group`` (``find_unused_parameters=True``'s
+    bookkeeping, from the autograd thread) then never meet deepreduce's.
+
+    ``device`` is that of the tensors the caller serves (see :func:`frame_device`);
+    a later caller whose tensors would need their frames elsewhere gets a
+    ValueError.
+    """
+    group = dist.group.WORLD if process_group is None else process_group
+    if group is None:  # torch.distributed is not initialised: TorchTransport says so
+        return TorchTransport()
+    with _TRANSPORTS_LOCK:
+        transport = _TRANSPORTS.get(group)
+        if transport is None:
+            transport = _TRANSPORTS[group] = TorchTransport.private(group, device)
+        else:
+            transport.check_device(device)
+        return transport
+
+
+def backends_of(group) -> dict:
+    """``{device type: backend}`` of ``group``: ``{"cpu": "gloo", "cuda": "gloo"}`` for
+    gloo, ``{"cuda": "nccl"}`` for NCCL, ``{"cpu": "gloo", "cuda": "nccl"}`` for
+    ``"cpu:gloo,cuda:nccl"`` (``torch.distributed.get_backend_config``)."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except (AttributeError, ValueError, RuntimeError):  # (a group torch did not register)
+        config = str(dist.get_backend(group))
+    backends = {}
+    for part in config.lower().split(","):
+        device, _, backend = part.strip().rpartition(":")
+        if device:
+            backends[device] = backend
+        else:  # a bare name: the device types torch says it serves
+            capability = getattr(dist.Backend, "backend_capability", {})
+            backends.update(dict.fromkeys(capability.get(backend, ["cpu"]), backend))
+    return backends
+
+
+def frame_device(group, device=None) -> torch.device:
+    """Where a transport over ``group`` moves its byte frames, for tensors on ``device``.
+
+    The frames are bytes in host memory, made and read by the host codecs. Where the
+    group has a backend for CPU tensors (gloo, or a mixed ``"cpu:gloo,cuda:nccl"``
+    group), they travel from there: no copy to a device, no CUDA stream involved.
+    Otherwise (NCCL alone) they must travel on a GPU: that of the tensors the
+    transport serves (``device``: the bucket's, the parameters'), else the device the
+    default group is bound to (``init_process_group(device_id=...)``). Never the
+    calling thread's current device, which is cuda:0 on a thread that never called
+    ``torch.cuda.set_device`` (the main thread of a script that only moved its model).
+    """
+    backends = backends_of(group)
+    if "cpu" in backends:
+        return torch.device("cpu")
+    if device is not None:
+        device = torch.device(device)
+        if device.type not in backends:
+            raise ValueError(f"a {dist.get_backend(group)} process group moves tensors on "
+                             f"{' or '.join(sorted(backends))} only; the tensors to serve are "
+                             f"on {device}: move them, or use a group with a backend for "
+                             f"{device.type} (say 'cpu:gloo,cuda:nccl')")
+        if device.index is None and device.type == "cuda":
+            raise ValueError(f"device={device} names no GPU: give the tensors' own device "
+                             "(tensor.device), say cuda:0")
+        return device
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    if bound is not None and bound.type in backends:
+        return bound
+    raise ValueError(f"a {dist.get_backend(group)} process group moves GPU memory only: pass "
+                     "device= (the device of the tensors it serves), or bind the default group "
+                     "to one (init_process_group(device_id=...))")
 
 
 #: One collective into one output tensor (torch 2.13 renamed all_gather_into_tensor).
