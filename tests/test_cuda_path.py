@@ -260,3 +260,69 @@ def test_torchft_transport_follows_its_tensors(no_current_device, served, data, 
     asked = ReplicaGroupTransport(FakeConfigured(*served), device="cpu")
     asked.bind(torch.device(data))
     assert asked.device == torch.device("cpu")  # a device given is kept
+
+
+# -- process groups made at bind time (docs/cuda.md, "Process groups") ------------------
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """Findings of tests/torch_group_workers.py: ``{check: [rank 0, ..., rank 3]}``."""
+    from conftest import run_ranks
+    return run_ranks("torch_group_workers.py", tmp_path_factory.mktemp("groups"), 4)
+
+
+def test_the_hook_makes_every_group_when_it_binds(four_ranks):
+    from conftest import findings
+    found = findings(four_ranks, "check_hook_binds_every_group_at_once")
+    descs = [[desc for _, desc, _ in f["at_bind"]] for f in found]
+    # its own group, its flag group, then the node groups and the shard groups (2 each)
+    assert descs[0][:2] == ["deepreduce", "deepreduce_flags"]
+    assert descs[0][2:] == ["deepreduce_split_2"] * 4
+    assert all(d == descs[0] for d in descs)  # the same calls, in the same order, everywhere
+    assert all(f["later"] == [] and f["iter"] == 3 for f in found)
+
+
+def test_an_explicit_bind_makes_the_groups_on_its_thread(four_ranks):
+    from conftest import findings
+    for f in findings(four_ranks, "check_explicit_bind_on_the_main_thread"):
+        assert [desc for _, desc, _ in f["at_bind"]] == ["deepreduce", "deepreduce_flags"]
+        assert {thread for thread, _, _ in f["at_bind"]} == {f["main"]}
+        assert f["later"] == []
+
+
+def test_groups_of_subsets_are_made_by_their_members(four_ranks):
+    from conftest import findings
+    found = findings(four_ranks, "check_subset_groups")
+    for rank, f in enumerate(found):
+        node, local = divmod(rank, 2)
+        inner, outer = [2 * node, 2 * node + 1], [local, local + 2]
+        # the hook's groups of its node, then the outer optimizer's of its outer group
+        assert [(desc, ranks) for _, desc, ranks in f["made"]] == [
+            ("deepreduce", inner), ("deepreduce_flags", inner),
+            ("deepreduce", outer), ("deepreduce_flags", outer)]
+        assert f["outer_steps"] == 2 and f["same_as_outer_peer"] is True
+
+
+def test_a_device_bound_nccl_parent_is_split_with_every_member(world_of_one, monkeypatch):
+    """With the default group bound to a GPU, NCCL makes sub-groups by ncclCommSplit over
+    the parent: new_groups asks split_group (every member of the parent, no other rank)
+    and never new_group(use_local_synchronization=True), which would leave the members
+    waiting for the non-members' NOCOLOR split."""
+    import torch.distributed as dist
+    from deepreduce.torch import transport as transport_module
+
+    asked = []
+
+    def split_group(**kwargs):
+        asked.append(kwargs)
+        return "the split group"
+    monkeypatch.setattr(transport_module, "_splits_by_nccl", lambda parent: True)
+    monkeypatch.setattr(dist, "split_group", split_group)
+    monkeypatch.setattr(dist, "new_group", lambda *a, **k: pytest.fail("new_group called"))
+    made = transport_module.new_groups(dist.group.WORLD, [[0]], "deepreduce")
+    assert made == ["the split group"]
+    assert asked[0]["parent_pg"] is dist.group.WORLD and asked[0]["split_ranks"] == [[0]]
+    # another backend than the parent's (a gloo flag group) is not split from it
+    monkeypatch.setattr(dist, "new_group", lambda *a, **k: "a new group")
+    assert transport_module.new_groups(dist.group.WORLD, [[0]], "flags",
+                                       backend="nccl-other") == ["a new group"]

@@ -250,12 +250,22 @@ class DeepReduceState:
     def bind(self, device=None) -> TorchTransport:
         """Bind the state to its group now, if it is not bound yet: :func:`transport_of`
         the group, for tensors on ``device``, which creates deepreduce's own process
-        groups. Collective: every rank of the group binds, in the same order with
-        respect to its other process-group creations. The hook binds at its first
+        groups (and the hierarchical communicator's sub-groups). Collective: every rank
+        of the group binds, in the same order with respect to its other process-group
+        creations. The hook binds at its first
         bucket (with the bucket's device), :func:`deepreduce.torch.allreduce` at its
         first tensor (with its device); call it before either to choose the moment."""
         if self._transport is None:
             self._transport = transport_of(self.process_group, device)
+            self._agree()  # (first: settings that differ are named before anything else)
+            # and the sub-groups a communicator needs (the hierarchical one's), now, on
+            # the transport's thread while this one waits: never from two threads at once
+            prepare = getattr(self.exchange.strategy, "prepare", None)
+            if prepare is not None:
+                try:
+                    self._guarded.submit(prepare, self._guarded).result()
+                except Exception:  # noqa: BLE001, S110 - every later task raises it again
+                    pass  # (through the hook's futures, named: see _fail)
         return self._transport
 
     @property
@@ -414,7 +424,7 @@ class DeepReduceState:
             answer = torch.where(finite, 0.0, math.nan).to(torch.float32).reshape(1)
             return self.exchange.agree_finite([host_array(answer.cpu())], self._guarded)
         if self.transport.size > 1:
-            flag = finite.to(device=self.transport.device, dtype=torch.int32).reshape(1)
+            flag = finite.to(device=self.transport.flag_device, dtype=torch.int32).reshape(1)
             try:
                 with self.transport.failing_as("allreduce of the all-finite flag"):
                     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flag_group)

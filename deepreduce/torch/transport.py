@@ -142,11 +142,14 @@ class TorchTransport(Transport):
         the transport's collectives run on its communication thread; on groups of
         their own they cannot meet.
 
-        Collective: every member of ``process_group`` calls it (its members alone:
-        ``new_group(..., use_local_synchronization=True)``), in the same order with
-        respect to their other ``new_group`` calls. The groups take
-        ``process_group``'s backend and timeout; torch.distributed holds them until
-        ``destroy_process_group()``, this transport only weakly.
+        Collective: every member of ``process_group`` calls it, in the same order
+        with respect to their other process-group creations (see
+        :func:`new_groups`, which makes both). The transport's group takes
+        ``process_group``'s backend and timeout; the flag group is a gloo one where
+        ``process_group`` has no backend for CPU tensors (NCCL alone): its one-value
+        flags then travel from the host, on no CUDA stream and no second NCCL
+        communicator. torch.distributed holds them until ``destroy_process_group()``,
+        this transport only weakly.
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialised: call "
@@ -155,12 +158,11 @@ class TorchTransport(Transport):
         backend = cls._backend_of(group)
         if dist.get_rank(group) < 0:
             raise ValueError("this process is not a member of the given process group")
-        ranks = dist.get_process_group_ranks(group)  # global ranks, in the group's order
-        options = {} if ranks == sorted(ranks) else {"sort_ranks": False}
-        own, flags = (dist.new_group(ranks, backend=backend, timeout=_timeout_of(group),
-                                     use_local_synchronization=True, group_desc=desc,
-                                     **options)
-                      for desc in ("deepreduce", "deepreduce_flags"))
+        flags_backend = backend if "cpu" in backends_of(group) or not dist.is_gloo_available() \
+            else "gloo"
+        own, = new_groups(group, [range(dist.get_world_size(group))], "deepreduce")
+        flags, = new_groups(group, [range(dist.get_world_size(group))], "deepreduce_flags",
+                            backend=flags_backend)
         transport = cls(own, device)
         transport._flag_group = weakref.ref(flags)
         if transport.rank != dist.get_rank(group):  # (new_group ignored the order)
@@ -191,6 +193,12 @@ class TorchTransport(Transport):
             raise RuntimeError("the flag group of this transport has been destroyed "
                                "(torch.distributed.destroy_process_group)")
         return group
+
+    @property
+    def flag_device(self) -> torch.device:
+        """Where the flags of :attr:`flag_group` travel: the host where it has a backend for
+        CPU tensors (always, when gloo is built), else this transport's device."""
+        return torch.device("cpu") if "cpu" in backends_of(self.flag_group) else self.device
 
     @contextlib.contextmanager
     def failing_as(self, what: str):
@@ -314,13 +322,9 @@ class TorchTransport(Transport):
         """The members of this member's ``color`` as a transport over a process group
         of their own (see :meth:`deepreduce.collectives.Transport.split`).
 
-        torch.distributed creates groups collectively: in a group of the whole
-        world, every rank creates every sub-group, in the order of their colors
-        (``new_group``, which NCCL needs); in a smaller group, the members of each
-        sub-group create theirs alone (``use_local_synchronization``). Members are
-        ranked by ``key`` (``sort_ranks=False`` where that differs from their
-        global ranks' order). The sub-groups take this transport's backend and
-        timeout.
+        The sub-groups are made by :func:`new_groups`, by every member of this
+        transport's group, in the order of their colors. Members are ranked by
+        ``key``. The sub-groups take this transport's backend and timeout.
         """
         with self.failing_as(f"split into sub-groups (color {color})"):
             return self._split(color, key)
@@ -330,24 +334,80 @@ class TorchTransport(Transport):
         mine = np.array([color, key, dist.get_rank()], dtype=np.int64)
         table = self._lengths(mine)  # every member's (color, key, global rank)
         members = members_of(table[:, :2], self.rank)
-        whole_world = self.size == dist.get_world_size()
-        settings = {"backend": self.backend, "timeout": _timeout_of(self.group)}
-        created = None
-        for each in sorted(set(table[:, 0].tolist())):
-            if each != color and not whole_world:
-                continue
-            ranks = table[members_of(table[:, :2], int(np.flatnonzero(table[:, 0] == each)[0])),
-                          2].tolist()
-            ordered = ranks == sorted(ranks)
-            group = dist.new_group(ranks, use_local_synchronization=not whole_world,
-                                   **settings, **({} if ordered else {"sort_ranks": False}))
-            if each == color:
-                created = group
-        transport = TorchTransport(created, self.device)
+        colors = sorted(set(table[:, 0].tolist()))
+        # each color's members (ranks of this group), ordered by their keys
+        splits = [members_of(table[:, :2], int(np.flatnonzero(table[:, 0] == each)[0]))
+                  for each in colors]
+        created = new_groups(self.group, splits, f"deepreduce_split_{len(colors)}")
+        transport = TorchTransport(created[colors.index(color)], self.device)
         if transport.rank != members.index(self.rank):  # (new_group ignored the order)
             raise RuntimeError("torch.distributed ranked the new group's members otherwise "
                                "than their keys")
         return transport
+
+
+def new_groups(parent, splits, desc: str, backend=None) -> list:
+    """Process groups of disjoint subsets of ``parent``'s members, made by every member
+    of ``parent`` in one call: ``splits`` lists each subset's members as ranks of
+    ``parent``, in the order they are to be ranked. Returns, for each subset, its group
+    on its members and None elsewhere (the caller keeps its own).
+
+    How, follows what torch.distributed needs (``distributed_c10d.py``,
+    ``_new_group_with_tag`` and ``_new_process_group_helper``):
+
+    - The default group bound to a GPU (``init_process_group(device_id=...)``) with
+      NCCL makes NCCL sub-groups by ``ncclCommSplit``, collective over every rank of
+      the group split from: ``new_group`` there has non-members split with
+      ``NCCL_SPLIT_NOCOLOR``, so ``use_local_synchronization=True`` (non-members
+      return at once) would leave the members waiting. Then ``split_group`` splits
+      ``parent`` itself, every member of ``parent`` taking part, and no rank outside
+      it. (``split_group`` ranks each subset in ``parent``'s order.)
+    - ``parent`` of the whole world: ``new_group`` by every rank, for every subset in
+      turn (names from torch's group counter, alike on every rank that makes the
+      same calls in the same order).
+    - A smaller ``parent``, no device-bound split: ``new_group(...,
+      use_local_synchronization=True)`` by the members of each subset alone (a rank
+      outside ``parent`` does not know the call is made).
+
+    ``backend`` (default: ``parent``'s) other than ``parent``'s, as a gloo flag group
+    of an NCCL parent, is never split from it (``split_group`` keeps the parent's
+    backends). The groups take ``parent``'s timeout.
+    """
+    backend = str(dist.get_backend(parent)).lower() if backend is None else backend
+    global_ranks = dist.get_process_group_ranks(parent)
+    splits = [[global_ranks[r] for r in members] for members in splits]
+    mine = dist.get_rank()
+    timeout = _timeout_of(parent)
+    if _splits_by_nccl(parent) and backend == str(dist.get_backend(parent)).lower():
+        order = {g: r for r, g in enumerate(global_ranks)}
+        for members in splits:
+            if [order[g] for g in members] != sorted(order[g] for g in members):
+                raise ValueError("a device-bound NCCL group splits its members in the order "
+                                 "of their ranks; asked for another order: "
+                                 f"{[order[g] for g in members]}")
+        made = dist.split_group(parent_pg=parent, timeout=timeout, group_desc=desc,
+                                split_ranks=[sorted(order[g] for g in m) for m in splits])
+        return [made if mine in members else None for members in splits]
+    whole_world = len(global_ranks) == dist.get_world_size()
+    groups = []
+    for members in splits:
+        if not whole_world and mine not in members:
+            groups.append(None)
+            continue
+        options = {} if members == sorted(members) else {"sort_ranks": False}
+        made = dist.new_group(members, backend=backend, timeout=timeout, group_desc=desc,
+                              use_local_synchronization=not whole_world, **options)
+        groups.append(made if mine in members else None)
+    return groups
+
+
+def _splits_by_nccl(parent) -> bool:
+    """Whether torch.distributed makes sub-groups of ``parent`` by splitting an NCCL
+    communicator: the default group is bound to a device whose backend in ``parent``
+    is NCCL (see :func:`new_groups`)."""
+    default = dist.distributed_c10d._get_default_group()
+    bound = getattr(default, "bound_device_id", None)
+    return bound is not None and backends_of(parent).get(bound.type) == "nccl"
 
 
 # weak keys: a destroyed process group must not be kept alive (see TorchTransport)
