@@ -23,10 +23,14 @@ from benchmarks.device_step import LoopbackTransport  # noqa: E402
 
 class Unreadable(torch.Tensor):
     """A CPU tensor that numpy cannot read, like a CUDA tensor: ``np.asarray`` and
-    ``.numpy()`` raise torch's message for a CUDA tensor; ``.cpu()`` is a plain copy."""
+    ``.numpy()`` raise torch's message for a CUDA tensor; ``.cpu()`` is a plain copy.
+    What torch makes of it is one too, so every way its values reach the host (what on
+    a GPU waits for the device) is counted, per thread, in :attr:`SYNCS` when that is a
+    dict."""
 
     MESSAGE = ("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy "
                "the tensor to host memory first.")
+    SYNCS = None
 
     def __array__(self, *args, **kwargs):
         raise TypeError(self.MESSAGE)
@@ -35,7 +39,26 @@ class Unreadable(torch.Tensor):
         raise TypeError(self.MESSAGE)
 
     def cpu(self, *args, **kwargs):
+        self._synced("cpu")
         return self.as_subclass(torch.Tensor).clone()
+
+    def item(self):
+        self._synced("item")
+        return self.as_subclass(torch.Tensor).item()
+
+    def __bool__(self):
+        self._synced("bool")
+        return bool(self.as_subclass(torch.Tensor))
+
+    def tolist(self):
+        self._synced("tolist")
+        return self.as_subclass(torch.Tensor).tolist()
+
+    @classmethod
+    def _synced(cls, how):
+        if cls.SYNCS is not None:
+            import threading
+            cls.SYNCS.setdefault(threading.current_thread().name, []).append(how)
 
 
 def unreadable(values) -> Unreadable:
@@ -51,12 +74,12 @@ def test_unreadable_is_unreadable():
 
 class Bucket:
     """What the hook reads of DDP's ``GradBucket``: its buffer, index, whether it is the
-    last of the backward pass, and its parameters (two: 3,000 and 100 values)."""
+    last of the backward pass, and its parameters (by default two: 3,000 and 100
+    values)."""
 
-    def __init__(self, buffer, index=0, last=True):
+    def __init__(self, buffer, index=0, last=True, shapes=((30, 100), (100,))):
         self._buffer, self._index, self._last = buffer, index, last
-        self._params = [torch.nn.Parameter(torch.zeros(30, 100)),
-                        torch.nn.Parameter(torch.zeros(100))]
+        self._params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
 
     def buffer(self):
         return self._buffer
@@ -326,3 +349,89 @@ def test_a_device_bound_nccl_parent_is_split_with_every_member(world_of_one, mon
     monkeypatch.setattr(dist, "new_group", lambda *a, **k: "a new group")
     assert transport_module.new_groups(dist.group.WORLD, [[0]], "flags",
                                        backend="nccl-other") == ["a new group"]
+
+
+# -- the stream model (docs/cuda.md, "Streams") ----------------------------------------
+
+def test_each_bucket_is_handed_over_before_its_work_runs_and_completed_on_the_lane(
+        world_of_one):
+    """The order of the hand-offs, on the CPU lane's trace: each bucket's work is handed
+    over on the caller's thread (an event on its current stream, on a GPU), waited for
+    on the communication thread before it runs, and its future is completed with the
+    lane current."""
+    made = drt.DeepReduceState(sparsifier=dr.TopK(0.05), start_iter=0, min_compression_rate=0,
+                               device_path=True)
+    made.bind(torch.device("cpu"))
+    lane = made.transport.lane
+    lane.trace = []
+    try:
+        futures = [drt.deepreduce_hook(made, Bucket(torch.randn(3100), index=i, last=i == 1))
+                   for i in range(2)]
+        for future in futures:
+            future.wait()
+        trace = list(lane.trace)
+    finally:
+        lane.trace = None
+    handed = [(mark, thread) for what, mark, thread in trace if what == "hand_over"]
+    waited = [(mark, thread) for what, mark, thread in trace if what == "wait"]
+    assert [mark for mark, _ in waited] == [mark for mark, _ in handed]  # each, in order
+    assert {thread for _, thread in handed} == {"MainThread"}
+    assert all(thread.startswith("deepreduce-comm") for _, thread in waited)
+    for mark, _ in handed:  # handed over before it is waited for
+        assert trace.index(("hand_over", mark, "MainThread")) < \
+            next(i for i, t in enumerate(trace) if t[:2] == ("wait", mark))
+    assert sum(what == "complete" for what, _, _ in trace) == 2  # one per bucket's future
+    last_wait = max(i for i, t in enumerate(trace) if t[0] == "wait")
+    assert [t[0] for t in trace[last_wait + 1:]].count("complete") >= 1
+
+
+def test_allreduce_completes_its_future_on_the_lane(world_of_one):
+    made = drt.DeepReduceState(sparsifier=None, value="raw")
+    x = torch.randn(50)
+    made.bind(x.device)
+    made.transport.lane.trace = []
+    try:
+        assert torch.equal(drt.allreduce(x, made, name="x", op="sum"), x)
+        whats = [what for what, _, _ in made.transport.lane.trace]
+    finally:
+        made.transport.lane.trace = None
+    assert whats[0] == "hand_over" and "wait" in whats and whats[-1] == "complete"
+
+
+@pytest.mark.parametrize("check_finite, syncs", [(True, 2), (False, 2)])
+def test_the_device_path_waits_for_the_device_twice_per_bucket(world_of_one, monkeypatch,
+                                                               check_finite, syncs):
+    """Host syncs per compressed bucket on the device path, counted where they happen
+    (what reaches the host from a tensor numpy cannot read): on the autograd thread,
+    one copy brings this rank's finite answer with the small tensors, one the selected
+    pairs (a sampled Top-k over 70,000 values: its check travels with them); on the
+    communication thread none (gloo frames are host bytes; sums come from pinned
+    memory)."""
+    from deepreduce.torch import ddp
+
+    # the finite check as on a GPU (on the CPU it reads its sum at once: no wait there)
+    monkeypatch.setattr(ddp, "tensor_finite",
+                        lambda x: torch.isfinite(x.sum()) | torch.isfinite(x).all())
+    made = drt.DeepReduceState(sparsifier=dr.TopK(0.01), value="fp16", start_iter=0,
+                               min_compression_rate=0, device_path=True,
+                               check_finite=check_finite)
+    shapes = ((70, 1000), (300,), (200,))
+    for step in range(3):
+        buffer = unreadable(np.random.default_rng(step).standard_normal(70500))
+        Unreadable.SYNCS = {}
+        try:
+            drt.deepreduce_hook(made, Bucket(buffer, shapes=shapes)).wait()
+            counted = Unreadable.SYNCS
+        finally:
+            Unreadable.SYNCS = None
+        assert counted.get("MainThread") == ["cpu"] * syncs, counted
+        assert not any(thread.startswith("deepreduce-comm") for thread in counted), counted
+    link = made.exchange.selector.link
+    assert link.to_host_copies == 3 * syncs
+
+
+def test_streams_docstring_examples():
+    import doctest
+
+    from deepreduce.torch import streams
+    assert doctest.testmod(streams).failed == 0

@@ -37,6 +37,7 @@ from deepreduce.exchange.selection import Selector
 from deepreduce.exchange.stats import StepStats
 from deepreduce.registry import get_codec
 from deepreduce.torch.device import DeviceSelector, from_host, host_array, tensor_finite
+from deepreduce.torch.streams import lane_of
 from deepreduce.torch.transport import CollectiveError, TorchTransport, transport_of
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "transport_of", "host_array", "from_host"]
@@ -307,9 +308,14 @@ class DeepReduceState:
         self.bind(buffer.device)
         self._agree()
         self._begin_bucket()
-        finite = self._finite_everywhere(buffer, index)
+        layout = self._layout(bucket, index, buffer)
+        small = None
+        if self.device_path:  # its small tensors cross with the answer: one wait, not two
+            finite, small = self._finite_everywhere(buffer, index, carry=layout.small(buffer))
+        else:
+            finite = self._finite_everywhere(buffer, index)
         if finite:
-            reduction = self._reduce_finite(self._layout(bucket, index, buffer), buffer)
+            reduction = self._reduce_finite(layout, buffer, small)
         else:  # every rank: DDP's own allreduce of the gradients as they are, nothing paid
             reduction = _Reduction(self._guarded.submit(
                 lambda: self._allreduce(buffer, buffer, nonfinite=True)), buffer)
@@ -330,7 +336,7 @@ class DeepReduceState:
         return self.exchange.reduce_async(names, tensors, self._guarded, op, as_rows=as_rows,
                                           out=out, reuse_out=reuse_out, finite=finite)
 
-    def _reduce_finite(self, layout, buffer) -> "_Reduction":
+    def _reduce_finite(self, layout, buffer, small=None) -> "_Reduction":
         """Start reducing ``buffer``, finite on every rank: compressed (:meth:`_compresses`),
         or a plain allreduce. The parameters' gradients go to the exchange as torch
         views of the buffer on the device path; else, as the codecs work on host
@@ -343,27 +349,17 @@ class DeepReduceState:
         if not self._compresses(layout):
             self.exchange.pay(keys, grads, self._guarded)  # what error feedback still owes
             return _Reduction(self._guarded.submit(lambda: self._allreduce(buffer, host)),
-                              buffer, on_device=not on_host_copy)
+                              buffer)
         if on_host_copy:
             return _Reduction(self.reduce_async(keys, grads, out=grads), buffer,
-                              copy_back=lambda: buffer.copy_(host), on_device=False)
+                              copy_back=lambda: buffer.copy_(host))
         if self.device_path:
             # (encoding copies what it needs before this returns: the sums may overwrite)
-            return _Reduction(self.reduce_async(keys, self._small_to_host(grads), out=grads),
-                              buffer)
+            return _Reduction(self.reduce_async(keys, layout.with_small(grads, small),
+                                                out=grads), buffer)
         reduced, reuse = self._result_tensor(layout, buffer)
         out = grads if reduced is buffer else layout.views_of(reduced)
         return _Reduction(self.reduce_async(keys, grads, out=out, reuse_out=reuse), reduced)
-
-    def _small_to_host(self, grads) -> list:
-        """The device path's ``grads`` with those below ``min_size`` on the host: they
-        travel losslessly from there, and are small enough to cross in one copy."""
-        inputs = list(grads)
-        small = [i for i, grad in enumerate(grads) if grad.numel() < self.exchange.min_size]
-        link = self.exchange.selector.link
-        for i, array in zip(small, link.to_host([grads[i] for i in small])):
-            inputs[i] = array
-        return inputs
 
     def _allreduce(self, buffer, host, nonfinite=False) -> None:
         """DDP's allreduce of ``buffer`` (of ``host`` first, when that is its host copy),
@@ -410,28 +406,65 @@ class DeepReduceState:
             self.iter += 1
         self._in_iteration = self._nonfinite_iteration = False
 
-    def _finite_everywhere(self, buffer, index=None) -> bool:
+    def _finite_everywhere(self, buffer, index=None, carry=None):
         """Whether every rank's ``buffer`` (bucket ``index``) is finite (see
-        ``check_finite``): checked here, the answers allreduced on the state's flag
-        group, from the autograd thread: the group of the hook's other collectives may
-        be busy with earlier buckets."""
-        if not self.check_finite:
+        ``check_finite``): checked here, on the buffer's device, the answers allreduced
+        on the state's flag group (from the host where it is a gloo one), from the
+        autograd thread: the group of the hook's other collectives may be busy with
+        earlier buckets.
+
+        ``carry`` (the device path's tensors below ``min_size``, which travel from the
+        host): they cross to the host in the same copy as this rank's answer, one wait
+        for the device for both, and the call returns ``(finite, their host arrays)``."""
+        link = self.exchange.selector.link if carry is not None else None
+        finite = tensor_finite(buffer) if self.check_finite else None
+        if link is not None:  # one copy: the small tensors and the answer
+            mine, arrays = self._with_answer(link, carry, finite)
+        elif finite is None:
             return True
-        finite = tensor_finite(buffer)  # on the buffer's device: numpy may not read it
-        if not isinstance(self.transport, TorchTransport):  # (another transport: on its own)
-            # the answer as one host value, NaN for "not finite": the exchange's agreement
-            # reads host arrays only
-            answer = torch.where(finite, 0.0, math.nan).to(torch.float32).reshape(1)
-            return self.exchange.agree_finite([host_array(answer.cpu())], self._guarded)
-        if self.transport.size > 1:
-            flag = finite.to(device=self.transport.flag_device, dtype=torch.int32).reshape(1)
-            try:
-                with self.transport.failing_as("allreduce of the all-finite flag"):
-                    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flag_group)
-            except CollectiveError as exc:  # raised from the hook: named as its futures'
-                raise _named(exc, self, index) from exc
-            finite = flag
-        return bool(finite.item())
+        else:
+            mine, arrays = finite, None
+        if finite is None:
+            agreed = True
+        elif not isinstance(self.transport, TorchTransport):  # (another transport)
+            # the answer as one host value, NaN for "not finite": the exchange's
+            # agreement reads host arrays only
+            answer = np.array([0.0 if bool(mine) else np.nan], dtype=np.float32)
+            agreed = self.exchange.agree_finite([answer], self._guarded)
+        else:
+            agreed = self._agree_flag(mine, index)
+        return agreed if carry is None else (agreed, arrays)
+
+    def _agree_flag(self, mine, index) -> bool:
+        """Allreduce this rank's answer (a bool, or a 0-d bool tensor) on the flag group."""
+        transport = self.transport
+        if transport.size == 1:
+            return bool(mine)
+        device = transport.flag_device
+        flag = (torch.tensor([int(mine)], dtype=torch.int32) if isinstance(mine, bool)
+                else mine.to(dtype=torch.int32).reshape(1)).to(device)
+        try:
+            with transport.failing_as("allreduce of the all-finite flag"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flag_group)
+        except CollectiveError as exc:  # raised from the hook: named as its futures'
+            raise _named(exc, self, index) from exc
+        return bool(flag.item())
+
+    @staticmethod
+    def _with_answer(link, tensors, finite):
+        """``(answer, arrays)``: ``finite`` (a 0-d bool tensor, or None) as a bool (None
+        stays None) and ``tensors`` (of one dtype) as host arrays, in one copy."""
+        if not tensors and finite is None:
+            return None, []
+        values = torch.cat([t.reshape(-1) for t in tensors]) if tensors else \
+            torch.zeros(0, device=finite.device)
+        positions = values.new_zeros(0, dtype=torch.int64)
+        (_, flat, answer), = link.pairs_to_host([(positions, values, finite)])
+        arrays, start = [], 0
+        for tensor in tensors:
+            arrays.append(flat[start:start + tensor.numel()].reshape(tuple(tensor.shape)))
+            start += tensor.numel()
+        return (None if finite is None else answer), arrays
 
     # -- what a bucket's layout decides ------------------------------------------------
     def _layout(self, bucket, index: int, buffer) -> "_BucketLayout":
@@ -447,7 +480,8 @@ class DeepReduceState:
             keys = [self._keys.setdefault(id(p), f"{index}.{position}")
                     for position, p in enumerate(params)]
             layout = self._layouts[index] = _BucketLayout(index, buffer, params, keys,
-                                                          self.device_path)
+                                                          self.device_path,
+                                                          self.exchange.min_size)
         return layout
 
     def _result_tensor(self, layout, buffer):
@@ -534,7 +568,7 @@ class _BucketLayout:
     the parameters' keys and shapes, where each lies in the buffer, views of it, and
     whether the bucket is worth compressing (see :meth:`DeepReduceState._layout`)."""
 
-    def __init__(self, index, buffer, params, keys, device_path):
+    def __init__(self, index, buffer, params, keys, device_path, min_size=0):
         self.buffer = buffer  # (held: its memory is not handed to another buffer)
         self.index = index
         self.storage = buffer.untyped_storage().data_ptr()
@@ -551,6 +585,8 @@ class _BucketLayout:
         self.device_path = device_path
         self.views = self.per_parameter(host_array(buffer.detach())) \
             if self.on_host and not device_path else None
+        self.min_size = min_size
+        self.small_at = [i for i, n in enumerate(sizes) if n < min_size]
         self._kept = None  # (tensor, its views): the last result tensor other than buffer
 
     def serves(self, buffer) -> bool:
@@ -568,6 +604,20 @@ class _BucketLayout:
             return self.per_parameter(tensor)
         return self.views if self.on_host else self.per_parameter(host_array(tensor))
 
+    def small(self, buffer) -> list:
+        """The gradients in ``buffer`` below ``min_size`` (torch views): the device path
+        sends them from the host, losslessly."""
+        views = self.per_parameter(buffer)
+        return [views[i] for i in self.small_at]
+
+    def with_small(self, grads, small) -> list:
+        """``grads`` with the gradients below ``min_size`` replaced by ``small``, their
+        host arrays (:meth:`small`'s, brought over)."""
+        inputs = list(grads)
+        for i, array in zip(self.small_at, small or ()):
+            inputs[i] = array
+        return inputs
+
     def per_parameter(self, flat) -> list:
         """Each parameter's slice of ``flat`` (the buffer's elements), shaped."""
         return [flat[end - n:end].reshape(shape)
@@ -582,32 +632,37 @@ class _BucketLayout:
 
 class _Reduction(NamedTuple):
     """A bucket's reduction under way: ``tensor`` holds the result once the concurrent
-    future ``done`` is and ``copy_back`` (when given) has run. ``on_device``: a result
-    on a GPU has DDP's streams wait for what was recorded on the device when it is set
-    (one copied back from the host is there by then)."""
+    future ``done`` is and ``copy_back`` (when given) has run."""
 
     done: Future
     tensor: torch.Tensor
     # (Optional, not "| None": Python 3.9 would evaluate it, as this module cannot
     # postpone its annotations: DDP checks the hook's against dist.GradBucket)
     copy_back: Optional[Callable[[], object]] = None
-    on_device: bool = True
 
     def future(self, state, index) -> torch.futures.Future[torch.Tensor]:
         """The hook's one ending: the torch Future DDP waits for, which gets ``tensor``,
-        or the failure of ``state``'s bucket ``index`` (see :func:`_fail`)."""
+        or the failure of ``state``'s bucket ``index`` (see :func:`_fail`).
+
+        A result on a GPU goes in a ``Future(devices=[its device])``, completed with the
+        transport's lane current (:mod:`deepreduce.torch.streams`) on whichever thread
+        completes it: ``set_result`` records its event on the lane's stream, after the
+        reduction's work there (``copy_back`` included), and DDP's ``wait()`` in
+        ``finalize_backward`` makes the consumer's stream wait for that event only."""
         tensor = self.tensor
         result = torch.futures.Future(devices=[tensor.device]) \
-            if self.on_device and tensor.is_cuda else torch.futures.Future()
+            if tensor.is_cuda else torch.futures.Future()
+        lane = lane_of(state.transport)
 
         def deliver(done):
-            try:
-                done.result()
-                if self.copy_back is not None:
-                    self.copy_back()
-                result.set_result(tensor)
-            except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
-                _fail(result, exc, state, index)
+            with lane.current():
+                try:
+                    done.result()
+                    if self.copy_back is not None:
+                        self.copy_back()
+                    result.set_result(tensor)
+                except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
+                    _fail(result, exc, state, index)
         self.done.add_done_callback(deliver)
         return result
 

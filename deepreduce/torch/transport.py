@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from deepreduce.collectives.transport import Transport, members_of, split_frames
+from deepreduce.torch.streams import Lane
 
 __all__ = ["TorchTransport", "CollectiveError", "transport_of", "frame_device", "backends_of"]
 
@@ -90,6 +91,9 @@ class TorchTransport(Transport):
             raise ValueError("this process is not a member of the given process group")
         self.size = dist.get_world_size(group)
         self.device, self.backend = frame_device(group, device), backend
+        # the communication thread's stream, on the device of the tensors served (see
+        # submit and deepreduce.torch.streams)
+        self.lane = Lane(self.device if device is None else device)
         # The tensors of the last collective, kept until the next one starts (and, at
         # exit, until gloo lets go of them: _release_at_exit). A gloo thread drops its
         # references just after a collective completes; if it dropped the last one it
@@ -193,6 +197,16 @@ class TorchTransport(Transport):
             raise RuntimeError("the flag group of this transport has been destroyed "
                                "(torch.distributed.destroy_process_group)")
         return group
+
+    def submit(self, fn, *args):
+        """Run ``fn(*args)`` on the communication thread, with the :attr:`lane`'s stream
+        current there, ordered after the caller's current stream now (the hand-over:
+        see :mod:`deepreduce.torch.streams`)."""
+        return super().submit(self._run_on_lane, self.lane.hand_over(), fn, args)
+
+    def _run_on_lane(self, event, fn, args):
+        with self.lane.running(event):
+            return fn(*args)
 
     @property
     def flag_device(self) -> torch.device:
@@ -339,7 +353,7 @@ class TorchTransport(Transport):
         splits = [members_of(table[:, :2], int(np.flatnonzero(table[:, 0] == each)[0]))
                   for each in colors]
         created = new_groups(self.group, splits, f"deepreduce_split_{len(colors)}")
-        transport = TorchTransport(created[colors.index(color)], self.device)
+        transport = TorchTransport(created[colors.index(color)], self.lane.device)
         if transport.rank != members.index(self.rank):  # (new_group ignored the order)
             raise RuntimeError("torch.distributed ranked the new group's members otherwise "
                                "than their keys")
