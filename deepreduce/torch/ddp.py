@@ -253,9 +253,16 @@ class DeepReduceState:
         the group, for tensors on ``device``, which creates deepreduce's own process
         groups (and the hierarchical communicator's sub-groups). Collective: every rank
         of the group binds, in the same order with respect to its other process-group
-        creations. The hook binds at its first
-        bucket (with the bucket's device), :func:`deepreduce.torch.allreduce` at its
-        first tensor (with its device); call it before either to choose the moment."""
+        creations. The hook binds at its first bucket (with the bucket's device),
+        :func:`deepreduce.torch.allreduce` at its first tensor (with its device); call
+        it before either to choose the moment. Bound already, the transport serves
+        ``device`` too (see :meth:`TorchTransport.serve
+        <deepreduce.torch.transport.TorchTransport.serve>`)."""
+        if self._transport is not None:
+            serve = getattr(self._transport, "serve", None)  # (a torch transport)
+            if serve is not None:
+                serve(device)
+            return self._transport
         if self._transport is None:
             self._transport = transport_of(self.process_group, device)
             self._agree()  # (first: settings that differ are named before anything else)

@@ -82,8 +82,9 @@ class Lane:
         """On the communication thread: the lane's stream current, ordered after
         ``event``."""
         self._note("wait", event.mark)
-        if self.stream is None:
-            yield
+        if self.stream is None or event.cuda is None:  # (handed over before it had one)
+            with self._current_if_any():
+                yield
             return
         self.stream.wait_event(event.cuda)
         with torch.cuda.stream(self.stream):
@@ -94,11 +95,12 @@ class Lane:
         """The lane's stream current, without a wait: for completing the future of work
         that ran on it, on whichever thread completes it."""
         self._note("complete", None)
-        if self.stream is None:
+        with self._current_if_any():
             yield
-            return
-        with torch.cuda.stream(self.stream):
-            yield
+
+    def _current_if_any(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None \
+            else contextlib.nullcontext()
 
     def _note(self, what, mark) -> None:
         if self.trace is not None:

@@ -94,6 +94,7 @@ class TorchTransport(Transport):
         # the communication thread's stream, on the device of the tensors served (see
         # submit and deepreduce.torch.streams)
         self.lane = Lane(self.device if device is None else device)
+        self._served = {self.lane.device}  # devices whose tensors it was asked to serve
         # The tensors of the last collective, kept until the next one starts (and, at
         # exit, until gloo lets go of them: _release_at_exit). A gloo thread drops its
         # references just after a collective completes; if it dropped the last one it
@@ -124,13 +125,21 @@ class TorchTransport(Transport):
         where they are (its group has a backend for their device type)."""
         return torch.device(device).type in backends_of(self.group)
 
-    def check_device(self, device) -> None:
-        """ValueError unless tensors on ``device`` travel on this transport's
-        :attr:`device` (every user of a shared transport serves the same device)."""
-        if device is not None and frame_device(self.group, device) != self.device:
+    def serve(self, device) -> None:
+        """Serve tensors on ``device`` too: ValueError unless their frames travel on this
+        transport's :attr:`device` (every user of a shared transport agrees on it); a
+        transport whose lane has no stream yet gets one on ``device`` when it is a GPU
+        (a first user with CPU tensors, a later one with CUDA buckets)."""
+        if device is None or device in self._served:
+            return
+        device = torch.device(device)
+        if frame_device(self.group, device) != self.device:
             raise ValueError(f"this transport's frames travel on {self.device}, as the first "
-                             f"tensors it served asked; tensors on {torch.device(device)} "
-                             "need a transport over another process group")
+                             f"tensors it served asked; tensors on {device} need a "
+                             "transport over another process group")
+        if self.lane.stream is None and device.type == "cuda":
+            self.lane = Lane(device)
+        self._served.add(device)
 
     @classmethod
     def private(cls, process_group=None, device=None) -> "TorchTransport":
@@ -455,7 +464,7 @@ def transport_of(process_group=None, device=None) -> TorchTransport:
         if transport is None:
             transport = _TRANSPORTS[group] = TorchTransport.private(group, device)
         else:
-            transport.check_device(device)
+            transport.serve(device)
         return transport
 
 
