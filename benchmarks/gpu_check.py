@@ -87,6 +87,8 @@ def part_identical(device, steps=6) -> tuple[bool, list[str]]:
         ddp.register_comm_hook(state, drt.deepreduce_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         stream = torch.cuda.Stream(device) if side else None
+        if side:  # (the model and the batches were made on the default stream)
+            stream.wait_stream(torch.cuda.current_stream(device))
         for x, y in data:
             with torch.cuda.stream(stream) if side else nullcontext():
                 opt.zero_grad()
