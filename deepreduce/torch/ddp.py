@@ -265,11 +265,11 @@ class DeepReduceState:
             return self._transport
         if self._transport is None:
             self._transport = transport_of(self.process_group, device)
-            self._agree()  # (first: settings that differ are named before anything else)
             # and the sub-groups a communicator needs (the hierarchical one's), now, on
             # the transport's thread while this one waits: never from two threads at once
             prepare = getattr(self.exchange.strategy, "prepare", None)
             if prepare is not None:
+                self._agree()  # (first: settings that differ are named before the topology)
                 try:
                     self._guarded.submit(prepare, self._guarded).result()
                 except Exception:  # noqa: BLE001, S110 - every later task raises it again
