@@ -65,7 +65,8 @@ def test_device_path_trains_as_the_numpy_path_and_moves_only_pairs(two_ranks):
 def test_resume_from_checkpoint_equals_uninterrupted_run(two_ranks):
     for found in findings(two_ranks, "check_resume"):
         assert found == {"identical": True, "iter": 10, "pickled_group": True,
-                         "pickled_residuals": 3}
+                         "pickled_residuals": 3, "device_identical": True,
+                         "device_residuals": 3}
 
 
 def test_allreduce_dense_and_sparse_coo_every_communicator(two_ranks):
