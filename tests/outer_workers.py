@@ -206,6 +206,59 @@ def check_resume_second(rank):
     return found
 
 
+def check_nonfinite(rank):
+    """A NaN, then an inf, in one element of rank 1's parameters before an outer step, in
+    both modes: every rank skips that step (a warning naming rank 1 and the parameter),
+    the synced copy, the momentum and the residuals stay as they were, every rank's
+    parameters go back to the synced copy; the next outer step is an ordinary one."""
+    import warnings
+
+    found = {}
+    for mode, bad in (("sparseloco", float("nan")), ("sparseloco", float("inf")),
+                      ("diloco", float("nan")), ("diloco", float("-inf"))):
+        model = net()
+        settings = SPARSE if mode == "sparseloco" else {"value": "statq:bits=2,sigmas=6",
+                                                        "min_size": 0, **SPARSE}
+        outer = OuterOptimizer(model.named_parameters(), mode=mode, sync_every=H, **settings)
+        batches = data(rank, 3 * H)
+        train(model, outer, batches[:H])     # one ordinary outer step first
+        inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for x, y in batches[H:2 * H]:
+            inner_step(model, inner, x, y)
+        before = {"synced": digest(outer.synced_parameters().values()),
+                  "residuals": digest(torch.from_numpy(outer.exchange.memory.residual(n))
+                                      for n in outer.names),
+                  "momentum": digest(outer._outer.state[s]["momentum_buffer"]
+                                     for s in outer._synced)
+                  if mode == "diloco" else None}
+        if rank == 1:
+            with torch.no_grad():
+                model[2].weight[3, 5] = bad
+        outer.inner_steps += H - 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outer.step()
+        after = {"synced": digest(outer.synced_parameters().values()),
+                 "residuals": digest(torch.from_numpy(outer.exchange.memory.residual(n))
+                                     for n in outer.names),
+                 "momentum": digest(outer._outer.state[s]["momentum_buffer"]
+                                    for s in outer._synced)
+                 if mode == "diloco" else None}
+        at_synced = digest(model.parameters()) == after["synced"]
+        finite_residuals = all(np.isfinite(outer.exchange.memory.residual(n)).all()
+                               for n in outer.names)
+        skipped = outer.stats.last.nonfinite_steps
+        digests, _ = train(model, outer, batches[2 * H:])
+        found[f"{mode} {bad}"] = {
+            "unchanged": {k: before[k] == after[k] for k in before},
+            "at_synced": at_synced, "finite_residuals": finite_residuals,
+            "skipped": skipped, "warnings": [str(w.message) for w in caught],
+            "outer_steps": outer.outer_steps, "next": digests[-1],
+            "finite_after": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+            "later_skipped": outer.stats.total.nonfinite_steps}
+    return found
+
+
 def check_mismatch(rank):
     """Settings, models or starting points that differ between the ranks: every rank
     raises at the first outer step, naming what differs."""

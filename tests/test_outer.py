@@ -41,6 +41,7 @@ def two_ranks(ranks_folder):
     checkpoints stay in ``ranks_folder``)."""
     return launch(ranks_folder, 2, "check_identical", "check_dense_reference",
                   "check_sparseloco_reference", "check_mismatch", "check_synced_on_host",
+                  "check_nonfinite",
                   "check_resume_first")
 
 
@@ -88,6 +89,23 @@ def test_settings_that_differ_raise_on_every_rank_naming_them(two_ranks):
             assert f"{name}:" in found[name]["message"], found[name]["message"]
         assert "seed the model alike" in found["start"]["message"]
         assert "on rank 0" in found["value"]["message"] and "on rank 1" in found["value"]["message"]
+
+
+def test_a_nonfinite_pseudo_gradient_skips_the_outer_step_on_every_rank(two_ranks):
+    rank0, rank1 = findings(two_ranks, "check_nonfinite")
+    assert set(rank0) == {"sparseloco nan", "sparseloco inf", "diloco nan", "diloco -inf"}
+    for case in rank0:
+        for found in (rank0[case], rank1[case]):
+            # nothing the next steps read moved; the parameters are the synced copy again
+            assert all(found["unchanged"].values()), (case, found["unchanged"])
+            assert found["at_synced"] and found["finite_residuals"], case
+            assert found["skipped"] == 1 and found["later_skipped"] == 1, case
+            assert len(found["warnings"]) == 1, case
+            assert "rank 1: '2.weight'" in found["warnings"][0], found["warnings"]
+            assert "rank 0" not in found["warnings"][0]
+            # the next outer step is an ordinary one, and trains on from the synced copy
+            assert found["outer_steps"] == 3 and found["finite_after"], case
+        assert rank0[case]["next"] == rank1[case]["next"], case
 
 
 def test_synced_copy_on_the_host_trains_the_same_bits(two_ranks):

@@ -202,6 +202,14 @@ class CompressionStats:
             self.last = step
             self.total = self.total + step
 
+    def amend_last(self, extra: StepStats) -> None:
+        """Add ``extra`` (counters of the same step, ``steps`` 0) to the latest step and to
+        the totals: what an integration sends beside the exchange's own collectives for
+        that step (the outer step's all-finite flags)."""
+        with self._lock:
+            self.last = self.last + extra
+            self.total = self.total + extra
+
     def snapshot(self) -> StepStats:
         """A copy of ``total``, to subtract from a later one."""
         with self._lock:

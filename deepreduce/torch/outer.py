@@ -42,7 +42,10 @@ from __future__ import annotations
 import math
 import numbers
 import time
+import warnings
 import zlib
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -54,7 +57,7 @@ from deepreduce.exchange import GradientExchange
 from deepreduce.exchange.memory import ResidualMemory
 from deepreduce.exchange.stats import StepStats
 from deepreduce.registry import get_codec
-from deepreduce.torch.device import from_host, host_array
+from deepreduce.torch.device import from_host, host_array, tensor_finite
 
 __all__ = ["OuterOptimizer", "MODES"]
 
@@ -182,6 +185,17 @@ class OuterOptimizer:
     model's and the inner optimizer's, at any inner step. :meth:`load_state_dict` into a
     new object (same settings) continues bit for bit as a run that never stopped.
 
+    **Non-finite pseudo-gradients.** Before the exchange, every rank checks its
+    pseudo-gradients for inf and NaN (one read pass each) and the ranks allgather the
+    answer (8 bytes a rank on the outer group), so all of them learn together whether
+    some rank's is not finite. Such an outer step is *skipped* on every rank: nothing is
+    sent, the synced copy, the outer momentum, the residuals and the random streams stay
+    as they were (a residual never takes in an inf or a NaN), and every rank's
+    parameters go back to the synced copy, the last model the ranks shared, so training
+    goes on from there. A RuntimeWarning names the ranks and the first such parameter of
+    each; ``stats.total.nonfinite_steps`` counts the skipped steps. (The inner
+    optimizer's state is the loop's: reset it too if a diverged inner step poisoned it.)
+
     **The last steps.** Inner steps after the last outer step are each rank's own: when
     ``inner_steps % sync_every`` is not 0 at the end, call :meth:`sync` once more (every
     rank at once) for a common model. (A :meth:`sync` right after an outer step is not
@@ -285,39 +299,99 @@ class OuterOptimizer:
     def sync(self) -> None:
         """The outer step, now: every rank of the group calls it together.
 
-        Each parameter's pseudo-gradient (synced less local) goes to the host, through
-        one exchange step (error feedback, sparsifier, codecs, allgather, decode,
-        average), and the average steps the outer SGD on the synced copy, which is then
-        copied into the parameters."""
+        Each parameter's pseudo-gradient (synced less local) is checked for inf and NaN
+        on every rank at once (see Notes: a non-finite one skips the step), then goes to
+        the host, through one exchange step (error feedback, sparsifier, codecs,
+        allgather, decode, average), and the average steps the outer SGD on the synced
+        copy, which is then copied into the parameters."""
         transport = self.transport
         self._agree(transport)
-        if self.dense:
-            averaged = self._allreduce_average(transport)
-        else:
-            with torch.no_grad():
-                pseudo = [host_array((s - p.detach().to(s.device)).cpu())
-                          for p, s in zip(self.params, self._synced)]
-            averaged, self.last_traffic = self.exchange.reduce_async(
-                self.names, pseudo, transport, op="average").result()
+        members = list(range(len(self.params)))
         with torch.no_grad():
-            for s, a in zip(self._synced, averaged):
-                s.grad = (a if self.dense else from_host(a)).to(device=s.device, dtype=s.dtype)
-            self._outer.step()
-            for p, s in zip(self.params, self._synced):
-                s.grad = None
-                p.copy_(s)
+            pseudo = [self._synced[i] - self.params[i].detach().to(self._synced[i].device)
+                      for i in members]
+        flags, nonfinite = self._nonfinite_ranks(transport, pseudo, members)
+        if nonfinite:
+            self._skip(members, nonfinite, flags)
+        else:
+            averaged = self._average(transport, members, pseudo)
+            self.last_traffic += flags
+            self.stats.amend_last(StepStats(bytes_sent=flags.sent,
+                                            bytes_received=flags.received))
+            self._apply(members, averaged)
         self.outer_steps += 1
 
-    def _allreduce_average(self, transport) -> list:
+    def _average(self, transport, members, pseudo) -> list:
+        """The ranks' average of ``pseudo`` (the pseudo-gradients of the parameters
+        ``members``), as tensors: an allreduce when :attr:`dense`, else one exchange step;
+        :attr:`last_traffic` and :attr:`stats` record it."""
+        if self.dense:
+            return self._allreduce_average(transport, pseudo)
+        arrays = [host_array(t.cpu()) for t in pseudo]
+        averaged, self.last_traffic = self.exchange.reduce_async(
+            [self.names[i] for i in members], arrays, transport, op="average").result()
+        return [from_host(a) for a in averaged]
+
+    def _apply(self, members, averaged) -> None:
+        """Step the outer SGD on the synced copy of ``members`` with ``averaged`` as its
+        gradient, and copy the result into the parameters."""
+        with torch.no_grad():
+            for i, a in zip(members, averaged):
+                s = self._synced[i]
+                s.grad = a.to(device=s.device, dtype=s.dtype)
+            self._outer.step()
+            for i in members:
+                self._synced[i].grad = None
+                self.params[i].copy_(self._synced[i])
+
+    # -- non-finite pseudo-gradients ---------------------------------------------------
+    def _nonfinite_ranks(self, transport, pseudo, members) -> tuple:
+        """``(traffic, {rank: name})``: every rank's first parameter among ``members``
+        whose pseudo-gradient holds an inf or a NaN, for the ranks that have one (an
+        empty dict: finite everywhere). One read pass over each pseudo-gradient here and
+        one allgather of 8 bytes a rank on the outer group, so every rank learns the same
+        answer at the same outer step."""
+        device = pseudo[0].device
+        finite = torch.stack([tensor_finite(t).to(device) for t in pseudo]).cpu()
+        bad = torch.nonzero(~finite).reshape(-1)
+        mine = np.array([int(bad[0]) if bad.numel() else -1], dtype="<i8")
+        traffic = Traffic()
+        gathered = transport.submit(transport.allgather, mine.tobytes(), traffic,
+                                    "finite").result()
+        firsts = [int(np.frombuffer(bytes(f), dtype="<i8")[0]) for f in gathered]
+        return traffic, {rank: self.names[members[first]]
+                         for rank, first in enumerate(firsts) if first >= 0}
+
+    def _skip(self, members, nonfinite: dict, traffic) -> None:
+        """The outer step of ``members`` that a non-finite pseudo-gradient (on the ranks
+        of ``nonfinite``) skips on every rank: the synced copy, the outer momentum, the
+        residuals and the random streams stay as they were; every rank's parameters go
+        back to the synced copy (the last model the ranks shared); a RuntimeWarning
+        names the ranks and parameters, and ``stats`` counts a non-finite step."""
+        with torch.no_grad():
+            for i in members:
+                self.params[i].copy_(self._synced[i])
+        self.last_traffic = traffic
+        self.stats.record_step(StepStats(
+            steps=1, tensors=len(members), bytes_sent=traffic.sent,
+            bytes_received=traffic.received, nonfinite_steps=1,
+            dense_bytes=sum(self.params[i].numel() * self.params[i].element_size()
+                            for i in members)))
+        where = "; ".join(f"rank {rank}: {name!r}" for rank, name in sorted(nonfinite.items()))
+        warnings.warn(f"OuterOptimizer: outer step {self.outer_steps + 1} skipped, a "
+                      f"pseudo-gradient holds inf or NaN ({where}); every rank's parameters "
+                      "are back at the synced copy, whose outer optimizer state and "
+                      "residuals did not change", RuntimeWarning, stacklevel=3)
+
+    def _allreduce_average(self, transport, pseudo) -> list:
         """The exact dense outer step: the pseudo-gradients, flattened into one buffer per
         dtype, allreduced on the outer group and averaged (what the lossless exchange
         would deliver, without coding every element); recorded in :attr:`stats`."""
         began = time.perf_counter()
         traffic, nbytes = Traffic(), 0
-        averaged = [None] * len(self.params)
+        averaged = [None] * len(pseudo)
         with torch.no_grad():
-            pseudo = [(s - p.detach().to(s.device)).to(transport.device)
-                      for p, s in zip(self.params, self._synced)]
+            pseudo = [t.to(transport.device) for t in pseudo]
             for dtype in dict.fromkeys(t.dtype for t in pseudo):
                 members = [i for i, t in enumerate(pseudo) if t.dtype == dtype]
                 flat = torch.cat([pseudo[i].reshape(-1) for i in members])
