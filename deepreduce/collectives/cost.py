@@ -125,6 +125,67 @@ def allgather(P: int, n: int, k: float, index_bytes, value_bytes: float,
     return Cost(sent=payload, received=(P - 1) * payload, ops=1, messages=P - 1)
 
 
+#: The network a transport assumes when it weighs a variable-length allgather in one
+#: collective against two (:func:`slot_capacity`): the round trip of a small collective
+#: between two hosts (gloo's allgather of a few bytes across a veth, measured in
+#: ``benchmarks/results/outer.md``), and a 1 Gbit/s link.
+ROUND_TRIP, LINK_BYTES_PER_SECOND = 2e-4, 125e6
+
+
+def slot_capacity(recent, P: int, round_trip: float = ROUND_TRIP,
+                  seconds_per_byte: float = 1 / LINK_BYTES_PER_SECOND, align: int = 64) -> int:
+    """The bytes of each rank's frame that the first collective of a variable-length
+    allgather carries (its *capacity*), the one with the least expected time.
+
+    Collectives move equal-sized tensors, so each rank sends its frame's length (8 bytes)
+    and its first ``c`` bytes, zero-padded, in one collective; what is longer than ``c``
+    follows in a second one, at its exact size. A large ``c`` pads, a small one pays a
+    second round trip. ``recent`` holds the lengths of the recent frames of the same
+    kind (every rank's); each candidate (0, or a recent length rounded up to ``align``)
+    is weighed by its expected seconds::
+
+        round_trip + (P - 1) (8 + c) beta + q(c) (round_trip + (P - 1) tail(c) beta)
+
+    with ``beta`` = ``seconds_per_byte``, ``tail(c)`` the mean bytes of the recent frames
+    past ``c``, and ``q(c) = 1 - (1 - p)^P`` the chance that one of the P frames does
+    not fit, where ``p = (recent frames longer than c + 1) / (recent frames + 2)``
+    (Laplace's rule of succession: a frame may outgrow all that came before). Ties go
+    to the smaller capacity. A pure function of its arguments: ranks that saw the same
+    lengths choose the same.
+
+    Examples
+    --------
+    Frames of about 56 KB that vary by a few hundred bytes: one collective, padded to
+    the longest (0.5% above the mean) at 1 Gbit/s; at 100 Gbit/s padding costs
+    nothing either:
+
+    >>> from deepreduce.collectives.cost import slot_capacity
+    >>> recent = [56_100, 56_350, 56_200, 56_260]
+    >>> slot_capacity(recent, 2), slot_capacity(recent, 2, seconds_per_byte=1e-11)
+    (56384, 56384)
+
+    Frames that vary by half their size, at 1 Gbit/s: sending the common part in one
+    collective and the rest at its exact size in a second costs less than padding
+    every frame to the longest:
+
+    >>> slot_capacity([1_000_000, 1_500_000, 2_000_000, 1_200_000], 2)
+    1000000
+    """
+    lengths = np.sort(np.asarray(recent, dtype=np.int64).reshape(-1))
+    if lengths.size == 0:
+        return 0
+    candidates = np.unique(np.concatenate(([0], -(-lengths // align) * align)))
+    fit = np.searchsorted(lengths, candidates, side="right")  # frames of at most c bytes
+    longer = lengths.size - fit
+    suffix = np.concatenate((np.cumsum(lengths[::-1])[::-1], [0]))  # sums of lengths[i:]
+    tail = (suffix[fit] - candidates * longer) / lengths.size
+    p = (longer + 1) / (lengths.size + 2)
+    q = 1.0 - (1.0 - p) ** P
+    seconds = (round_trip + (P - 1) * (8 + candidates) * seconds_per_byte
+               + q * (round_trip + (P - 1) * tail * seconds_per_byte))
+    return int(candidates[int(np.argmin(seconds))])
+
+
 def _range_bytes(P, n, union, index_bytes, value_bytes, overhead):
     sparse = union / P * (_rate(index_bytes, union / n if n else 0.0) + value_bytes)
     return min(sparse, n / P * value_bytes) + overhead

@@ -169,8 +169,13 @@ class AllgatherExchange(Strategy):
             decoded = self.decode([gathered], transport.size, transport.rank,
                                   step.op == "average", step.as_rows, step.out, [encoded.sent],
                                   out_keys)
-            # one record per exchange: exchanges may overlap, open/close pairs may not
-            step.stats.record_step(encoded.stats + decoded.stats + exchanged)
+            # one record per exchange: exchanges may overlap, open/close pairs may not;
+            # the bytes sent are the transport's (slots, lengths, signature), the
+            # bundle's own beside them
+            recorded = encoded.stats + decoded.stats + exchanged
+            recorded.framing_bytes = traffic.sent - recorded.bytes_sent
+            recorded.bytes_sent, recorded.bytes_received = traffic.sent, traffic.received
+            step.stats.record_step(recorded)
             return decoded.tensors, traffic
         return transport.submit(finish)
 

@@ -139,11 +139,13 @@ class OuterOptimizer:
         dtype, which averages exactly what the exchange would, without coding every
         element on the host.
     stats : deepreduce.exchange.stats.CompressionStats
-        Bytes and times of every outer step (``stats.last.bytes_sent``: the bundle this
-        rank sent at the last one; ``stats.last.dense_bytes``: the pseudo-gradients'
-        own bytes).
+        Bytes and times of every outer step: ``stats.last.bytes_sent``, what this rank
+        handed to the outer group at the last one (its bundle in the transport's frame,
+        and the all-finite flag), ``stats.last.bundle_bytes`` the bundle's own bytes,
+        ``stats.last.dense_bytes`` the pseudo-gradients' own bytes.
     last_traffic : deepreduce.collectives.Traffic or None
-        What really crossed at the last outer step (padding of the allgather included).
+        The collectives of the last outer step, stage by stage (``sent`` is
+        ``stats.last.bytes_sent``).
     names : list of str
         The synced parameters' names, in the order they travel.
     skipped : list of str
@@ -316,7 +318,7 @@ class OuterOptimizer:
         else:
             averaged = self._average(transport, members, pseudo)
             self.last_traffic += flags
-            self.stats.amend_last(StepStats(bytes_sent=flags.sent,
+            self.stats.amend_last(StepStats(bytes_sent=flags.sent, framing_bytes=flags.sent,
                                             bytes_received=flags.received))
             self._apply(members, averaged)
         self.outer_steps += 1
@@ -374,7 +376,7 @@ class OuterOptimizer:
         self.last_traffic = traffic
         self.stats.record_step(StepStats(
             steps=1, tensors=len(members), bytes_sent=traffic.sent,
-            bytes_received=traffic.received, nonfinite_steps=1,
+            framing_bytes=traffic.sent, bytes_received=traffic.received, nonfinite_steps=1,
             dense_bytes=sum(self.params[i].numel() * self.params[i].element_size()
                             for i in members)))
         where = "; ".join(f"rank {rank}: {name!r}" for rank, name in sorted(nonfinite.items()))
