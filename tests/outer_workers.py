@@ -156,7 +156,12 @@ def check_sparseloco_reference(rank):
 
 RESUMED = {"sparseloco": {"mode": "sparseloco", **SPARSE},
            "diloco_compressed": {"mode": "diloco", **SPARSE, "value": "statq:bits=2,sigmas=6",
-                                 "min_size": 0}}
+                                 "min_size": 0},
+           # fragment 0 at inner steps 1, 4, 7, fragment 1 at 3, 6: the checkpoint at
+           # step 4 holds fragment 0's exchange in flight
+           "streaming": {"mode": "sparseloco", **SPARSE, "fragments": 2, "overlap": 1},
+           "streaming_diloco": {"mode": "diloco", "fragments": 2, "overlap": 1,
+                                "merge": "mix", "mixing": 0.5}}
 STEPS, STOP = 8, 4
 
 
@@ -183,8 +188,10 @@ def check_resume_first(rank):
         found[name] = digest(model.parameters())
         model, outer, inner = _fresh(settings)
         _run(model, outer, inner, data(rank, STEPS)[:STOP])
+        in_flight = outer.in_flight
         torch.save({"model": model.state_dict(), "inner": inner.state_dict(),
                     "outer": outer.state_dict()}, os.path.join(out, f"{name}{rank}.pt"))
+        found[f"{name} in flight"] = in_flight and outer.in_flight
     return found
 
 
@@ -202,7 +209,8 @@ def check_resume_second(rank):
         _run(model, outer, inner, data(rank, STEPS)[STOP:])
         found[name] = {"digest": digest(model.parameters()), "resumed_at": resumed_at,
                        "ended_at": (outer.inner_steps, outer.outer_steps),
-                       "residuals": len(checkpoint["outer"]["residuals"])}
+                       "residuals": len(checkpoint["outer"]["residuals"]),
+                       "saved_in_flight": "in_flight" in checkpoint["outer"]}
     return found
 
 
@@ -257,6 +265,96 @@ def check_nonfinite(rank):
             "finite_after": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
             "later_skipped": outer.stats.total.nonfinite_steps}
     return found
+
+
+def check_overlap(rank):
+    """Outer steps whose exchange overlaps the next ``overlap`` inner steps: every rank
+    ends each merge with the same synced copy; the parameters are the merge rule applied
+    to what they were just before, bit for bit; sync() drains and ends in one model."""
+    found = {}
+    for tau, rule in ((1, "carry"), (3, "carry"), (2, "mix")):
+        model = net()
+        outer = OuterOptimizer(model.named_parameters(), mode="sparseloco", sync_every=H,
+                               overlap=tau, merge=rule, mixing=0.5, **SPARSE)
+        inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+        synced_digests, equation, in_flight, anchor = [], [], [], None
+        for x, y in data(rank, 3 * H + 1):
+            inner_step(model, inner, x, y)
+            before = [p.detach().clone() for p in model.parameters()]
+            merging = outer.in_flight and outer.inner_steps + 1 == outer._in_flight.merge_at
+            started = outer.step()
+            if merging:
+                synced = list(outer.synced_parameters().values())
+                synced_digests.append(digest(synced))
+                expected = [(b - a) + s if rule == "carry" else b.lerp(s, 0.5)
+                            for b, a, s in zip(before, anchor, synced)]
+                equation.append(all(torch.equal(p, e)
+                                    for p, e in zip(model.parameters(), expected)))
+            if started:
+                anchor = [p.detach().clone() for p in model.parameters()]
+                in_flight.append(outer.in_flight)
+        outer.sync()
+        found[f"{tau} {rule}"] = {"synced": synced_digests, "equation": equation,
+                                  "in_flight": in_flight, "end": digest(model.parameters()),
+                                  "outer_steps": outer.outer_steps,
+                                  "drained": not outer.in_flight,
+                                  "end_is_synced": digest(model.parameters()) == digest(
+                                      outer.synced_parameters().values())}
+    # the first merge's synced copy is the blocking run's first outer step's
+    model = net()
+    outer = OuterOptimizer(model.named_parameters(), mode="sparseloco", sync_every=H, **SPARSE)
+    train(model, outer, data(rank, H))
+    found["blocking first"] = digest(outer.synced_parameters().values())
+    return found
+
+
+def check_overlap_failure(rank):
+    """An exchange that fails in the background (rank 1's encoder raises at the second
+    outer step) raises from the next step() on every rank, and from every call after."""
+    model = net()
+    outer = OuterOptimizer(model.named_parameters(), mode="sparseloco", sync_every=H,
+                           overlap=2, **SPARSE)
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    raised = []
+    for x, y in data(rank, 4 * H):
+        inner_step(model, inner, x, y)
+        if rank == 1 and outer.inner_steps == 2 * H - 1:
+            def broken(names, tensors):
+                raise ValueError("a codec refused the pseudo-gradients")
+            outer.exchange.strategy.encode = broken
+        try:
+            outer.step()
+        except Exception as exc:  # noqa: BLE001 - what is raised is the finding
+            raised.append({"at": outer.inner_steps, "type": type(exc).__name__,
+                           "message": str(exc)})
+    for call in (outer.sync, outer.state_dict):
+        try:
+            call()
+            raised.append({"at": call.__name__, "type": None, "message": ""})
+        except Exception as exc:  # noqa: BLE001
+            raised.append({"at": call.__name__, "type": type(exc).__name__,
+                           "message": str(exc)})
+    return {"raised": raised}
+
+
+def check_fragments(rank):
+    """Two fragments of about equal bytes, each synced at its own offset: after fragment
+    0's outer step its parameters are the same on both ranks while fragment 1's are
+    not, and the other way round; each exchange carries about half the bytes."""
+    model = net()
+    outer = OuterOptimizer(model.named_parameters(), mode="sparseloco", sync_every=4,
+                           fragments=2, **SPARSE)
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    per_fragment, dense = [], []
+    for x, y in data(rank, 8):
+        inner_step(model, inner, x, y)
+        if outer.step():
+            per_fragment.append([digest(outer.params[i] for i in members)
+                                 for members in outer.schedule.members])
+            dense.append(outer.stats.last.dense_bytes)
+    return {"members": outer.schedule.members, "offsets": outer.schedule.offsets,
+            "digests": per_fragment, "dense": dense, "whole": outer.dense_bytes,
+            "outer_steps": outer.outer_steps}
 
 
 def check_mismatch(rank):

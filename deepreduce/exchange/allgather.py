@@ -159,7 +159,8 @@ class AllgatherExchange(Strategy):
                     return None, traffic
             elif error is not None:
                 # the other ranks wait in the allgather: they get an ERROR frame and raise
-                fail_collectively("allgather", transport, BUNDLE_SIGNATURE, error)
+                fail_collectively("allgather", transport, BUNDLE_SIGNATURE, error,
+                                  stage="bundles")
             else:
                 gathered = signed_allgather(transport, BUNDLE_SIGNATURE, bundle, traffic,
                                             "bundles")

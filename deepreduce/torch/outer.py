@@ -39,6 +39,7 @@ code, the same outer update and checkpoints); in float32 its outer step is an al
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import numbers
 import time
@@ -58,6 +59,8 @@ from deepreduce.exchange.memory import ResidualMemory
 from deepreduce.exchange.stats import StepStats
 from deepreduce.registry import get_codec
 from deepreduce.torch.device import from_host, host_array, tensor_finite
+from deepreduce.torch.streaming import (MERGES, FragmentSchedule, FragmentTransport,
+                                        InFlight, merge)
 
 __all__ = ["OuterOptimizer", "MODES"]
 
@@ -126,6 +129,30 @@ class OuterOptimizer:
         parameters' device: the accelerator then holds nothing beyond the model and the
         inner optimizer, and each outer step copies the parameters to the host and the
         result back (the pseudo-gradients cross to the host for the codecs either way).
+    overlap : int, default 0
+        tau, the inner steps an outer step's exchange overlaps (Streaming DiLoCo,
+        Douillard et al. 2025, arXiv 2501.18512): the pseudo-gradients are taken at the
+        outer step, their coding and exchange run in the background (on the outer
+        group's own process groups, which the inner loop's collectives never meet) while
+        the next ``overlap`` inner steps run, and the :meth:`step` after them applies
+        the average to the synced copy and merges it into the parameters by ``merge``.
+        0: the outer step blocks the loop, as plain DiLoCo's. At most the inner steps
+        between two outer steps (one exchange is in flight at a time).
+    fragments : int, default 1
+        p: the parameters are cut into p runs of consecutive parameters (model order)
+        of about equal bytes, and fragment ``i`` is synced every ``sync_every`` inner
+        steps at its own offset, ``((i + 1) * sync_every // p) % sync_every`` (see
+        :class:`~deepreduce.torch.streaming.FragmentSchedule`): each exchange carries
+        about 1/p of the model, so the peak bytes per exchange drop p-fold.
+    merge : {"carry", "mix"}, default "carry"
+        How an overlapped outer step folds the new synced copy into parameters that
+        trained on meanwhile (:func:`~deepreduce.torch.streaming.merge`): ``"carry"``
+        keeps what this worker's inner steps added since the exchange started
+        (``param = synced + param - param_then``); ``"mix"`` is Streaming DiLoCo's
+        ``param = mixing * param + (1 - mixing) * synced``. Chosen by measurement
+        (benchmarks/results/outer_streaming.md).
+    mixing : float, default 0.5
+        Streaming DiLoCo's alpha for ``merge="mix"``.
 
     Attributes
     ----------
@@ -187,6 +214,21 @@ class OuterOptimizer:
     model's and the inner optimizer's, at any inner step. :meth:`load_state_dict` into a
     new object (same settings) continues bit for bit as a run that never stopped.
 
+    **Overlap and fragments.** With ``overlap`` > 0, :meth:`step` returns right after
+    starting an outer step; the exchange runs on a background thread (the one thread of
+    this object) and the outer group's communication thread. Every rank merges at the
+    same inner step, waiting there if the exchange is not done, so every rank ends each
+    merge with the same synced copy (their parameters differ by their own inner steps,
+    as between any two outer steps). A failed exchange (a peer gone, a codec that
+    refused) raises from the next :meth:`step` (or :meth:`sync`, :meth:`drain`,
+    :meth:`state_dict`) on every rank, and from every call after. :meth:`sync` first
+    merges what is in flight (:meth:`drain`), then takes a blocking outer step of every
+    parameter. :meth:`state_dict` during an exchange in flight waits for it (it does not
+    merge it): the checkpoint holds its averaged update and what the merge needs, and a
+    run loaded from it merges at the same inner step as one that never stopped, bit for
+    bit. Memory: ``merge="carry"`` keeps a copy of the fragment's parameters as they were
+    when its exchange started, while it is in flight.
+
     **Non-finite pseudo-gradients.** Before the exchange, every rank checks its
     pseudo-gradients for inf and NaN (one read pass each) and the ranks allgather the
     answer (8 bytes a rank on the outer group), so all of them learn together whether
@@ -236,7 +278,9 @@ class OuterOptimizer:
     def __init__(self, params, mode: str = "sparseloco", sync_every: int = 30,
                  process_group=None, *, lr=None, momentum=None, nesterov=None,
                  error_feedback=None, sparsifier=MODE_DEFAULT, index=None, value=None,
-                 min_size=None, seed: int = 0, codec_threads=None, synced_on_host=False):
+                 min_size=None, seed: int = 0, codec_threads=None, synced_on_host=False,
+                 overlap: int = 0, fragments: int = 1, merge: str = "carry",
+                 mixing: float = 0.5):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
         if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) \
@@ -278,6 +322,7 @@ class OuterOptimizer:
         self._agreed = False
         self.inner_steps = self.outer_steps = 0
         self.last_traffic = None
+        self._init_streaming(overlap, fragments, merge, mixing)
         # what every rank of the group must share (seeds may differ), and checkpoints carry
         layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(self.names,
                                                                              self.params))
@@ -285,105 +330,214 @@ class OuterOptimizer:
                           "momentum": self.momentum, "nesterov": self.nesterov,
                           "error_feedback": "off" if self.beta is None else self.beta,
                           **config.shared_settings(self.exchange.pipeline),
-                          "parameters": f"{len(self.names)} ({zlib.crc32(layout.encode()):08x})"}
+                          "parameters": f"{len(self.names)} ({zlib.crc32(layout.encode()):08x})",
+                          **self._streaming_settings()}
+
+    def _init_streaming(self, overlap, fragments, merge_rule, mixing) -> None:
+        """Check and keep the settings of Streaming DiLoCo (see the class docstring)."""
+        for name, value, least in (("overlap", overlap, 0), ("fragments", fragments, 1)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+                    or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if merge_rule not in MERGES:
+            raise ValueError(f"merge must be one of {', '.join(map(repr, MERGES))}, "
+                             f"got {merge_rule!r}")
+        if isinstance(mixing, bool) or not isinstance(mixing, numbers.Real) \
+                or not 0.0 <= mixing <= 1.0:
+            raise ValueError(f"mixing must be a number in [0, 1], got {mixing!r}")
+        self.schedule = FragmentSchedule([p.numel() * p.element_size() for p in self.params],
+                                         int(fragments), self.sync_every)
+        if overlap > self.schedule.gap:
+            raise ValueError(f"overlap must be at most {self.schedule.gap}, the inner steps "
+                             f"between two outer steps (sync_every {self.sync_every}, "
+                             f"fragments {fragments}), got {overlap}: one exchange is in "
+                             "flight at a time")
+        self.overlap, self.fragments = int(overlap), int(fragments)
+        self.merge, self.mixing = merge_rule, float(mixing)
+        self._in_flight = self._failure = self._background = None
+
+    def _streaming_settings(self) -> dict:
+        settings = {"overlap": self.overlap, "fragments": self.fragments}
+        if self.overlap:
+            settings["merge"] = self.merge if self.merge == "carry" else \
+                f"mix {self.mixing:g}"
+        return settings
 
     # -- the training loop's calls ---------------------------------------------------------
     def step(self) -> bool:
-        """Count an inner step; at every ``sync_every``-th, take the outer step
-        (:meth:`sync`). Returns whether it did. Call it after the inner optimizer's step,
-        on every rank of the group."""
+        """Count an inner step; take the outer steps it is due for. Returns whether an
+        outer step (of a fragment) started. Call it after the inner optimizer's step, on
+        every rank of the group.
+
+        The exchange in flight, if its ``overlap`` inner steps are over, is merged first
+        (waiting for it if it is not done); then, at every ``sync_every``-th step (at its
+        own offset for each of the ``fragments``), an outer step starts: with ``overlap``
+        0 it is taken now, otherwise its exchange runs in the background. A failed
+        exchange raises here, at the first call after it failed (on every rank, as every
+        rank's collectives fail)."""
+        self._raise_failure()
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every:
+        if self._in_flight is not None and self.inner_steps >= self._in_flight.merge_at:
+            self._merge(self._in_flight)
+        fragment = self.schedule.due(self.inner_steps)
+        if fragment is None:
             return False
-        self.sync()
+        self._start(fragment, self.overlap)
         return True
 
     def sync(self) -> None:
-        """The outer step, now: every rank of the group calls it together.
+        """The outer step of every parameter, now: every rank of the group calls it
+        together. An exchange in flight is merged first (waiting for it).
 
         Each parameter's pseudo-gradient (synced less local) is checked for inf and NaN
         on every rank at once (see Notes: a non-finite one skips the step), then goes to
         the host, through one exchange step (error feedback, sparsifier, codecs,
         allgather, decode, average), and the average steps the outer SGD on the synced
         copy, which is then copied into the parameters."""
+        self.drain()
+        self._start(None, 0)
+
+    def drain(self) -> None:
+        """Merge the exchange in flight now (waiting for it), if there is one: what
+        :meth:`sync` does first. Every rank of the group calls it together."""
+        self._raise_failure()
+        if self._in_flight is not None:
+            self._merge(self._in_flight)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an outer step's exchange is running in the background."""
+        return self._in_flight is not None
+
+    # -- one outer step: start (pseudo-gradients, finite check), exchange, merge ---------
+    def _start(self, fragment, overlap: int) -> None:
+        """Start the outer step of ``fragment`` (None: every parameter): its exchange runs
+        here when ``overlap`` is 0, else on the background thread, merged ``overlap``
+        inner steps later."""
         transport = self.transport
         self._agree(transport)
-        members = list(range(len(self.params)))
+        members = list(range(len(self.params))) if fragment is None else \
+            self.schedule.members[fragment]
         with torch.no_grad():
             pseudo = [self._synced[i] - self.params[i].detach().to(self._synced[i].device)
                       for i in members]
-        flags, nonfinite = self._nonfinite_ranks(transport, pseudo, members)
+            anchor = [self.params[i].detach().clone() for i in members] \
+                if overlap and self.merge == "carry" else []
+        mine = self._first_nonfinite(pseudo)
+        # what the exchange reads, taken now: the inner steps go on meanwhile
+        sent = [t.to(transport.device) for t in pseudo] if self.dense else \
+            [host_array(t.cpu()) for t in pseudo]
+        flight = InFlight(fragment, members, self.inner_steps, self.inner_steps + overlap,
+                          anchor=anchor)
+        if not overlap:
+            flight.future = concurrent.futures.Future()
+            flight.future.set_result(self._exchange(transport, fragment, sent, mine))
+            self._merge(flight)
+            return
+        if self._background is None:
+            self._background = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="deepreduce-outer")
+        flight.future = self._background.submit(self._exchange, transport, fragment, sent,
+                                                mine)
+        self._in_flight = flight
+
+    def _exchange(self, transport, fragment, sent, mine) -> tuple:
+        """``(averaged, nonfinite)``: every rank's first non-finite parameter of
+        ``fragment`` (None: of them all; ``{rank: name}``, empty when all are finite),
+        and, when all are, the ranks' average of ``sent`` as tensors (None otherwise).
+        Runs where the outer step waits for it, or on the background thread;
+        :attr:`last_traffic` and :attr:`stats` record it."""
+        members = list(range(len(self.params))) if fragment is None else \
+            self.schedule.members[fragment]
+        flags = Traffic()
+        gathered = transport.submit(transport.allgather, mine.tobytes(), flags,
+                                    "finite").result()
+        firsts = [int(np.frombuffer(bytes(f), dtype="<i8")[0]) for f in gathered]
+        nonfinite = {rank: self.names[members[first]]
+                     for rank, first in enumerate(firsts) if first >= 0}
         if nonfinite:
-            self._skip(members, nonfinite, flags)
+            self.last_traffic = flags
+            self.stats.record_step(StepStats(
+                steps=1, tensors=len(members), bytes_sent=flags.sent,
+                framing_bytes=flags.sent, bytes_received=flags.received, nonfinite_steps=1,
+                dense_bytes=sum(self.params[i].numel() * self.params[i].element_size()
+                                for i in members)))
+            return None, nonfinite
+        if self.dense:
+            averaged = transport.submit(self._allreduce_average, transport, sent).result()
         else:
-            averaged = self._average(transport, members, pseudo)
-            self.last_traffic += flags
-            self.stats.amend_last(StepStats(bytes_sent=flags.sent, framing_bytes=flags.sent,
-                                            bytes_received=flags.received))
-            self._apply(members, averaged)
+            # (each fragment's bundles framed after its own: see FragmentTransport)
+            through = transport if fragment is None or self.fragments == 1 else \
+                FragmentTransport(transport, fragment)
+            arrays, traffic = self.exchange.reduce_async(
+                [self.names[i] for i in members], sent, through, op="average").result()
+            averaged = [from_host(a) for a in arrays]
+            self.last_traffic = traffic
+        self.last_traffic += flags
+        self.stats.amend_last(StepStats(bytes_sent=flags.sent, framing_bytes=flags.sent,
+                                        bytes_received=flags.received))
+        return averaged, {}
+
+    def _merge(self, flight) -> None:
+        """Apply the exchange of ``flight``: step the outer SGD on the synced copy of its
+        parameters with the average as their gradient, and fold the result into the
+        parameters (the synced copy itself when the step did not overlap, else by the
+        ``merge`` rule); a skipped step puts the parameters back at the synced copy.
+        Raises what the exchange raised (and every later call does too)."""
+        self._in_flight = None
+        try:
+            averaged, nonfinite = flight.future.result()
+        except BaseException as exc:
+            self._failure = exc
+            raise
+        members = flight.members
+        params = [self.params[i] for i in members]
+        synced = [self._synced[i] for i in members]
+        with torch.no_grad():
+            if nonfinite:
+                for p, s in zip(params, synced):
+                    p.copy_(s)
+                self._warn_nonfinite(nonfinite)
+            else:
+                for s, a in zip(synced, averaged):
+                    s.grad = a.to(device=s.device, dtype=s.dtype)
+                self._outer.step()
+                for s in synced:
+                    s.grad = None
+                if flight.merge_at == flight.started_at:
+                    for p, s in zip(params, synced):
+                        p.copy_(s)
+                else:
+                    merge(self.merge, self.mixing, params, synced, flight.anchor)
         self.outer_steps += 1
 
-    def _average(self, transport, members, pseudo) -> list:
-        """The ranks' average of ``pseudo`` (the pseudo-gradients of the parameters
-        ``members``), as tensors: an allreduce when :attr:`dense`, else one exchange step;
-        :attr:`last_traffic` and :attr:`stats` record it."""
-        if self.dense:
-            return self._allreduce_average(transport, pseudo)
-        arrays = [host_array(t.cpu()) for t in pseudo]
-        averaged, self.last_traffic = self.exchange.reduce_async(
-            [self.names[i] for i in members], arrays, transport, op="average").result()
-        return [from_host(a) for a in averaged]
-
-    def _apply(self, members, averaged) -> None:
-        """Step the outer SGD on the synced copy of ``members`` with ``averaged`` as its
-        gradient, and copy the result into the parameters."""
-        with torch.no_grad():
-            for i, a in zip(members, averaged):
-                s = self._synced[i]
-                s.grad = a.to(device=s.device, dtype=s.dtype)
-            self._outer.step()
-            for i in members:
-                self._synced[i].grad = None
-                self.params[i].copy_(self._synced[i])
+    def _raise_failure(self) -> None:
+        """Raise the failure of an exchange, as soon as one is known (every later call
+        too: the ranks' collectives are out of step for good)."""
+        flight = self._in_flight
+        if self._failure is None and flight is not None and flight.future.done() \
+                and flight.future.exception() is not None:
+            self._in_flight = None
+            self._failure = flight.future.exception()
+        if self._failure is not None:
+            raise self._failure
 
     # -- non-finite pseudo-gradients ---------------------------------------------------
-    def _nonfinite_ranks(self, transport, pseudo, members) -> tuple:
-        """``(traffic, {rank: name})``: every rank's first parameter among ``members``
-        whose pseudo-gradient holds an inf or a NaN, for the ranks that have one (an
-        empty dict: finite everywhere). One read pass over each pseudo-gradient here and
-        one allgather of 8 bytes a rank on the outer group, so every rank learns the same
-        answer at the same outer step."""
+    @staticmethod
+    def _first_nonfinite(pseudo) -> np.ndarray:
+        """The position of the first of ``pseudo`` that holds an inf or a NaN (-1: none),
+        as the 8 bytes every rank allgathers: one read pass over each tensor."""
         device = pseudo[0].device
         finite = torch.stack([tensor_finite(t).to(device) for t in pseudo]).cpu()
         bad = torch.nonzero(~finite).reshape(-1)
-        mine = np.array([int(bad[0]) if bad.numel() else -1], dtype="<i8")
-        traffic = Traffic()
-        gathered = transport.submit(transport.allgather, mine.tobytes(), traffic,
-                                    "finite").result()
-        firsts = [int(np.frombuffer(bytes(f), dtype="<i8")[0]) for f in gathered]
-        return traffic, {rank: self.names[members[first]]
-                         for rank, first in enumerate(firsts) if first >= 0}
+        return np.array([int(bad[0]) if bad.numel() else -1], dtype="<i8")
 
-    def _skip(self, members, nonfinite: dict, traffic) -> None:
-        """The outer step of ``members`` that a non-finite pseudo-gradient (on the ranks
-        of ``nonfinite``) skips on every rank: the synced copy, the outer momentum, the
-        residuals and the random streams stay as they were; every rank's parameters go
-        back to the synced copy (the last model the ranks shared); a RuntimeWarning
-        names the ranks and parameters, and ``stats`` counts a non-finite step."""
-        with torch.no_grad():
-            for i in members:
-                self.params[i].copy_(self._synced[i])
-        self.last_traffic = traffic
-        self.stats.record_step(StepStats(
-            steps=1, tensors=len(members), bytes_sent=traffic.sent,
-            framing_bytes=traffic.sent, bytes_received=traffic.received, nonfinite_steps=1,
-            dense_bytes=sum(self.params[i].numel() * self.params[i].element_size()
-                            for i in members)))
+    def _warn_nonfinite(self, nonfinite: dict) -> None:
         where = "; ".join(f"rank {rank}: {name!r}" for rank, name in sorted(nonfinite.items()))
         warnings.warn(f"OuterOptimizer: outer step {self.outer_steps + 1} skipped, a "
                       f"pseudo-gradient holds inf or NaN ({where}); every rank's parameters "
                       "are back at the synced copy, whose outer optimizer state and "
-                      "residuals did not change", RuntimeWarning, stacklevel=3)
+                      "residuals did not change", RuntimeWarning, stacklevel=4)
 
     def _allreduce_average(self, transport, pseudo) -> list:
         """The exact dense outer step: the pseudo-gradients, flattened into one buffer per
@@ -441,23 +595,47 @@ class OuterOptimizer:
     # -- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The counters, the synced copy, the outer optimizer's state, the residuals and
-        random streams of the exchange, and the settings (checked on loading)."""
+        random streams of the exchange, and the settings (checked on loading). An
+        exchange in flight is waited for (not merged): its averaged update, and what its
+        merge needs, go into the checkpoint, and are merged after loading at the same
+        inner step as in a run that never stopped."""
+        self._raise_failure()  # (after a failed exchange the ranks' states differ)
+        flight = self._in_flight
+        if flight is not None:
+            try:
+                averaged, nonfinite = flight.future.result()
+            except BaseException as exc:
+                self._in_flight, self._failure = None, exc
+                raise
         exchange = self.exchange.state_dict()
-        return {"inner_steps": self.inner_steps, "outer_steps": self.outer_steps,
-                "settings": dict(self._settings),
-                "synced": {n: s.detach().clone() for n, s in zip(self.names, self._synced)},
-                "outer_optimizer": self._outer.state_dict(),
-                "residuals": {n: from_host(r) for n, r in exchange["residuals"].items()},
-                "random_state": exchange["random_state"]}
+        state = {"inner_steps": self.inner_steps, "outer_steps": self.outer_steps,
+                 "settings": dict(self._settings),
+                 "synced": {n: s.detach().clone() for n, s in zip(self.names, self._synced)},
+                 "outer_optimizer": self._outer.state_dict(),
+                 "residuals": {n: from_host(r) for n, r in exchange["residuals"].items()},
+                 "random_state": exchange["random_state"]}
+        if flight is not None:
+            names = [self.names[i] for i in flight.members]
+            state["in_flight"] = {
+                "fragment": flight.fragment, "started_at": flight.started_at,
+                "merge_at": flight.merge_at, "nonfinite": dict(nonfinite),
+                "averaged": None if averaged is None else
+                {n: a.detach().clone() for n, a in zip(names, averaged)},
+                "anchor": {n: a.clone() for n, a in zip(names, flight.anchor)}}
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Continue from :meth:`state_dict` (of an optimizer with the same settings and
         parameters). The model's parameters are the model's checkpoint's business."""
-        theirs = state_dict["settings"]
+        # (checkpoints of versions without overlap and fragments: their defaults)
+        theirs = {"overlap": 0, "fragments": 1, **state_dict["settings"]}
         if theirs != self._settings:
             differ = [k for k in self._settings if theirs.get(k) != self._settings[k]]
             raise ValueError("the checkpoint was written with other settings: " + ", ".join(
                 f"{k} {theirs.get(k)!r} there, {self._settings[k]!r} here" for k in differ))
+        if self._in_flight is not None:
+            raise RuntimeError("an outer step's exchange is in flight: load a checkpoint "
+                               "into a new OuterOptimizer (or after drain())")
         with torch.no_grad():
             for name, s in zip(self.names, self._synced):
                 s.copy_(state_dict["synced"][name])
@@ -468,6 +646,22 @@ class OuterOptimizer:
             "random_state": state_dict["random_state"]})
         self.inner_steps = int(state_dict["inner_steps"])
         self.outer_steps = int(state_dict["outer_steps"])
+        self._failure = None
+        pending = state_dict.get("in_flight")
+        if pending is not None:
+            fragment = pending["fragment"]
+            members = list(range(len(self.params))) if fragment is None else \
+                self.schedule.members[fragment]
+            names = [self.names[i] for i in members]
+            averaged = None if pending["averaged"] is None else \
+                [pending["averaged"][n] for n in names]
+            flight = InFlight(fragment, members, int(pending["started_at"]),
+                              int(pending["merge_at"]),
+                              anchor=[pending["anchor"][n] for n in names
+                                      if n in pending["anchor"]])
+            flight.future = concurrent.futures.Future()
+            flight.future.set_result((averaged, dict(pending["nonfinite"])))
+            self._in_flight = flight
 
     # -- agreement ------------------------------------------------------------------------
     def _agree(self, transport) -> None:
