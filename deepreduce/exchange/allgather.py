@@ -68,6 +68,16 @@ _ReusedSums = ReusedSums
 __all__ = ["AllgatherExchange", "BUNDLE_SIGNATURE", "Decoded", "Encoded", "Sent"]
 
 
+def bundle_stage(names) -> str:
+    """The stage of the allgather of a step's bundles over tensors of ``names`` (the same
+    on every rank: every rank names the same tensors in the same order).
+
+    >>> bundle_stage(["0.weight", "0.bias"]), bundle_stage([None]), bundle_stage([])
+    ('bundles (2 tensors from 0.weight)', 'bundles (1 tensors from None)', 'bundles')
+    """
+    return f"bundles ({len(names)} tensors from {names[0]})" if len(names) else "bundles"
+
+
 class AllgatherExchange(Strategy):
     """Encode one rank's gradients into a bundle; decode and sum the ranks' bundles.
 
@@ -150,6 +160,11 @@ class AllgatherExchange(Strategy):
         out_keys = None if not step.reuse_out else \
             list(step.names) if step.out_keys is None else step.out_keys
 
+        # a stage of its own for the bundles of each set of tensors (a DDP bucket, a
+        # fragment of the model): a transport that frames a stage after its recent
+        # frames (TorchTransport's slots) then follows each set's bundles apart
+        stage = bundle_stage(step.names)
+
         def finish():
             traffic = Traffic()
             bundle = b"" if encoded is None else encoded.bundle
@@ -160,10 +175,10 @@ class AllgatherExchange(Strategy):
             elif error is not None:
                 # the other ranks wait in the allgather: they get an ERROR frame and raise
                 fail_collectively("allgather", transport, BUNDLE_SIGNATURE, error,
-                                  stage="bundles")
+                                  stage=stage)
             else:
                 gathered = signed_allgather(transport, BUNDLE_SIGNATURE, bundle, traffic,
-                                            "bundles")
+                                            stage)
             exchanged = StepStats(exchange_seconds=time.perf_counter() - encode_end)
             # no lock: decoding shares nothing with encoding (the next reduction's,
             # running meanwhile), and the transport thread decodes one at a time

@@ -59,8 +59,7 @@ from deepreduce.exchange.memory import ResidualMemory
 from deepreduce.exchange.stats import StepStats
 from deepreduce.registry import get_codec
 from deepreduce.torch.device import from_host, host_array, tensor_finite
-from deepreduce.torch.streaming import (MERGES, FragmentSchedule, FragmentTransport,
-                                        InFlight, merge)
+from deepreduce.torch.streaming import MERGES, FragmentSchedule, InFlight, merge
 
 __all__ = ["OuterOptimizer", "MODES"]
 
@@ -466,11 +465,8 @@ class OuterOptimizer:
         if self.dense:
             averaged = transport.submit(self._allreduce_average, transport, sent).result()
         else:
-            # (each fragment's bundles framed after its own: see FragmentTransport)
-            through = transport if fragment is None or self.fragments == 1 else \
-                FragmentTransport(transport, fragment)
             arrays, traffic = self.exchange.reduce_async(
-                [self.names[i] for i in members], sent, through, op="average").result()
+                [self.names[i] for i in members], sent, transport, op="average").result()
             averaged = [from_host(a) for a in arrays]
             self.last_traffic = traffic
         self.last_traffic += flags

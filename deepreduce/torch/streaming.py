@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepreduce.collectives.transport import Transport
-
-__all__ = ["FragmentSchedule", "FragmentTransport", "InFlight", "MERGES", "merge"]
+__all__ = ["FragmentSchedule", "InFlight", "MERGES", "merge"]
 
 #: The rules :func:`merge` knows.
 MERGES = ("carry", "mix")
@@ -88,29 +86,6 @@ def _runs_of_equal_bytes(sizes: list, parts: int) -> list:
         bounds.append(min(allowed)[1])
     bounds.append(len(sizes))
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
-
-
-class FragmentTransport(Transport):
-    """Another transport whose allgathers name their stage after a fragment: a transport
-    that frames each stage by its recent frames (:class:`~deepreduce.torch.transport.
-    TorchTransport`'s slots) then follows each fragment's bundles apart, instead of
-    padding a small fragment's bundle to a large one's."""
-
-    def __init__(self, inner, fragment: int):
-        super().__init__()
-        self.inner, self.fragment = inner, fragment
-
-    rank = property(lambda self: self.inner.rank)
-    size = property(lambda self: self.inner.size)
-
-    def submit(self, fn, *args):
-        return self.inner.submit(fn, *args)
-
-    def allgather(self, frame, traffic, stage):
-        return self.inner.allgather(frame, traffic, f"{stage} of fragment {self.fragment}")
-
-    def alltoall(self, frames, traffic, stage):
-        return self.inner.alltoall(frames, traffic, f"{stage} of fragment {self.fragment}")
 
 
 @dataclass

@@ -27,8 +27,8 @@ __all__ = ["TorchTransport", "CollectiveError"]
 class CollectiveError(RuntimeError):
     """A collective of deepreduce's failed: a peer died or left, a timeout, a destroyed
     group. The message names the rank (global, as torchrun's log prefixes do), the
-    collective and the stage (``what``: "allgather of 'bundles'") and the reason; the
-    exception torch.distributed raised is the ``__cause__``. The DDP hook raises one
+    collective and the stage (``what``: "allgather of 'bundles (2 tensors from 0.0)'")
+    and the reason; the exception torch.distributed raised is the ``__cause__``. The DDP hook raises one
     that also names the bucket (``bucket``; None for the transport's own).
     """
 
@@ -178,7 +178,8 @@ class TorchTransport(Transport):
     @contextlib.contextmanager
     def failing_as(self, what: str):
         """Raise what fails inside as a :class:`CollectiveError` naming ``what`` (say
-        "allgather of 'bundles'") and this rank, the original exception chained."""
+        "allgather of 'bundles (2 tensors from 0.0)'") and this rank, the original
+        exception chained."""
         try:
             yield
         except CollectiveError:
