@@ -52,13 +52,13 @@ SCHEMES = ("ddp", "diloco", "diloco_deepreduce", "sparseloco")
 
 #: SparseLoCo with Streaming DiLoCo's overlap and fragments (issue 49): each is compared
 #: with the blocking ``sparseloco`` run (``--schemes sparseloco sparseloco_overlap1 ...``).
-STREAMING = {"sparseloco_overlap1": {"overlap": 1},
-             "sparseloco_overlap5": {"overlap": 5},
+STREAMING = {"sparseloco_overlap1": {"overlap": 1, "merge": "carry"},
+             "sparseloco_overlap5": {"overlap": 5, "merge": "carry"},
              "sparseloco_overlap1_mix": {"overlap": 1, "merge": "mix"},
              "sparseloco_overlap5_mix": {"overlap": 5, "merge": "mix"},
              "sparseloco_fragments2": {"fragments": 2},
              "sparseloco_fragments4": {"fragments": 4},
-             "sparseloco_fragments4_overlap5": {"fragments": 4, "overlap": 5}}
+             "sparseloco_fragments4_overlap5": {"fragments": 4, "overlap": 5, "merge": "mix"}}
 
 #: What the report calls each scheme.
 TITLES = {"ddp": "DDP (AdamW, allreduce every step)", "diloco": "dense DiLoCo (float32)",
@@ -125,8 +125,11 @@ def train_scheme(scheme: str, rank: int, args, train, validation) -> dict:
                               weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(
         inner, lambda step: min(1.0, (step + 1) / max(1, args.warmup)))
+    # a group of its own per scheme, as in a run of one scheme: the transport's slots
+    # follow the bundles it carried lately, which another scheme's would mislead
     outer = None if scheme == "ddp" else OuterOptimizer(
-        model.named_parameters(), sync_every=args.sync_every, **outer_settings(scheme, args))
+        model.named_parameters(), sync_every=args.sync_every,
+        process_group=dist.new_group(list(range(args.ranks))), **outer_settings(scheme, args))
     H = args.sync_every
     curve = [(0, validation_loss(model, validation, args.sequence, args.curve_windows))] \
         if rank == 0 else []
@@ -269,8 +272,8 @@ def report(args, results, load, plotted, image) -> tuple[str, dict]:
     for scheme in schemes:
         if scheme in STREAMING and blocking is not None:
             gap = results[scheme]["val_loss"] / blocking - 1
-            met.append((f"{TITLES[scheme]} within {TARGET_GAP:.0%} of blocking SparseLoCo's "
-                        f"validation loss ({gap:+.2%})", abs(gap) <= TARGET_GAP))
+            met.append((f"{TITLES[scheme]} at most {TARGET_GAP:.0%} above blocking "
+                        f"SparseLoCo's validation loss ({gap:+.2%})", gap <= TARGET_GAP))
     record["targets"] = {what: ok for what, ok in met}
     tokens = args.ranks * args.batch_size * args.sequence
     lines = [

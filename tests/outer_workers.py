@@ -161,7 +161,7 @@ RESUMED = {"sparseloco": {"mode": "sparseloco", **SPARSE},
            # step 4 holds fragment 0's exchange in flight
            "streaming": {"mode": "sparseloco", **SPARSE, "fragments": 2, "overlap": 1},
            "streaming_diloco": {"mode": "diloco", "fragments": 2, "overlap": 1,
-                                "merge": "mix", "mixing": 0.5}}
+                                "merge": "carry"}}
 STEPS, STOP = 8, 4
 
 

@@ -16,7 +16,7 @@ import torch
 __all__ = ["FragmentSchedule", "InFlight", "MERGES", "merge"]
 
 #: The rules :func:`merge` knows.
-MERGES = ("carry", "mix")
+MERGES = ("mix", "carry")
 
 
 class FragmentSchedule:
