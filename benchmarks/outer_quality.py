@@ -304,7 +304,10 @@ def report(args, results, load, plotted, image) -> tuple[str, dict]:
         "the signature) and the all-finite flag, per inner step over the inner steps; the "
         "bundle's own bytes (`stats.bundle_bytes`) beside them, and what the frame adds. "
         "With fragments an outer step syncs one fragment. Outer step (ms): the loop's wait "
-        "in `outer.step()` per outer step (with overlap, the start and the merge).", "",
+        "in `outer.step()` per outer step (with overlap, the start and the merge), a mean "
+        "that includes the first outer step's agreement and group creation, on two "
+        "ranks sharing this machine's loaded cores (`benchmarks.outer`'s loop part "
+        "times the loop between two hosts).", "",
         "| scheme | validation loss | vs dense DiLoCo | vs blocking SparseLoCo | "
         "bytes per outer step | bundle bytes | framing | bytes per inner step | "
         "fewer than DDP | outer step (ms) | wall (s) |",
