@@ -58,7 +58,9 @@ STREAMING = {"sparseloco_overlap1": {"overlap": 1, "merge": "carry"},
              "sparseloco_overlap5_mix": {"overlap": 5, "merge": "mix"},
              "sparseloco_fragments2": {"fragments": 2},
              "sparseloco_fragments4": {"fragments": 4},
-             "sparseloco_fragments4_overlap5": {"fragments": 4, "overlap": 5, "merge": "mix"}}
+             "sparseloco_fragments4_overlap5": {"fragments": 4, "overlap": 5, "merge": "mix"},
+             "sparseloco_fragments4_overlap5_carry": {"fragments": 4, "overlap": 5,
+                                                      "merge": "carry"}}
 
 #: What the report calls each scheme.
 TITLES = {"ddp": "DDP (AdamW, allreduce every step)", "diloco": "dense DiLoCo (float32)",
