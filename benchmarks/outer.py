@@ -543,7 +543,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=str(RESULTS / "outer.md"))
     parser.add_argument("--cache", default=str(CACHE),
                         help="folder of the captured pseudo-gradients (reused when there)")
-    parser.add_argument("--loop-periods", type=int, default=2,
+    parser.add_argument("--loop-periods", type=int, default=3,
                         help="loop: timed periods of H inner steps per scheme")
     parser.add_argument("--framing-steps", type=int, default=40,
                         help="framing: timed DDP steps per framing")

@@ -56,10 +56,10 @@ POLICIES = ("padded", "exact", "model")
 
 # -- the ranks -----------------------------------------------------------------------------
 
-def _timed(step_fn, wait):
-    began = time.perf_counter()
-    step_fn()
-    wait.append(time.perf_counter() - began)
+#: Where a timed period starts, past a multiple of H: no exchange is in flight there in
+#: any scheme (the outer steps start at 0, 7, 15, 22 mod 30 and overlap at most 5 steps),
+#: so the schemes can take their periods in turns, each its own exchanges' overlap.
+PERIOD_START = 6
 
 
 def loop_worker(args) -> dict:
@@ -71,47 +71,58 @@ def loop_worker(args) -> dict:
 
     rank = dist.get_rank()
     train, _ = text_splits(args.text_bytes)
-    found = {}
+    runs = {}
     for label, settings in SCHEMES:
         model = build_model(seed=0)
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
         group = dist.new_group(list(range(WORLD)))  # (transports of its own, per scheme)
-        outer = None if settings is None else OuterOptimizer(
-            model.named_parameters(), sync_every=H, process_group=group, **settings)
-        periods, waits, walls, wires, exchanges = args.loop_periods, [], [], [], []
-        step = 0
-        for period in range(periods + 1):  # the first: warm-up
-            dist.barrier()
-            before, began, wait = veth_bytes(), time.perf_counter(), []
-            started = 0
-            for _ in range(H):
-                x, y = training_batch(train, step, rank, 0, 4, model.sequence)
-                next_byte_loss(model, x, y).backward()
-                inner.step()
-                inner.zero_grad()
-                step += 1
-                if outer is not None:
-                    t0 = time.perf_counter()
-                    started += outer.step()
-                    wait.append(time.perf_counter() - t0)
-            elapsed = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            after = veth_bytes()
-            if period:
-                walls.append(float(elapsed))
-                waits.append(float(np.sum(wait)))
-                exchanges.append(started)
-                wires.append(None if before is None else after - before)
+        runs[label] = dict(
+            model=model, step=0, walls=[], waits=[], wires=[], exchanges=[],
+            inner=torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95)),
+            outer=None if settings is None else OuterOptimizer(
+                model.named_parameters(), sync_every=H, process_group=group, **settings))
+
+    def period(run, steps: int, timed: bool) -> None:
+        model, inner, outer = run["model"], run["inner"], run["outer"]
+        dist.barrier()
+        before, began, wait, started = veth_bytes(), time.perf_counter(), [], 0
+        for _ in range(steps):
+            x, y = training_batch(train, run["step"], rank, 0, 4, model.sequence)
+            next_byte_loss(model, x, y).backward()
+            inner.step()
+            inner.zero_grad()
+            run["step"] += 1
+            if outer is not None:
+                t0 = time.perf_counter()
+                started += outer.step()
+                wait.append(time.perf_counter() - t0)
+        elapsed = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        after = veth_bytes()
+        assert outer is None or not outer.in_flight, "a period ended with an exchange in flight"
+        if timed:
+            run["walls"].append(float(elapsed))
+            run["waits"].append(float(np.sum(wait)))
+            run["exchanges"].append(started)
+            run["wires"].append(None if before is None else after - before)
+
+    labels = [label for label, _ in SCHEMES]
+    for label in labels:  # warm-up: the first outer step (agreement, groups) and its merge
+        period(runs[label], H + PERIOD_START, timed=False)
+    for turn in range(args.loop_periods):  # then the schemes' periods in turns
+        for label in labels[turn % len(labels):] + labels[:turn % len(labels)]:
+            period(runs[label], H, timed=True)
+    found = {}
+    for label in labels:
+        run, outer = runs[label], runs[label]["outer"]
         if outer is not None:
             outer.sync()
-        found[label] = dict(walls=walls, waits=waits, wires=wires, exchanges=exchanges,
-                            sent=None if outer is None else
-                            outer.stats.total.bytes_sent / max(1, outer.stats.total.steps),
-                            bundle=None if outer is None else
-                            outer.stats.total.bundle_bytes / max(1, outer.stats.total.steps))
+        total = None if outer is None else outer.stats.total
+        found[label] = {k: run[k] for k in ("walls", "waits", "wires", "exchanges")}
+        found[label].update(sent=None if total is None else total.bytes_sent / total.steps,
+                            bundle=None if total is None else total.bundle_bytes / total.steps)
         if rank == 0:
-            print(f"    {label}: {np.median(walls):.2f} s per {H} inner steps, wait "
-                  f"{np.median(waits):.3f} s", flush=True)
+            print(f"    {label}: {np.median(run['walls']):.2f} s per {H} inner steps, wait "
+                  f"{np.median(run['waits']):.3f} s", flush=True)
     return found
 
 
@@ -285,11 +296,15 @@ def loop_section(record) -> list:
     lines += ["Two network namespaces joined by a veth shaped by tc to each rate, one gloo "
               "rank in each (one intra-op thread), each training `benchmarks.outer_model`'s "
               f"3.3M-parameter byte transformer with AdamW on its own batches, H = {H}. "
-              "Per scheme: one period of H inner steps of warm-up, then the timed periods "
-              "(medians over them). *Wall per H*: the longer rank's wall time for H inner "
-              "steps, against the floor (the same loop with no outer step). *Wait per "
-              "H*: the loop's time inside `outer.step()` (a blocking step whole; with "
-              "overlap, the start and the merge, which waits if the exchange is not done). "
+              "Per scheme: H + 6 inner steps of warm-up (the first outer step, its agreement "
+              "and merge), then timed periods of H inner steps, each starting 6 steps past a "
+              "multiple of H (where no scheme has an exchange in flight), the schemes "
+              "taking their periods in turns, the order rotating, so that they share the "
+              "machine's load alike (medians over the periods). *Wall per H*: the longer "
+              "rank's wall time for H inner steps, against the floor (the same loop with "
+              "no outer step). *Wait per H*: the loop's time inside `outer.step()` (a "
+              "blocking step whole; with overlap, the start and the merge, which waits if "
+              "the exchange is not done). "
               "*Wait per outer step*: the same per exchange started (4 fragments: 4 "
               "exchanges per H). Bytes: what the veth carried per H, both directions, "
               "TCP/IP included; `stats.bytes_sent` and the bundle per exchange. The two "
