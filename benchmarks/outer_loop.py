@@ -349,7 +349,7 @@ def framing_section(record) -> list:
               "longest recent frame and an eighth (what the transport did before); `exact`, "
               "the lengths first, then every frame at its exact size (two collectives); "
               "`model`, the slot the cost model picks (`cost.slot_capacity`, at its default "
-              "network: a 200 us round trip and 1 Gbit/s). Medians per step; *allgather ms*: "
+              "network: 0.3 ms a collective and 1 Gbit/s). Medians per step; *allgather ms*: "
               "the time inside the transport's allgathers (on the communication thread, "
               "waiting for the other rank included); "
               "bytes: `stats.bytes_sent` (what the rank handed to the process group) and "

@@ -126,10 +126,16 @@ def allgather(P: int, n: int, k: float, index_bytes, value_bytes: float,
 
 
 #: The network a transport assumes when it weighs a variable-length allgather in one
-#: collective against two (:func:`slot_capacity`): the round trip of a small collective
-#: between two hosts (gloo's allgather of a few bytes across a veth, measured in
-#: ``benchmarks/results/outer.md``), and a 1 Gbit/s link.
-ROUND_TRIP, LINK_BYTES_PER_SECOND = 2e-4, 125e6
+#: collective against two (:func:`slot_capacity`): what one more collective costs, and a
+#: 1 Gbit/s link. A second collective costs more than a bare round trip (gloo's 16-byte
+#: allgather took 103 us across a veth at 1 Gbit/s, the lengths-first framing 0.13 ms
+#: more per allgather than one padded collective, in the median, 0.56 ms in the mean:
+#: ``benchmarks/results/outer.md``, framing part).
+ROUND_TRIP, LINK_BYTES_PER_SECOND = 3e-4, 125e6
+
+#: The capacities :func:`slot_capacity` weighs: the mean recent length plus these many
+#: standard deviations of the recent lengths (and 0: the lengths alone first).
+SLACK_DEVIATIONS = np.arange(-2.0, 6.01, 0.25)
 
 
 def slot_capacity(recent, P: int, round_trip: float = ROUND_TRIP,
@@ -140,49 +146,58 @@ def slot_capacity(recent, P: int, round_trip: float = ROUND_TRIP,
     Collectives move equal-sized tensors, so each rank sends its frame's length (8 bytes)
     and its first ``c`` bytes, zero-padded, in one collective; what is longer than ``c``
     follows in a second one, at its exact size. A large ``c`` pads, a small one pays a
-    second round trip. ``recent`` holds the lengths of the recent frames of the same
-    kind (every rank's); each candidate (0, or a recent length rounded up to ``align``)
-    is weighed by its expected seconds::
+    second collective more often. ``recent`` holds the lengths of the recent frames of
+    the same kind (every rank's), taken as normally distributed with their mean ``m``
+    and standard deviation ``s``; each candidate ``c`` (0, and ``m + z s`` for ``z`` in
+    :data:`SLACK_DEVIATIONS`, rounded up to ``align``) is weighed by its expected
+    seconds::
 
-        round_trip + (P - 1) (8 + c) beta + q(c) (round_trip + (P - 1) tail(c) beta)
+        round_trip + (P - 1) (8 + c) beta + q(c) round_trip + (P - 1) tail(c) beta
 
-    with ``beta`` = ``seconds_per_byte``, ``tail(c)`` the mean bytes of the recent frames
-    past ``c``, and ``q(c) = 1 - (1 - p)^P`` the chance that one of the P frames does
-    not fit, where ``p = (recent frames longer than c + 1) / (recent frames + 2)``
-    (Laplace's rule of succession: a frame may outgrow all that came before). Ties go
-    to the smaller capacity. A pure function of its arguments: ranks that saw the same
-    lengths choose the same.
+    with ``beta`` = ``seconds_per_byte``, ``p(c)`` the chance that a frame is longer
+    than ``c``, ``q(c) = 1 - (1 - p)^P`` that one of the P frames is (then every rank
+    takes part in the second collective), and ``tail(c)`` a frame's expected bytes past
+    ``c``. Ties go to the smaller capacity. A pure function of its arguments: ranks that
+    saw the same lengths choose the same.
 
     Examples
     --------
-    Frames of about 56 KB that vary by a few hundred bytes: one collective, padded to
-    the longest (0.5% above the mean) at 1 Gbit/s; at 100 Gbit/s padding costs
-    nothing either:
+    Frames of about 56 KB that vary by a hundred bytes: one collective, with a few
+    hundred bytes of slack (0.5%) at 1 Gbit/s:
 
     >>> from deepreduce.collectives.cost import slot_capacity
-    >>> recent = [56_100, 56_350, 56_200, 56_260]
-    >>> slot_capacity(recent, 2), slot_capacity(recent, 2, seconds_per_byte=1e-11)
-    (56384, 56384)
+    >>> recent = [56_100, 56_350, 56_200, 56_260, 56_180, 56_240]
+    >>> slot_capacity(recent, 2)
+    56512
 
-    Frames that vary by half their size, at 1 Gbit/s: sending the common part in one
-    collective and the rest at its exact size in a second costs less than padding
-    every frame to the longest:
+    Frames that vary by half their size: padding would cost more than a second
+    collective, so the lengths go first and every frame at its exact size:
 
     >>> slot_capacity([1_000_000, 1_500_000, 2_000_000, 1_200_000], 2)
-    1000000
+    0
+
+    Equal lengths fit exactly; no history, no slot (the lengths travel first):
+
+    >>> slot_capacity([4800] * 6, 2), slot_capacity([], 2)
+    (4800, 0)
     """
-    lengths = np.sort(np.asarray(recent, dtype=np.int64).reshape(-1))
+    lengths = np.asarray(recent, dtype=np.float64).reshape(-1)
     if lengths.size == 0:
         return 0
-    candidates = np.unique(np.concatenate(([0], -(-lengths // align) * align)))
-    fit = np.searchsorted(lengths, candidates, side="right")  # frames of at most c bytes
-    longer = lengths.size - fit
-    suffix = np.concatenate((np.cumsum(lengths[::-1])[::-1], [0]))  # sums of lengths[i:]
-    tail = (suffix[fit] - candidates * longer) / lengths.size
-    p = (longer + 1) / (lengths.size + 2)
+    mean, spread = float(lengths.mean()), float(lengths.std())
+    candidates = np.unique(np.concatenate((
+        [0], -(-np.maximum(mean + SLACK_DEVIATIONS * spread, 0.0) // align) * align)))
+    if spread > 0:
+        z = (candidates - mean) / spread
+        p = np.array([0.5 * math.erfc(v / math.sqrt(2.0)) for v in z])
+        density = np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+        tail = spread * (density - z * p)  # E[(L - c)+] of a normal L
+    else:
+        p = (candidates < mean).astype(np.float64)
+        tail = np.maximum(mean - candidates, 0.0)
     q = 1.0 - (1.0 - p) ** P
     seconds = (round_trip + (P - 1) * (8 + candidates) * seconds_per_byte
-               + q * (round_trip + (P - 1) * tail * seconds_per_byte))
+               + q * round_trip + (P - 1) * tail * seconds_per_byte)
     return int(candidates[int(np.argmin(seconds))])
 
 
