@@ -54,6 +54,14 @@ SCHEMES = [("no outer step (the floor)", None)] + [
 POLICIES = ("padded", "exact", "model")
 
 
+def _all_gather_single(out, local):
+    """One collective into one tensor (torch 2.13 renamed all_gather_into_tensor)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local)
+
+
 # -- the ranks -----------------------------------------------------------------------------
 
 #: Where a timed period starts, past a multiple of H: no exchange is in flight there in
@@ -140,7 +148,7 @@ def framing_worker(args) -> dict:
     trips = []
     for _ in range(100):
         began = time.perf_counter()
-        dist.all_gather_into_tensor(out, probe)
+        _all_gather_single(out, probe)
         trips.append(time.perf_counter() - began)
     runs = {}
     for policy in POLICIES:
