@@ -135,7 +135,7 @@ ROUND_TRIP, LINK_BYTES_PER_SECOND = 3e-4, 125e6
 
 #: The capacities :func:`slot_capacity` weighs: the mean recent length plus these many
 #: standard deviations of the recent lengths (and 0: the lengths alone first).
-SLACK_DEVIATIONS = np.arange(-2.0, 6.01, 0.25)
+SLACK_DEVIATIONS = (-1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0)
 
 
 def slot_capacity(recent, P: int, round_trip: float = ROUND_TRIP,
@@ -181,34 +181,32 @@ def slot_capacity(recent, P: int, round_trip: float = ROUND_TRIP,
     >>> slot_capacity([4800] * 6, 2), slot_capacity([], 2)
     (4800, 0)
     """
-    lengths = np.asarray(recent, dtype=np.float64).reshape(-1)
-    if lengths.size == 0:
+    # (every allgather of a transport asks, so scalar arithmetic on a few candidates:
+    # numpy's calls on arrays this small cost more than the work)
+    values = np.asarray(recent, dtype=np.float64).reshape(-1).tolist()
+    if not values:
         return 0
-    mean, spread = float(lengths.mean()), float(lengths.std())
-    # (every allgather of a transport asks: whole-array work, a few microseconds)
-    candidates = np.zeros(SLACK_DEVIATIONS.size + 1)  # (the first: 0)
-    candidates[1:] = -(-np.maximum(mean + SLACK_DEVIATIONS * spread, 0.0) // align) * align
-    if spread > 0:
-        z = (candidates - mean) / spread
-        p = _normal_tail(z)
-        tail = spread * (np.exp(-0.5 * z * z) / _ROOT_TWO_PI - z * p)  # E[(L - c)+]
-    else:
-        p = (candidates < mean).astype(np.float64)
-        tail = np.maximum(mean - candidates, 0.0)
-    q = 1.0 - (1.0 - p) ** P
-    seconds = (round_trip + (P - 1) * (8 + candidates) * seconds_per_byte
-               + q * round_trip + (P - 1) * tail * seconds_per_byte)
-    return int(candidates[int(np.argmin(seconds))])
+    mean = sum(values) / len(values)
+    spread = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    best, best_seconds = 0, None
+    for z in (None, *SLACK_DEVIATIONS):
+        c = 0 if z is None else int(-(-max(mean + z * spread, 0.0) // align) * align)
+        if spread > 0:
+            u = (c - mean) / spread
+            p = 0.5 * math.erfc(u / _ROOT_TWO)
+            tail = spread * (math.exp(-0.5 * u * u) / _ROOT_TWO_PI - u * p)  # E[(L - c)+]
+        else:
+            p, tail = float(c < mean), max(mean - c, 0.0)
+        q = 1.0 - (1.0 - p) ** P
+        seconds = (round_trip + (P - 1) * (8 + c) * seconds_per_byte + q * round_trip
+                   + (P - 1) * tail * seconds_per_byte)
+        if best_seconds is None or seconds < best_seconds or \
+                (seconds == best_seconds and c < best):
+            best, best_seconds = c, seconds
+    return best
 
 
-_ROOT_TWO_PI = math.sqrt(2.0 * math.pi)
-
-
-def _normal_tail(z: np.ndarray) -> np.ndarray:
-    """``P(Z > z)`` of a standard normal Z, elementwise."""
-    from scipy.special import ndtr
-
-    return ndtr(-z)
+_ROOT_TWO, _ROOT_TWO_PI = math.sqrt(2.0), math.sqrt(2.0 * math.pi)
 
 
 def _range_bytes(P, n, union, index_bytes, value_bytes, overhead):
