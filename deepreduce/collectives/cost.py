@@ -128,8 +128,8 @@ def allgather(P: int, n: int, k: float, index_bytes, value_bytes: float,
 #: The network a transport assumes when it weighs a variable-length allgather in one
 #: collective against two (:func:`slot_capacity`): what one more collective costs, and a
 #: 1 Gbit/s link. A second collective costs more than a bare round trip (gloo's 16-byte
-#: allgather took 103 us across a veth at 1 Gbit/s, the lengths-first framing 0.13 ms
-#: more per allgather than one padded collective, in the median, 0.56 ms in the mean:
+#: allgather took 126 us across a veth at 1 Gbit/s, the lengths-first framing 0.24 ms
+#: more per allgather than one padded collective, in the median, 0.68 ms in the mean:
 #: ``benchmarks/results/outer.md``, framing part).
 ROUND_TRIP, LINK_BYTES_PER_SECOND = 3e-4, 125e6
 
