@@ -1,6 +1,6 @@
 """Outer steps of the DiLoCo family (issue 43): bytes, time and scale of SparseLoCo's exchange.
 
-Four parts (``--parts``, default all):
+Seven parts (``--parts``, default all):
 
 * **bytes**: bits per kept element on SparseLoCo's settings (chunk-wise Top-k in 64 x 64
   tiles, ``C = 4096``, ``k = 32, 64, 128``; four bins over +- 6 sigma), side by side on
@@ -18,6 +18,11 @@ Four parts (``--parts``, default all):
 * **scale**: seconds of communication per outer step for 1B, 8B and 70B parameters
   among 20 peers at 500 Mbit/s (:mod:`deepreduce.collectives.cost`).
 * **quality**: :mod:`benchmarks.outer_quality`'s section, when that module exists.
+* **streaming** (issue 49): the quality of Streaming DiLoCo's overlap (both merge rules)
+  and fragments against blocking SparseLoCo (``outer_streaming.md``).
+* **loop**, **framing** (issue 49): the outer step in a training loop across the veth,
+  blocking against overlapped and in fragments; and the allgather's framing under the
+  DDP hook, side by side (:mod:`benchmarks.outer_loop`).
 
 From the repository root (the time part as root)::
 
