@@ -271,7 +271,7 @@ def build_schemes(ranks, device):
     for p in ranks:
         for device_path, path in ((False, "numpy/C path"), (True, "device path")):
             state = drt.DeepReduceState(sparsifier=dr.TopK(RATIO), index="auto", value="fp16",
-                                        error_feedback=True, start_iter=0,
+                                        error_feedback=1.0, start_iter=0,
                                         min_compression_rate=0, device_path=device_path)
             state._transport = LoopbackTransport(p)  # bound at the first hook call otherwise
             schemes.append(Scheme(f"deepreduce {path}, P={p}", drt.deepreduce_hook, state,
@@ -506,8 +506,9 @@ def report(record) -> str:
                 "dense bytes)")
              + ". PowerSGD and fp16 stay on the device. `copies`: the copies a step makes "
              "to the host and to the device (the device path's `HostLink` counts: per "
-             "bucket, its selections and its tensors below `min_size` to the host, the "
-             "decoded positions and values back; the numpy/C path's bucket, one each way). "
+             "bucket, its all-finite answer with its tensors below `min_size`, then its "
+             "selections, to the host, the decoded positions and values back; the "
+             "numpy/C path's bucket, one each way). "
              "On a GPU each copy to the host waits for the device; the device path's "
              "copies to the device start from pinned memory and do not.", ""]
     header = ["scheme", "P", "ms", "CPU ms", "x PowerSGD r1", "sent MB", "host<->device MB",

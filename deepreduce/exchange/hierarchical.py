@@ -13,7 +13,7 @@ and local rank ``l`` is in charge of shard ``l``:
    configured exchange on it: error feedback on the node's sum of the shard
    (residuals kept per tensor name, of the shard's size), the sparsifier and
    codecs, then the ``inter`` communicator (``"allgather"``: bundles to every
-   node, decoded and summed in node order, as :mod:`deepreduce.exchange.allgather`
+   node, decoded and summed in node order, as :mod:`deepreduce.exchange.gathering`
    does; or ``"sparse_allreduce"`` / ``"block"``, as
    :mod:`deepreduce.exchange.reducing` does);
 3. inside the node, an allgather of the reduced shards (each dense, or its
@@ -298,6 +298,12 @@ class HierarchicalExchange(Strategy):
         if groups is not None:
             return groups.topology
         return Topology(transport.size, resolve_local_size(self.local_size), transport.rank)
+
+    def prepare(self, transport) -> None:
+        """Agree on the topology and make the sub-groups of ``transport`` now (on its
+        communication thread, every rank), not at its first step: an integration that
+        binds its process groups at one moment makes these then too."""
+        self._groups_of(transport)
 
     def _groups_of(self, transport) -> _Groups:
         """The :class:`_Groups` of ``transport``: agreed on and split at its first step, on
