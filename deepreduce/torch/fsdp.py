@@ -1,0 +1,569 @@
+"""deepreduce for sharded training: FSDP2's replica exchange (HSDP), compressed.
+
+::
+
+    import deepreduce as dr
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from deepreduce.torch.fsdp import compress_replicas
+
+    mesh = init_device_mesh("cuda", (nodes, gpus_per_node),
+                            mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])     # sharded inside a node: the fast link
+    fully_shard(model, mesh=mesh["shard"])
+    state = compress_replicas(model, mesh["replicate"], sparsifier=dr.TopK(0.01),
+                              value="fp16")       # averaged across nodes: compressed
+
+The model is sharded with ``fully_shard`` on its shard group alone; FSDP2 then
+reduce-scatters each unit's gradients there and hands the unit's flat gradient
+shard to the all-reduce hook this module installs on every FSDP module
+(``FSDPModule.set_all_reduce_hook``). The hook averages that shard across the
+replicate group, the ranks that hold the same shard in the other replicas, in
+place, through one :class:`~deepreduce.exchange.GradientExchange` step:
+
+1. At the first call, the transports are bound (late: the state can be built
+   before ``init_process_group``) and every rank's settings, and every replica's
+   layout of its shards, are compared; a difference raises on every rank.
+2. A shard that holds an inf or NaN on any rank of the model is a *non-finite
+   step* everywhere: averaged whole and exact, nothing remembered.
+3. Before ``start_iter``: a plain average.
+4. Then: each parameter's piece of the flat shard (FSDP pads each to an equal
+   number of rows per rank; the padding stays out) goes through error feedback
+   (its own residual), the sparsifier and the codecs; every replica's payloads
+   reach every replica (or another communicator), are decoded and averaged, and
+   the averages are written back into the shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from deepreduce.collectives.signed import agree_settings
+from deepreduce.collectives.transport import GuardedTransport
+from deepreduce.config import ExchangeConfig
+from deepreduce.exchange import GradientExchange
+from deepreduce.exchange.selection import Selector
+from deepreduce.exchange.stats import StepStats
+from deepreduce.torch.ddp import _device_path, transport_of
+from deepreduce.torch.device import DeviceSelector, from_host, host_array, tensor_finite
+from deepreduce.torch.transport import CollectiveError
+
+__all__ = ["compress_replicas", "ReplicaExchangeState", "HookError"]
+
+
+def compress_replicas(model, replicate=None, *args, state=None,
+                      **settings) -> "ReplicaExchangeState":
+    """Average ``model``'s gradient shards across replicas with deepreduce; return the state.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Sharded with ``fully_shard(..., mesh=<the shard mesh>)`` (1-D: a model
+        sharded on a 2-D mesh already all-reduces across replicas itself).
+    replicate : torch.distributed.ProcessGroup or DeviceMesh, optional
+        The ranks that hold the same shards in the other replicas: a group, or a
+        1-D mesh such as ``mesh["replicate"]``; the default group when None.
+    *args, **settings
+        The settings of :class:`ReplicaExchangeState`.
+    state : ReplicaExchangeState, optional
+        A state built beforehand, instead of the settings.
+
+    Returns
+    -------
+    ReplicaExchangeState
+        Checkpoint it beside the model and the optimizer (see its ``state_dict``).
+
+    Examples
+    --------
+    One process (a gloo group of one: one replica of one shard); the weight's 4,096
+    elements go through Top-10% and fp16, the bias (below ``min_size``) losslessly:
+
+    >>> import os, torch, torch.distributed as dist, deepreduce as dr
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> from torch.distributed.fsdp import fully_shard
+    >>> from deepreduce.torch.fsdp import compress_replicas
+    >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29593")
+    >>> dist.init_process_group("gloo", rank=0, world_size=1)
+    >>> mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    >>> model = fully_shard(torch.nn.Linear(64, 64), mesh=mesh["shard"])
+    >>> state = compress_replicas(model, mesh["replicate"], sparsifier=dr.TopK(0.1),
+    ...                           start_iter=0)
+    >>> model(torch.randn(2, 64)).square().sum().backward()
+    >>> total = state.stats.total
+    >>> state.iter, total.tensors, total.compressed_tensors, total.ratio > 5
+    (1, 2, 1, True)
+    >>> int((model.weight.grad.to_local() != 0).sum())   # the Top-10% that travelled
+    410
+    >>> state.layout()["module <root>"]     # parameter, its shard's shape / padded length
+    'weight[64, 64]/4096, bias[64]/64'
+    >>> dist.destroy_process_group()
+    """
+    if state is None:
+        state = ReplicaExchangeState(replicate, *args, **settings)
+    elif args or settings or replicate is not None:
+        raise ValueError("give a state or the replicate group and settings, not both")
+    state.attach(model)
+    return state
+
+
+class ReplicaExchangeState:
+    """Configuration and state of the replica exchange :func:`compress_replicas` installs.
+
+    Parameters
+    ----------
+    replicate : torch.distributed.ProcessGroup or DeviceMesh, optional
+        The group the shards are averaged over (see :func:`compress_replicas`). A
+        mesh's group is looked up at once, a group's members at the first hook call.
+    *args, **settings
+        The settings of :class:`~deepreduce.config.ExchangeConfig`, in its order or by
+        name, with the same defaults as every deepreduce integration: ``sparsifier``
+        (Top-1%), ``index`` ("auto"), ``value`` ("fp16"), ``error_feedback`` (True,
+        per parameter shard), ``min_size`` (1024: smaller parameter shards travel
+        losslessly), ``seed``, ``communicator`` ("allgather") and its options.
+    config : ExchangeConfig, optional
+        All of them at once, instead.
+    start_iter : int, default 10
+        Backward passes of plain averaging before compression starts, as
+        :class:`~deepreduce.torch.DeepReduceState`'s.
+    device_path : bool, optional
+        Error feedback, selection and sums on the shard's device (see
+        :class:`~deepreduce.torch.DeepReduceState`); None: when CUDA is available.
+    check_finite : bool, default True
+        Before a shard touches anything, learn whether every rank's shard of the
+        same unit is finite: one read pass and an allreduce of one flag over all
+        the model's ranks (every replica and every shard: a loss scaler skips a step
+        on all of them). A unit that holds an inf or NaN anywhere is averaged as
+        it is, exactly, on every rank, and residuals, random streams and ``auto``
+        memory stay as they were; the backward pass counts in ``nonfinite_iters``,
+        not in ``iter``.
+    grad_scaler : torch.amp.GradScaler, optional
+        The loop's loss scaler: residuals follow its scale (see
+        :class:`~deepreduce.torch.DeepReduceState`). Not checkpointed.
+
+    Attributes
+    ----------
+    iter, nonfinite_iters : int
+        Backward passes seen (finite everywhere), and those with a non-finite unit.
+    exchange : deepreduce.exchange.GradientExchange
+        The framework-neutral core.
+    stats : deepreduce.exchange.stats.CompressionStats
+        One record per unit and backward pass: the bytes this rank handed to the
+        replicate group's collectives (frames and their padding; a plain average's
+        dense bytes) against the shard's dense bytes.
+    units : list
+        What the hook knows of each FSDP unit: its module, parameters, their shard
+        shapes and padded lengths (after :meth:`attach`).
+    """
+
+    def __init__(self, replicate=None, *args, config=None, start_iter=10, device_path=None,
+                 check_finite=True, grad_scaler=None, **settings):
+        if isinstance(start_iter, bool) or not isinstance(start_iter, numbers.Integral) \
+                or start_iter < 0:
+            raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
+        config = ExchangeConfig.from_settings(config, *args, **settings)
+        self.device_path = _device_path(device_path, config)
+        self.exchange = GradientExchange(
+            config=config, selector=DeviceSelector if self.device_path else Selector)
+        self.replicate = replicate
+        self.start_iter, self.check_finite = int(start_iter), bool(check_finite)
+        self.grad_scaler = grad_scaler
+        self.iter = self.nonfinite_iters = 0
+        self.units = []
+        self._loss_scale = None
+        self._settings = {**config.shared_settings(self.exchange.pipeline),
+                          "start_iter": self.start_iter, "check_finite": self.check_finite}
+        self._init_runtime()
+
+    def _init_runtime(self):
+        self._transport = self._everyone = None   # bound at the first hook call
+        self._guarded = GuardedTransport(lambda: self.transport)
+        self._agreed = False
+        self._in_iteration = self._nonfinite_iteration = False
+
+    # -- installing ---------------------------------------------------------------
+    def attach(self, model) -> None:
+        """Install the hook on every FSDP module of ``model`` (the root too, when it
+        holds parameters), learning each unit's layout."""
+        from torch.distributed.fsdp import FSDPModule
+        names = {id(p): name for name, p in model.named_parameters()}
+        modules = {id(m): name for name, m in model.named_modules()}
+        units = []
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            if len(groups) > 1:
+                raise ValueError(f"FSDP module {modules[id(module)]!r} has several parameter "
+                                 "groups (shard_placement_fn with other meshes): its all-reduce "
+                                 "hook would be ambiguous; shard it on one mesh")
+            for group in groups:
+                unit = _Unit.of(group, modules[id(module)] or "<root>", names)
+                units.append(unit)
+                module.set_all_reduce_hook(_Hook(self, unit))
+        if not units:
+            raise ValueError("the model has no FSDP module with parameters: shard it with "
+                             "torch.distributed.fsdp.fully_shard(..., mesh=mesh['shard']) first")
+        self.units = units
+
+    # -- the groups (frame) ------------------------------------------------------------
+    @property
+    def transport(self):
+        """The transport of the replicate group, bound at the first hook call (see
+        :func:`deepreduce.torch.transport_of`: deepreduce's own process groups)."""
+        if self._transport is None:
+            self._transport = transport_of(self._replicate_group())
+        return self._transport
+
+    @property
+    def everyone(self):
+        """The transport of all the model's ranks (every shard of every replica), for the
+        settings' agreement and the all-finite flags; bound with :attr:`transport`."""
+        if self._everyone is None:
+            self._everyone = transport_of(_union_group(self.transport, self.units[0].shard_group))
+        return self._everyone
+
+    @property
+    def stats(self):
+        return self.exchange.stats
+
+    def _replicate_group(self):
+        replicate = self.replicate
+        if replicate is None:
+            return dist.group.WORLD
+        if hasattr(replicate, "get_group"):  # a DeviceMesh
+            if replicate.ndim != 1:
+                raise ValueError(f"replicate must be a 1-D DeviceMesh (mesh['replicate']), got "
+                                 f"one of {replicate.ndim} dimensions")
+            return replicate.get_group()
+        return replicate
+
+    def _agree(self) -> None:
+        """Once: the same settings on every rank, the same layout on every replica."""
+        if self._agreed:
+            return
+        self._agreed = True
+        everyone = GuardedTransport(lambda: self.everyone)
+        everyone.submit(agree_settings, everyone.inner, self._settings).result()
+        self._guarded.submit(agree_settings, self.transport, self.layout(shared_only=True),
+                             "layout").result()
+
+    def layout(self, shared_only=False) -> dict:
+        """This rank's place and what it holds, as text: which replica and shard, and each
+        unit's parameters with their shard shapes and padded lengths. ``shared_only``:
+        less the replica's number, which is all that differs between the ranks of one
+        replicate group."""
+        unit = self.units[0]
+        group = self._replicate_group()
+        replicas = dist.get_world_size(group)
+        layout = {"replicas": str(replicas), "shard": f"{unit.shard_rank} of {unit.shard_size}"}
+        if not shared_only:
+            layout["replica"] = f"{dist.get_rank(group)} of {replicas}"
+        layout.update((f"module {u.module}", u.describe()) for u in self.units)
+        return layout
+
+    # -- the hook -----------------------------------------------------------------------
+    def reduce_shard(self, unit: "_Unit", flat: torch.Tensor) -> None:
+        """Average ``flat``, ``unit``'s reduce-scattered gradient shard, across the
+        replicas, in place: what the installed hook does (the module docstring's steps).
+        What fails raises from ``loss.backward()``, naming this rank and the module."""
+        try:
+            if not flat.dtype.is_floating_point:
+                raise TypeError(f"the replica exchange averages floating-point gradients; "
+                                f"the shard holds {flat.dtype}")
+            self._agree()
+            ends_here = self._begin_backward()
+            finite = self._finite_everywhere(flat)
+            if not finite:  # every rank: as it is, nothing remembered
+                self._average_dense(flat, nonfinite=True)
+            elif self.iter < self.start_iter:
+                self._average_dense(flat, unit)
+            else:
+                self._exchange(unit, flat)
+            self._nonfinite_iteration |= not finite
+            if ends_here:
+                self._end_backward()
+        except Exception as exc:
+            named = _named(exc, unit)
+            if named is exc:
+                raise
+            raise named from exc
+
+    def _exchange(self, unit, flat) -> None:
+        """One GradientExchange step of ``unit``'s parameter pieces in ``flat``: views of
+        the shard on the CPU (or on the device path), else of a host copy of it."""
+        _wait_for_device(flat)
+        host_copy = flat.is_cuda and not self.device_path
+        work = flat.detach().cpu() if host_copy else flat.detach()
+        names, pieces = unit.pieces(work if self.device_path else host_array(work))
+        inputs = _small_to_host(self.exchange, pieces) if self.device_path else pieces
+        self.exchange.reduce_async(names, inputs, self._guarded, "average",
+                                   out=pieces).result()
+        if host_copy:
+            flat.copy_(work)
+        _wait_for_device(flat, everywhere=True)
+
+    def _average_dense(self, flat, unit=None, nonfinite=False) -> None:
+        """A plain average of ``flat`` across the replicas, recorded in :attr:`stats`;
+        with ``unit``, what error feedback still owes its parameters is added first."""
+        memory = self.exchange.memory
+        if unit is not None and memory is not None and len(memory):
+            work = flat.detach().cpu() if flat.is_cuda else flat.detach()
+            self.exchange.pay(*unit.pieces(host_array(work)), self._guarded)
+            if flat.is_cuda:
+                flat.copy_(work)
+        _wait_for_device(flat)
+
+        def average():
+            transport = self.transport
+            with transport.failing_as("allreduce of the whole shard"):
+                flat.div_(transport.size)
+                dist.all_reduce(flat, group=transport.group)
+            nbytes = flat.numel() * flat.element_size()
+            self.stats.record_step(StepStats(steps=1, tensors=1, bytes_sent=nbytes,
+                                             bytes_received=nbytes, dense_bytes=nbytes,
+                                             nonfinite_steps=int(nonfinite)))
+        self._guarded.submit(average).result()
+        _wait_for_device(flat, everywhere=True)
+
+    def _finite_everywhere(self, flat) -> bool:
+        """Whether every rank's shard of this unit is finite (see ``check_finite``)."""
+        if not self.check_finite:
+            return True
+        flag = tensor_finite(flat).to(device=self.everyone.device, dtype=torch.int32)
+        if self.everyone.size > 1:
+            with self.everyone.failing_as("allreduce of the all-finite flag"):
+                dist.all_reduce(flag.reshape(1), op=dist.ReduceOp.MIN,
+                                group=self.everyone.flag_group)
+        return bool(flag.item())
+
+    # -- backward passes ----------------------------------------------------------------
+    def _begin_backward(self) -> bool:
+        """At the first unit of a backward pass: count the pass when it ends (True: the
+        hook was called outside one, and the unit is the pass), follow the scaler."""
+        if self._in_iteration:
+            return False
+        self._in_iteration, ends_here = True, False
+        try:  # (FSDP's own final callback, queued before, reduces the last units first)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        except RuntimeError:
+            ends_here = True
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            scale = float(scaler.get_scale())
+            if self._loss_scale is not None and scale != self._loss_scale:
+                self.rescale(scale / self._loss_scale)
+            self._loss_scale = scale
+        return ends_here
+
+    def _end_backward(self) -> None:
+        if self._nonfinite_iteration:
+            self.nonfinite_iters += 1
+        else:
+            self.iter += 1
+        self._in_iteration = self._nonfinite_iteration = False
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every residual by ``factor`` (new loss scale / old one)."""
+        self.exchange.rescale(factor)
+
+    # -- checkpoints (DCP's Stateful) -----------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's part, under a key of its own (``"rank<global rank>"``), so that
+        ``torch.distributed.checkpoint.save`` keeps every rank's: the settings, the layout,
+        the counters, the residuals of this rank's parameter shards and the random state.
+        """
+        state = self.exchange.state_dict()
+        return {f"rank{dist.get_rank()}": RankCheckpoint(
+            settings=dict(self._settings), layout=self.layout(), iter=self.iter,
+            nonfinite_iters=self.nonfinite_iters, loss_scale=self._loss_scale,
+            residuals={name: from_host(r) for name, r in state["residuals"].items()},
+            random_state=state["random_state"])}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Continue from :meth:`state_dict`, refusing one of other settings or another
+        layout, with a message that says which."""
+        key = f"rank{dist.get_rank()}"
+        mine = state_dict.get(key)
+        if mine is None:
+            raise ValueError(f"the checkpoint holds no deepreduce state for {key} (it holds "
+                             f"{', '.join(sorted(state_dict)) or 'none'}): written by "
+                             "another number of ranks")
+        _refuse_differences("settings", mine.settings, self._settings)
+        _refuse_differences("layout", mine.layout, self.layout())
+        self.iter, self.nonfinite_iters = int(mine.iter), int(mine.nonfinite_iters)
+        self._loss_scale = mine.loss_scale
+        self.exchange.load_state_dict({
+            "residuals": {name: host_array(r.detach().cpu()) for name, r in mine.residuals.items()},
+            "random_state": mine.random_state})
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for runtime in ("replicate", "_transport", "_everyone", "_guarded", "_agreed",
+                        "_in_iteration", "_nonfinite_iteration", "grad_scaler", "units"):
+            state.pop(runtime, None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.replicate = self.grad_scaler = None
+        self.units = []
+        self._init_runtime()
+
+
+@dataclasses.dataclass
+class RankCheckpoint:
+    """One rank's part of a :class:`ReplicaExchangeState` checkpoint: one object, so that
+    a checkpoint of another layout reaches :meth:`ReplicaExchangeState.load_state_dict`
+    (which names the difference) instead of failing on a tensor's size in DCP."""
+
+    settings: dict
+    layout: dict
+    iter: int
+    nonfinite_iters: int
+    loss_scale: float | None
+    residuals: dict
+    random_state: dict
+
+
+def _refuse_differences(what, theirs, ours) -> None:
+    """Raise ValueError naming every entry of ``what`` (settings, layout) that differs."""
+    differ = [k for k in dict.fromkeys([*ours, *theirs]) if theirs.get(k) != ours.get(k)]
+    if differ:
+        raise ValueError(f"the checkpoint was written with other {what}: " + "; ".join(
+            f"{k} {theirs.get(k, 'absent')!r} there, {ours.get(k, 'absent')!r} here"
+            for k in differ))
+
+
+class _Hook:
+    """The all-reduce hook of one FSDP unit: ``hook(flat_shard)``."""
+
+    def __init__(self, state, unit):
+        self.state, self.unit = state, unit
+
+    def __call__(self, flat: torch.Tensor) -> None:
+        self.state.reduce_shard(self.unit, flat)
+
+
+@dataclasses.dataclass
+class _Unit:
+    """An FSDP unit's layout: its module, and per parameter its name, the shape of this
+    rank's shard and the length of its padded piece of the flat shard, in order."""
+
+    module: str
+    names: list
+    shapes: list
+    padded: list
+    shard_group: object
+    shard_rank: int
+    shard_size: int
+
+    @classmethod
+    def of(cls, param_group, module, names) -> "_Unit":
+        from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+        mesh_info = param_group.mesh_info
+        if isinstance(mesh_info, DDPMeshInfo):
+            raise ValueError(f"FSDP module {module!r} is sharded on a 2-D mesh (FSDP2's own "
+                             "HSDP), which all-reduces across replicas itself; shard it with "
+                             "fully_shard(..., mesh=mesh['shard']) and give mesh['replicate'] "
+                             "to compress_replicas")
+        params = param_group.fsdp_params
+        return cls(module, [names[id(p.sharded_param)] for p in params],
+                   [tuple(p.sharded_size) for p in params],
+                   [math.prod(p.padded_sharded_param_size) for p in params],
+                   mesh_info.shard_process_group, mesh_info.shard_mesh_rank,
+                   mesh_info.shard_mesh_size)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.padded)
+
+    def describe(self) -> str:
+        return ", ".join(f"{n}{list(s)}/{p}" for n, s, p in zip(self.names, self.shapes,
+                                                                 self.padded))
+
+    def pieces(self, flat) -> tuple[list, list]:
+        """``(names, pieces)``: each parameter's shard in ``flat``, shaped, the padding
+        and empty shards left out. A shard of another length (FSDP left out parameters
+        without a gradient) goes as one piece, named after the module and its length."""
+        if flat.shape[0] != self.numel:
+            return [f"{self.module}[{flat.shape[0]}]"], [flat]
+        names, pieces, start = [], [], 0
+        for name, shape, padded in zip(self.names, self.shapes, self.padded):
+            size = math.prod(shape)
+            if size:
+                names.append(name)
+                pieces.append(flat[start:start + size].reshape(shape))
+            start += padded
+        return names, pieces
+
+
+class HookError(CollectiveError):
+    """A collective of the replica exchange failed; the message names the rank, the
+    FSDP module and the collective."""
+
+    def __init__(self, what: str, rank: int, reason: str, module: str):
+        RuntimeError.__init__(self, f"deepreduce FSDP hook, rank {rank}, module {module!r}, "
+                                    f"{what} failed: {reason}")
+        self.what, self.rank, self.reason, self.bucket = what, rank, reason, None
+        self.module = module
+
+    def __reduce__(self):
+        return type(self), (self.what, self.rank, self.reason, self.module)
+
+
+def _named(exc, unit):
+    """``exc``, raised by ``unit``'s hook, naming this rank and the FSDP module."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if isinstance(exc, HookError):
+        return exc
+    if isinstance(exc, CollectiveError):
+        named = getattr(exc, "in_hook", None)
+        if named is None:  # the first unit it failed in
+            named = exc.in_hook = HookError(exc.what, rank, exc.reason, unit.module)
+            named.__cause__ = exc
+        return named
+    note = f"(in deepreduce's FSDP hook, rank {rank}, module {unit.module!r})"
+    if note not in getattr(exc, "__notes__", ()):
+        exc.add_note(note)
+    return exc
+
+
+def _union_group(transport, shard_group):
+    """The group of every rank of the model: the shard groups of the replicate group's
+    members, gathered over it; None (the default group) when that is every rank."""
+    from deepreduce.collectives.transport import Traffic
+    mine = np.full(dist.get_world_size(), -1, np.int64)
+    ranks = dist.get_process_group_ranks(shard_group)
+    mine[:len(ranks)] = ranks
+    gathered = transport.allgather(mine.tobytes(), Traffic(), "shard groups")
+    everyone = sorted({int(r) for frame in gathered
+                       for r in np.frombuffer(frame, np.int64) if r >= 0})
+    if len(everyone) == dist.get_world_size():
+        return None
+    return dist.new_group(everyone, use_local_synchronization=True)
+
+
+def _small_to_host(exchange, pieces) -> list:
+    """The device path's ``pieces`` with those below ``min_size`` on the host."""
+    inputs = list(pieces)
+    small = [i for i, piece in enumerate(pieces) if piece.numel() < exchange.min_size]
+    for i, array in zip(small, exchange.selector.link.to_host([pieces[i] for i in small])):
+        inputs[i] = array
+    return inputs
+
+
+def _wait_for_device(flat, everywhere=False) -> None:
+    """On a GPU: before the transport's thread reads ``flat``, wait for the stream FSDP
+    runs the hook on; after it wrote, for the whole device (the thread's streams)."""
+    if flat.is_cuda:
+        if everywhere:
+            torch.cuda.synchronize(flat.device)
+        else:
+            torch.cuda.current_stream(flat.device).synchronize()

@@ -1,0 +1,330 @@
+"""Four-rank checks of deepreduce.torch.fsdp on gloo, run by tests/test_fsdp.py.
+
+Launched as ``python tests/fsdp_workers.py OUT PORT [CHECK ...]``: four spawned
+processes form a gloo group on 127.0.0.1:PORT, a 2 x 2 device mesh (2 replicas of
+2 shards: ``mesh["replicate"]``, ``mesh["shard"]``), run the named checks (all of
+:data:`CHECKS` when none is named) and write their findings to ``OUT/rank<r>.json``.
+A check that continues a checkpoint in new processes is named alone in a launch of
+its own, after the one that wrote it.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import deepreduce as dr
+from deepreduce.torch.fsdp import compress_replicas
+from torch_common import exit_now, launch, prepare, run_checks
+
+LOSSLESS = {"sparsifier": None, "index": "varint", "value": "raw"}
+RANKS = 4
+
+
+def model(seed=0):
+    """Rows that do not split evenly into 2 shards (201, 7): FSDP pads their shards."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 300), torch.nn.ReLU(),
+                               torch.nn.Linear(300, 201), torch.nn.ReLU(),
+                               torch.nn.Linear(201, 7))
+
+
+def batches(rank, steps, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return [(torch.randn(16, 32, generator=g), torch.randint(0, 7, (16,), generator=g))
+            for _ in range(steps)]
+
+
+def sharded(mesh, seed=0, mp_policy=None):
+    """``model(seed)``: each Linear an FSDP unit, the root too, on ``mesh``."""
+    net = model(seed)
+    options = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh, **options)
+    fully_shard(net, mesh=mesh, **options)
+    return net
+
+
+def step(net, opt, x, y):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def full(net):
+    """Every parameter whole (DTensors gathered over their mesh), as float32."""
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
+            for p in net.parameters()]
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def close(a, b, tol=1e-5) -> bool:
+    return all(torch.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(a, b))
+
+
+def check_lossless(rank, mesh):
+    """Lossless settings give the mean of all four ranks: against FSDP2's own 2-D HSDP
+    and an unsharded model under DDP, trained on the same batches."""
+    data = batches(rank, 5)
+    reference = DDP(model())
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        step(reference, opt, x, y)
+    native = sharded(mesh)   # FSDP2's HSDP: replicate and shard dimensions both
+    opt = torch.optim.SGD(native.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        step(native, opt, x, y)
+    ours = sharded(mesh["shard"])
+    state = compress_replicas(ours, mesh["replicate"], **LOSSLESS, start_iter=2)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        step(ours, opt, x, y)
+    total = state.stats.total
+    return {"equals_native_hsdp": same(full(ours), full(native)),
+            "close_to_unsharded": close(full(ours), full(reference.module)),
+            "native_close_to_unsharded": close(full(native), full(reference.module)),
+            "iter": state.iter, "compressed": total.compressed_tensors,
+            "units": [unit.module for unit in state.units]}
+
+
+def check_compressed_trains(rank, mesh):
+    """Top-10% and fp16 between the replicas: the loss falls as under FSDP2's own HSDP,
+    a fifth of the dense bytes or fewer cross, and error feedback loses nothing: the
+    average delivered plus every replica's residual is the mean of the inputs."""
+    data = batches(rank, 1, seed=2) * 30   # one batch again and again: its loss must fall
+
+    def train(net, state=None):
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        return [step(net, opt, x, y) for x, y in data]
+
+    native = train(sharded(mesh))
+    ours = sharded(mesh["shard"])
+    state = compress_replicas(ours, mesh["replicate"], sparsifier=dr.TopK(0.1),
+                              value="fp16", start_iter=2)
+    losses = train(ours, state)
+    total = state.stats.total
+    return {"first": losses[0], "last": losses[-1], "native_last": native[-1],
+            "ratio": total.dense_bytes / total.bytes_sent, "iter": state.iter,
+            "conserved": _conserved(mesh)}
+
+
+def _conserved(mesh):
+    """One step of Top-5% with error feedback from scratch: for every parameter shard,
+    the delivered average times the replicas plus the replicas' residuals summed equals
+    the replicas' inputs summed (each input: the shard group's mean)."""
+    x, y = batches(dist.get_rank(), 1, seed=4)[0]
+    replicate = mesh["replicate"].get_group()
+    plain = sharded(mesh["shard"])      # what reaches the hook: the shard group's mean
+    torch.nn.functional.cross_entropy(plain(x), y).backward()
+    inputs = [p.grad.to_local().clone() for p in plain.parameters()]
+    ours = sharded(mesh["shard"])
+    state = compress_replicas(ours, replicate, sparsifier=dr.TopK(0.05), value="raw",
+                              start_iter=0, min_size=0)
+    torch.nn.functional.cross_entropy(ours(x), y).backward()
+    memory = state.exchange.memory
+    good = []
+    for (name, p), given in zip(ours.named_parameters(), inputs):
+        delivered = p.grad.to_local() * 2
+        residual = torch.from_numpy(memory.residual(name).copy()) if name in memory \
+            else torch.zeros_like(given)
+        dist.all_reduce(residual, group=replicate)
+        dist.all_reduce(given, group=replicate)
+        good.append(torch.allclose(delivered + residual, given, rtol=0, atol=1e-6))
+    return all(good)
+
+
+def check_mixed_precision(rank, mesh):
+    """bf16 parameters, gradients reduced in bf16 and in float32: lossless settings give
+    FSDP2's own HSDP result under the same policy."""
+    out = {}
+    for reduce_dtype in (torch.bfloat16, torch.float32):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        results = []
+        for native in (True, False):
+            net = sharded(mesh if native else mesh["shard"], mp_policy=policy)
+            if not native:
+                compress_replicas(net, mesh["replicate"], **LOSSLESS, start_iter=1)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            for x, y in batches(rank, 3, seed=6):
+                step(net, opt, x, y)
+            results.append(full(net))
+        out[str(reduce_dtype)] = close(*results, tol=1e-6)
+    return out
+
+
+def check_nonfinite(rank, mesh):
+    """A step whose input holds an inf on one rank: every rank sees a non-finite gradient
+    and skips it (as a loss scaler would); residuals stay as they were, and the run then
+    trains bit for bit as one that never saw that batch."""
+    data = batches(rank, 6, seed=8)
+    bad = (data[0][0].clone(), data[0][1])
+    if rank == 3:
+        bad[0][0, 0] = float("inf")
+
+    def run(with_bad):
+        net = sharded(mesh["shard"])
+        state = compress_replicas(net, mesh["replicate"], sparsifier=dr.TopK(0.1),
+                                  value="fp16", start_iter=1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        out = {}
+        for i, (x, y) in enumerate(data):
+            if with_bad and i == 3:
+                before = {k: v.copy() for k, v in state.exchange.state_dict()["residuals"].items()}
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(net(bad[0]), bad[1]).backward()
+                local = all(torch.isfinite(p.grad.to_local()).all() for p in net.parameters())
+                out["skipped_here"] = not local
+                after = state.exchange.state_dict()["residuals"]
+                out["residuals_kept"] = before.keys() == after.keys() and all(
+                    (before[k] == after[k]).all() for k in before)
+            step(net, opt, x, y)
+        return full(net), state, out
+
+    clean, _, _ = run(False)
+    trained, state, out = run(True)
+    return {**out, "identical": same(trained, clean), "iter": state.iter,
+            "nonfinite_iters": state.nonfinite_iters}
+
+
+def check_misconfigured(rank, mesh):
+    """Ranks configured differently raise on every rank, naming the difference."""
+    net = sharded(mesh["shard"])
+    compress_replicas(net, mesh["replicate"], start_iter=3 + rank)
+    return _raised_in_backward(net, rank)
+
+
+def check_other_layout(rank, mesh):
+    """Replicas whose models differ (another width on replica 1) raise on every rank,
+    naming the module."""
+    torch.manual_seed(0)
+    width = 300 if rank < 2 else 302
+    net = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.ReLU(),
+                              torch.nn.Linear(width, 7))
+    for layer in (net[0], net[2]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(net, mesh=mesh["shard"])
+    compress_replicas(net, mesh["replicate"])
+    return _raised_in_backward(net, rank)
+
+
+# ---- checkpoints: written by one launch, continued by new processes ----------------
+RESUME = {"sparsifier": dr.TopK(0.05), "value": "qsgd:bits=8", "start_iter": 2}
+STOP, STEPS = 4, 8
+
+
+def _checkpointed(mesh, **settings):
+    net = sharded(mesh["shard"], seed=1)
+    state = compress_replicas(net, mesh["replicate"], **{**RESUME, **settings})
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    return net, state, opt
+
+
+def _dcp_state(net, opt, state):
+    model_sd, optim_sd = get_state_dict(net, opt)
+    return {"model": model_sd, "optim": optim_sd, "deepreduce": state}
+
+
+def check_checkpoint_save(rank, mesh):
+    """Train STEPS steps straight through (their parameters kept for the next launch);
+    again, stopped after STOP and saved with DCP."""
+    out_dir = os.environ["FSDP_CHECKPOINT"]
+    data = batches(rank, STEPS, seed=3)
+    net, state, opt = _checkpointed(mesh)
+    for x, y in data:
+        step(net, opt, x, y)
+    torch.save(full(net), os.path.join(out_dir, f"uninterrupted{rank}.pt"))
+    net, state, opt = _checkpointed(mesh)
+    for x, y in data[:STOP]:
+        step(net, opt, x, y)
+    dcp.save(_dcp_state(net, opt, state), checkpoint_id=os.path.join(out_dir, "ckpt"))
+    return {"iter": state.iter, "residuals": len(state.exchange.memory)}
+
+
+def check_checkpoint_load(rank, mesh):
+    """In new processes: load the checkpoint, train the rest; the same bits as the run
+    that never stopped. Then loads refused: other settings, another layout."""
+    out_dir = os.environ["FSDP_CHECKPOINT"]
+    path = os.path.join(out_dir, "ckpt")
+    net, state, opt = _checkpointed(mesh)
+    loaded = _dcp_state(net, opt, state)
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(net, opt, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"])
+    out = {"iter": state.iter, "residuals": len(state.exchange.memory)}
+    for x, y in batches(rank, STEPS, seed=3)[STOP:]:
+        step(net, opt, x, y)
+    uninterrupted = torch.load(os.path.join(out_dir, f"uninterrupted{rank}.pt"))
+    out["identical"] = same(full(net), uninterrupted)
+    out["other_settings"] = _refusal(path, *_checkpointed(mesh, value="fp16"))
+    # the same four ranks as 4 shards of one replica
+    flat = init_device_mesh("cpu", (1, RANKS), mesh_dim_names=("replicate", "shard"))
+    out["other_layout"] = _refusal(path, *_checkpointed(flat))
+    return out
+
+
+def _refusal(path, net, state, opt) -> str:
+    try:
+        dcp.load({"deepreduce": state}, checkpoint_id=path)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def _raised_in_backward(net, rank):
+    x, y = batches(rank, 1)[0]
+    try:
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+    except Exception as exc:  # noqa: BLE001 - the message is the finding
+        return {"raised": True, "message": str(exc), "notes": getattr(exc, "__notes__", [])}
+    return {"raised": False, "message": ""}
+
+
+def check_refusals(rank, mesh):
+    """What compress_replicas refuses, saying why: a model FSDP2 shards on the 2-D mesh
+    (it all-reduces across replicas itself), a model without FSDP modules."""
+    out = {}
+    for name, net in (("native_hsdp", sharded(mesh)), ("unsharded", model())):
+        try:
+            compress_replicas(net, mesh["replicate"])
+            out[name] = ""
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+CHECKS = [check_lossless, check_compressed_trains, check_mixed_precision, check_nonfinite,
+          check_misconfigured, check_other_layout, check_refusals]
+
+
+def main(rank, out_dir, port, *only):
+    prepare(port)
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    checks = [globals()[name] for name in only] if only else CHECKS
+    run_checks(rank, out_dir, [_with_mesh(check, mesh) for check in checks])
+    dist.destroy_process_group()
+    exit_now()
+
+
+def _with_mesh(check, mesh):
+    def run(rank):
+        return check(rank, mesh)
+    run.__name__ = check.__name__
+    return run
+
+
+if __name__ == "__main__":
+    launch(main, nprocs=RANKS, args=(sys.argv[1], int(sys.argv[2]), *sys.argv[3:]))

@@ -1,0 +1,99 @@
+"""deepreduce.torch.fsdp: FSDP2's replica exchange (HSDP), compressed.
+
+The multi-rank checks run on four real gloo ranks, 2 replicas x 2 shards (spawned
+processes, see tests/fsdp_workers.py); the rest on one process.
+"""
+
+import doctest
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.fsdp")
+
+import deepreduce as dr  # noqa: E402
+from deepreduce.torch import fsdp  # noqa: E402
+from conftest import findings, run_ranks  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """Findings of tests/fsdp_workers.py's checks on four gloo ranks."""
+    return run_ranks("fsdp_workers.py", tmp_path_factory.mktemp("fsdp_ranks"), 4)
+
+
+def test_lossless_settings_give_the_mean_of_all_ranks(four_ranks):
+    for found in findings(four_ranks, "check_lossless"):
+        # bit for bit FSDP2's own 2-D HSDP; an unsharded DDP model to float rounding
+        assert found["equals_native_hsdp"] is True
+        assert found["close_to_unsharded"] and found["native_close_to_unsharded"]
+        # 5 steps, 2 before start_iter; per step the two weight shards >= min_size
+        assert found["iter"] == 5 and found["compressed"] == 6
+        assert found["units"] == ["0", "2", "4"]
+
+
+def test_compressed_settings_train_and_error_feedback_loses_nothing(four_ranks):
+    for found in findings(four_ranks, "check_compressed_trains"):
+        assert found["last"] < 0.3 * found["first"]
+        assert found["last"] < 2 * found["native_last"]
+        assert found["ratio"] > 4 and found["iter"] == 30
+        assert found["conserved"] is True
+
+
+def test_mixed_precision_bf16_parameters_any_reduce_dtype(four_ranks):
+    for found in findings(four_ranks, "check_mixed_precision"):
+        assert found == {"torch.bfloat16": True, "torch.float32": True}
+
+
+def test_a_nonfinite_step_is_shared_exact_and_forgotten(four_ranks):
+    for found in findings(four_ranks, "check_nonfinite"):
+        # an inf in rank 3's input reaches every rank; skipping it leaves no trace
+        assert found == {"skipped_here": True, "residuals_kept": True, "identical": True,
+                         "iter": 6, "nonfinite_iters": 1}
+
+
+def test_settings_that_differ_raise_on_every_rank_naming_them(four_ranks):
+    for rank, found in enumerate(findings(four_ranks, "check_misconfigured")):
+        assert found["raised"] is True
+        assert "start_iter: 3 on rank 0; 4 on rank 1; 5 on rank 2; 6 on rank 3" \
+            in found["message"]
+        # the last layer's unit reduces first
+        assert f"rank {rank}, module '4'" in " ".join(found["notes"])
+
+
+def test_replicas_of_another_layout_raise_naming_the_module(four_ranks):
+    for found in findings(four_ranks, "check_other_layout"):
+        assert found["raised"] is True
+        assert "module 0: 0.weight[150, 32]/4800" in found["message"]
+        assert "0.weight[151, 32]/4832" in found["message"]
+
+
+def test_refuses_native_hsdp_and_unsharded_models(four_ranks):
+    for found in findings(four_ranks, "check_refusals"):
+        assert "2-D mesh" in found["native_hsdp"] and "mesh['shard']" in found["native_hsdp"]
+        assert "no FSDP module" in found["unsharded"]
+
+
+# ------------------------------------------------------------------ one process
+
+def test_docstring_examples():
+    result = doctest.testmod(fsdp, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted and result.failed == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"value": "nosuchcodec"}, "nosuchcodec"),
+    ({"start_iter": -1}, "start_iter"),
+    ({"communicator": "ring"}, "communicator"),
+])
+def test_bad_settings_fail_when_the_state_is_built(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fsdp.ReplicaExchangeState(**kwargs)
+
+
+def test_state_is_built_before_the_process_group_and_pickles_without_it():
+    state = fsdp.ReplicaExchangeState(None, sparsifier=dr.TopK(0.05), start_iter=3)
+    restored = pickle.loads(pickle.dumps(state))
+    assert restored.start_iter == 3 and restored.replicate is None
+    assert restored._settings == state._settings
