@@ -100,6 +100,37 @@ def check_lossless(rank, mesh):
             "units": [unit.module for unit in state.units]}
 
 
+class Skipping(torch.nn.Module):
+    """One FSDP unit whose branch ``b`` every rank leaves out on odd steps."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = (torch.nn.Linear(32, 64), torch.nn.Linear(64, 64),
+                                     torch.nn.Linear(64, 7))
+
+    def forward(self, x, use_b=True):
+        h = torch.relu(self.a(x))
+        return self.head(torch.relu(self.b(h)) if use_b else h)
+
+
+def check_unused_parameters(rank, mesh):
+    """Steps in which a unit's parameters get no gradient (FSDP leaves them out of the
+    flat shard): the shard goes as one piece, lossless settings still equal FSDP2's HSDP."""
+    results = []
+    for native in (True, False):
+        net = fully_shard(Skipping(), mesh=mesh if native else mesh["shard"])
+        state = None if native else compress_replicas(net, mesh["replicate"], **LOSSLESS,
+                                                      start_iter=0, min_size=0)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for i, (x, y) in enumerate(batches(rank, 4, seed=10)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x, use_b=i % 2 == 0), y).backward()
+            opt.step()
+        results.append(full(net))
+    return {"equals_native_hsdp": same(*results), "tensors": state.stats.total.tensors}
+
+
 def check_compressed_trains(rank, mesh):
     """Top-10% and fp16 between the replicas: the loss falls as under FSDP2's own HSDP,
     a fifth of the dense bytes or fewer cross, and error feedback loses nothing: the
@@ -305,8 +336,8 @@ def check_refusals(rank, mesh):
     return out
 
 
-CHECKS = [check_lossless, check_compressed_trains, check_mixed_precision, check_nonfinite,
-          check_misconfigured, check_other_layout, check_refusals]
+CHECKS = [check_lossless, check_unused_parameters, check_compressed_trains,
+          check_mixed_precision, check_nonfinite, check_misconfigured, check_other_layout, check_refusals]
 
 
 def main(rank, out_dir, port, *only):

@@ -5,7 +5,11 @@ processes, see tests/fsdp_workers.py); the rest on one process.
 """
 
 import doctest
+import json
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 
@@ -14,7 +18,7 @@ pytest.importorskip("torch.distributed.fsdp")
 
 import deepreduce as dr  # noqa: E402
 from deepreduce.torch import fsdp  # noqa: E402
-from conftest import findings, run_ranks  # noqa: E402
+from conftest import HERE, findings, free_port, run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +35,12 @@ def test_lossless_settings_give_the_mean_of_all_ranks(four_ranks):
         # 5 steps, 2 before start_iter; per step the two weight shards >= min_size
         assert found["iter"] == 5 and found["compressed"] == 6
         assert found["units"] == ["0", "2", "4"]
+
+
+def test_a_unit_with_parameters_left_out_goes_as_one_piece(four_ranks):
+    for found in findings(four_ranks, "check_unused_parameters"):
+        # steps 0 and 2: six parameter shards each; steps 1 and 3: one piece each
+        assert found == {"equals_native_hsdp": True, "tensors": 14}
 
 
 def test_compressed_settings_train_and_error_feedback_loses_nothing(four_ranks):
@@ -73,6 +83,34 @@ def test_refuses_native_hsdp_and_unsharded_models(four_ranks):
     for found in findings(four_ranks, "check_refusals"):
         assert "2-D mesh" in found["native_hsdp"] and "mesh['shard']" in found["native_hsdp"]
         assert "no FSDP module" in found["unsharded"]
+
+
+def launch(out, *checks, env=None):
+    """The findings of ``checks`` in one launch of four new processes: ``{check: [...]}``."""
+    subprocess.run([sys.executable, os.path.join(HERE, "fsdp_workers.py"), str(out),
+                    str(free_port()), *checks], check=True, timeout=600,
+                   env={**os.environ, **(env or {})})
+    found = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return {check: [rank[check] for rank in found] for check in found[0]}
+
+
+def test_dcp_checkpoint_continues_bit_for_bit_in_new_processes(tmp_path):
+    env = {"FSDP_CHECKPOINT": str(tmp_path)}
+    saved = launch(tmp_path, "check_checkpoint_save", env=env)
+    for found in findings(saved, "check_checkpoint_save"):
+        # 4 steps, 2 of them compressed; residuals of the two weight shards
+        assert found == {"iter": 4, "residuals": 2}
+    loaded = launch(tmp_path, "check_checkpoint_load", env=env)
+    for rank, found in enumerate(findings(loaded, "check_checkpoint_load")):
+        assert found["iter"] == 4 and found["residuals"] == 2
+        assert found["identical"] is True
+        assert found["other_settings"].startswith(
+            "the checkpoint was written with other settings: value "
+            "\"QSGDValues(bits=8, bucket=512, norm='max')\" there, 'Float16Values()' here")
+        layout = found["other_layout"]
+        assert layout.startswith("the checkpoint was written with other layout: "
+                                 "replicas '2' there, '1' here; shard ")
+        assert f"'{rank % 2} of 2' there, '{rank} of 4' here" in layout
 
 
 # ------------------------------------------------------------------ one process

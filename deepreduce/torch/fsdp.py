@@ -160,6 +160,25 @@ class ReplicaExchangeState:
     units : list
         What the hook knows of each FSDP unit: its module, parameters, their shard
         shapes and padded lengths (after :meth:`attach`).
+
+    Notes
+    -----
+    The state is DCP's ``Stateful``: ``dcp.save({"model": ..., "optim": ...,
+    "deepreduce": state}, checkpoint_id=...)`` keeps every rank's part (its
+    residuals are those of its own parameter shards: one float copy of the rank's
+    shard at most), and a ``dcp.load`` of the same in new processes continues bit for
+    bit. A checkpoint of other settings or of another layout (other replicas or
+    shards, another model or wrapping) is refused, naming what differs; one written
+    by fewer ranks than load it fails in DCP, which names the first rank's key it
+    misses (``deepreduce.rank<N>``). Pickling leaves the groups and the units out:
+    :meth:`attach` again.
+
+    The hook runs inside FSDP's backward and returns once the shard is averaged, so
+    the replicas' exchange of one unit does not overlap the backward of the next
+    (FSDP2's own HSDP all-reduce does not on the CPU either). A unit of which some
+    parameters got no gradient in a step (FSDP leaves them out of the flat shard)
+    goes as one piece, with a residual of its own; ``set_reduce_scatter_unused_params
+    (True)`` on the module keeps them in.
     """
 
     def __init__(self, replicate=None, *args, config=None, start_iter=10, device_path=None,
