@@ -165,7 +165,7 @@ def _conserved(mesh):
     state = compress_replicas(ours, replicate, sparsifier=dr.TopK(0.05), value="raw",
                               start_iter=0, min_size=0)
     torch.nn.functional.cross_entropy(ours(x), y).backward()
-    memory = state.exchange.memory
+    memory = state.exchange.selector.memory
     good = []
     for (name, p), given in zip(ours.named_parameters(), inputs):
         delivered = p.grad.to_local() * 2
@@ -178,10 +178,11 @@ def _conserved(mesh):
 
 
 def check_mixed_precision(rank, mesh):
-    """bf16 parameters, gradients reduced in bf16 and in float32: lossless settings give
-    FSDP2's own HSDP result under the same policy."""
+    """bf16 parameters, gradients reduced in bf16, float16 (FSDP divides before and after
+    the reductions then) and float32: lossless settings give FSDP2's own HSDP result
+    under the same policy."""
     out = {}
-    for reduce_dtype in (torch.bfloat16, torch.float32):
+    for reduce_dtype in (torch.bfloat16, torch.float16, torch.float32):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
         results = []
         for native in (True, False):
@@ -213,12 +214,12 @@ def check_nonfinite(rank, mesh):
         out = {}
         for i, (x, y) in enumerate(data):
             if with_bad and i == 3:
-                before = {k: v.copy() for k, v in state.exchange.state_dict()["residuals"].items()}
+                before = {k: v.copy() for k, v in state.exchange.selector.state_dict()["residuals"].items()}
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(net(bad[0]), bad[1]).backward()
                 local = all(torch.isfinite(p.grad.to_local()).all() for p in net.parameters())
                 out["skipped_here"] = not local
-                after = state.exchange.state_dict()["residuals"]
+                after = state.exchange.selector.state_dict()["residuals"]
                 out["residuals_kept"] = before.keys() == after.keys() and all(
                     (before[k] == after[k]).all() for k in before)
             step(net, opt, x, y)
@@ -281,7 +282,7 @@ def check_checkpoint_save(rank, mesh):
     for x, y in data[:STOP]:
         step(net, opt, x, y)
     dcp.save(_dcp_state(net, opt, state), checkpoint_id=os.path.join(out_dir, "ckpt"))
-    return {"iter": state.iter, "residuals": len(state.exchange.memory)}
+    return {"iter": state.iter, "residuals": len(state.exchange.selector.memory)}
 
 
 def check_checkpoint_load(rank, mesh):
@@ -294,7 +295,7 @@ def check_checkpoint_load(rank, mesh):
     dcp.load(loaded, checkpoint_id=path)
     set_state_dict(net, opt, model_state_dict=loaded["model"],
                    optim_state_dict=loaded["optim"])
-    out = {"iter": state.iter, "residuals": len(state.exchange.memory)}
+    out = {"iter": state.iter, "residuals": len(state.exchange.selector.memory)}
     for x, y in batches(rank, STEPS, seed=3)[STOP:]:
         step(net, opt, x, y)
     uninterrupted = torch.load(os.path.join(out_dir, f"uninterrupted{rank}.pt"))

@@ -53,7 +53,7 @@ def test_compressed_settings_train_and_error_feedback_loses_nothing(four_ranks):
 
 def test_mixed_precision_bf16_parameters_any_reduce_dtype(four_ranks):
     for found in findings(four_ranks, "check_mixed_precision"):
-        assert found == {"torch.bfloat16": True, "torch.float32": True}
+        assert found == {"torch.bfloat16": True, "torch.float16": True, "torch.float32": True}
 
 
 def test_a_nonfinite_step_is_shared_exact_and_forgotten(four_ranks):

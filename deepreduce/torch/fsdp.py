@@ -58,7 +58,7 @@ from deepreduce.torch.transport import CollectiveError
 __all__ = ["compress_replicas", "ReplicaExchangeState", "HookError"]
 
 
-def compress_replicas(model, replicate=None, *args, state=None,
+def compress_replicas(model, replicate=None, *, state=None,
                       **settings) -> "ReplicaExchangeState":
     """Average ``model``'s gradient shards across replicas with deepreduce; return the state.
 
@@ -70,7 +70,7 @@ def compress_replicas(model, replicate=None, *args, state=None,
     replicate : torch.distributed.ProcessGroup or DeviceMesh, optional
         The ranks that hold the same shards in the other replicas: a group, or a
         1-D mesh such as ``mesh["replicate"]``; the default group when None.
-    *args, **settings
+    **settings
         The settings of :class:`ReplicaExchangeState`.
     state : ReplicaExchangeState, optional
         A state built beforehand, instead of the settings.
@@ -106,8 +106,8 @@ def compress_replicas(model, replicate=None, *args, state=None,
     >>> dist.destroy_process_group()
     """
     if state is None:
-        state = ReplicaExchangeState(replicate, *args, **settings)
-    elif args or settings or replicate is not None:
+        state = ReplicaExchangeState(replicate, **settings)
+    elif settings or replicate is not None:
         raise ValueError("give a state or the replicate group and settings, not both")
     state.attach(model)
     return state
@@ -119,13 +119,14 @@ class ReplicaExchangeState:
     Parameters
     ----------
     replicate : torch.distributed.ProcessGroup or DeviceMesh, optional
-        The group the shards are averaged over (see :func:`compress_replicas`). A
-        mesh's group is looked up at once, a group's members at the first hook call.
-    *args, **settings
-        The settings of :class:`~deepreduce.config.ExchangeConfig`, in its order or by
-        name, with the same defaults as every deepreduce integration: ``sparsifier``
-        (Top-1%), ``index`` ("auto"), ``value`` ("fp16"), ``error_feedback`` (True,
-        per parameter shard), ``min_size`` (1024: smaller parameter shards travel
+        The group the shards are averaged over (see :func:`compress_replicas`), looked
+        up at the first hook call, when deepreduce's own groups of the same ranks are
+        made.
+    **settings
+        The settings of :class:`~deepreduce.config.ExchangeConfig`, by name, with the
+        same defaults as every deepreduce integration: ``sparsifier`` (Top-1%),
+        ``index`` ("auto"), ``value`` ("fp16"), ``error_feedback`` (on, per parameter
+        shard), ``min_size`` (1024: smaller parameter shards travel
         losslessly), ``seed``, ``communicator`` ("allgather") and its options.
     config : ExchangeConfig, optional
         All of them at once, instead.
@@ -181,12 +182,12 @@ class ReplicaExchangeState:
     (True)`` on the module keeps them in.
     """
 
-    def __init__(self, replicate=None, *args, config=None, start_iter=10, device_path=None,
+    def __init__(self, replicate=None, *, config=None, start_iter=10, device_path=None,
                  check_finite=True, grad_scaler=None, **settings):
         if isinstance(start_iter, bool) or not isinstance(start_iter, numbers.Integral) \
                 or start_iter < 0:
             raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
-        config = ExchangeConfig.from_settings(config, *args, **settings)
+        config = ExchangeConfig.from_settings(config, **settings)
         self.device_path = _device_path(device_path, config)
         self.exchange = GradientExchange(
             config=config, selector=DeviceSelector if self.device_path else Selector)
@@ -196,7 +197,7 @@ class ReplicaExchangeState:
         self.iter = self.nonfinite_iters = 0
         self.units = []
         self._loss_scale = None
-        self._settings = {**config.shared_settings(self.exchange.pipeline),
+        self._settings = {**config.shared_settings(self.exchange.selector.pipeline),
                           "start_iter": self.start_iter, "check_finite": self.check_finite}
         self._init_runtime()
 
@@ -331,7 +332,7 @@ class ReplicaExchangeState:
     def _average_dense(self, flat, unit=None, nonfinite=False) -> None:
         """A plain average of ``flat`` across the replicas, recorded in :attr:`stats`;
         with ``unit``, what error feedback still owes its parameters is added first."""
-        memory = self.exchange.memory
+        memory = self.exchange.selector.memory
         if unit is not None and memory is not None and len(memory):
             work = flat.detach().cpu() if flat.is_cuda else flat.detach()
             self.exchange.pay(*unit.pieces(host_array(work)), self._guarded)
@@ -398,11 +399,11 @@ class ReplicaExchangeState:
         ``torch.distributed.checkpoint.save`` keeps every rank's: the settings, the layout,
         the counters, the residuals of this rank's parameter shards and the random state.
         """
-        state = self.exchange.state_dict()
+        state = self.exchange.selector.state_dict()
         return {f"rank{dist.get_rank()}": RankCheckpoint(
             settings=dict(self._settings), layout=self.layout(), iter=self.iter,
             nonfinite_iters=self.nonfinite_iters, loss_scale=self._loss_scale,
-            residuals={name: from_host(r) for name, r in state["residuals"].items()},
+            residuals={name: _as_tensor(r) for name, r in state["residuals"].items()},
             random_state=state["random_state"])}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -418,7 +419,7 @@ class ReplicaExchangeState:
         _refuse_differences("layout", mine.layout, self.layout())
         self.iter, self.nonfinite_iters = int(mine.iter), int(mine.nonfinite_iters)
         self._loss_scale = mine.loss_scale
-        self.exchange.load_state_dict({
+        self.exchange.selector.load_state_dict({
             "residuals": {name: host_array(r.detach().cpu()) for name, r in mine.residuals.items()},
             "random_state": mine.random_state})
 
@@ -569,10 +570,17 @@ def _union_group(transport, shard_group):
     return dist.new_group(everyone, use_local_synchronization=True)
 
 
+def _as_tensor(residual) -> torch.Tensor:
+    """A residual as a checkpoint keeps it: a torch tensor (the device path's, cloned)."""
+    if isinstance(residual, torch.Tensor):
+        return residual.detach().clone()
+    return from_host(residual)
+
+
 def _small_to_host(exchange, pieces) -> list:
     """The device path's ``pieces`` with those below ``min_size`` on the host."""
     inputs = list(pieces)
-    small = [i for i, piece in enumerate(pieces) if piece.numel() < exchange.min_size]
+    small = [i for i, piece in enumerate(pieces) if piece.numel() < exchange.config.min_size]
     for i, array in zip(small, exchange.selector.link.to_host([pieces[i] for i in small])):
         inputs[i] = array
     return inputs
