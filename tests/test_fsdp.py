@@ -113,6 +113,21 @@ def test_dcp_checkpoint_continues_bit_for_bit_in_new_processes(tmp_path):
         assert f"'{rank % 2} of 2' there, '{rank} of 4' here" in layout
 
 
+def test_example_trains_on_four_ranks_under_torchrun():
+    # as docs/fsdp.md launches it: torchrun --nproc-per-node=4 examples/fsdp_hsdp.py
+    script = os.path.join(HERE, os.pardir, "examples", "fsdp_hsdp.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
+                           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", script,
+                           "--steps", "30"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]  # the ranks' traceback when they fail
+    lines = done.stdout.strip().splitlines()
+    losses = [float(line.split()[-1]) for line in lines if line.startswith("step")]
+    assert len(losses) == 5 and losses[-1] < losses[0] / 2      # it learns
+    last = lines[-1]
+    assert last.startswith("between replicas: deepreduce") and "FSDP2's HSDP 593,924" in last
+    assert float(last.split("(")[1].split("x")[0]) > 20          # bytes per step below dense
+
+
 # ------------------------------------------------------------------ one process
 
 def test_docstring_examples():
