@@ -133,7 +133,8 @@ def check_unused_parameters(rank, mesh):
 
 def check_compressed_trains(rank, mesh):
     """Top-10% and fp16 between the replicas: the loss falls as under FSDP2's own HSDP,
-    a fifth of the dense bytes or fewer cross, and error feedback loses nothing: the
+    a fifth of the dense bytes or fewer cross (the allgathers' slots sized per unit, not
+    by the largest unit), and error feedback loses nothing: the
     average delivered plus every replica's residual is the mean of the inputs."""
     data = batches(rank, 1, seed=2) * 30   # one batch again and again: its loss must fall
 
@@ -149,6 +150,8 @@ def check_compressed_trains(rank, mesh):
     total = state.stats.total
     return {"first": losses[0], "last": losses[-1], "native_last": native[-1],
             "ratio": total.dense_bytes / total.bytes_sent, "iter": state.iter,
+            # what the transport was handed, against the payloads (plain averages alike)
+            "handed_over_payloads": state.bytes_handed / total.bytes_sent,
             "conserved": _conserved(mesh)}
 
 

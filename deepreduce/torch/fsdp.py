@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from deepreduce.collectives.signed import agree_settings
-from deepreduce.collectives.transport import GuardedTransport
+from deepreduce.collectives.transport import GuardedTransport, Transport
 from deepreduce.config import ExchangeConfig
 from deepreduce.exchange import GradientExchange
 from deepreduce.exchange.selection import Selector
@@ -155,9 +155,12 @@ class ReplicaExchangeState:
     exchange : deepreduce.exchange.GradientExchange
         The framework-neutral core.
     stats : deepreduce.exchange.stats.CompressionStats
-        One record per unit and backward pass: the bytes this rank handed to the
-        replicate group's collectives (frames and their padding; a plain average's
-        dense bytes) against the shard's dense bytes.
+        One record per unit and backward pass: payload bytes against the shard's dense
+        bytes (a plain average's: the dense bytes).
+    bytes_handed : int
+        Bytes this rank handed to the replicate group's collectives so far: the
+        frames with the transport's padding and length headers, and the dense shards
+        of plain averages. What crosses to the other replicas.
     units : list
         What the hook knows of each FSDP unit: its module, parameters, their shard
         shapes and padded lengths (after :meth:`attach`).
@@ -194,7 +197,7 @@ class ReplicaExchangeState:
         self.replicate = replicate
         self.start_iter, self.check_finite = int(start_iter), bool(check_finite)
         self.grad_scaler = grad_scaler
-        self.iter = self.nonfinite_iters = 0
+        self.iter = self.nonfinite_iters = self.bytes_handed = 0
         self.units = []
         self._loss_scale = None
         self._settings = {**config.shared_settings(self.exchange.selector.pipeline),
@@ -204,6 +207,7 @@ class ReplicaExchangeState:
     def _init_runtime(self):
         self._transport = self._everyone = None   # bound at the first hook call
         self._guarded = GuardedTransport(lambda: self.transport)
+        self._unit_transports = {}  # module -> its _UnitStages over _guarded
         self._agreed = False
         self._in_iteration = self._nonfinite_iteration = False
 
@@ -323,11 +327,21 @@ class ReplicaExchangeState:
         work = flat.detach().cpu() if host_copy else flat.detach()
         names, pieces = unit.pieces(work if self.device_path else host_array(work))
         inputs = _small_to_host(self.exchange, pieces) if self.device_path else pieces
-        self.exchange.reduce_async(names, inputs, self._guarded, "average",
-                                   out=pieces).result()
+        _, traffic = self.exchange.reduce_async(names, inputs, self._of_unit(unit), "average",
+                                                out=pieces).result()
+        self.bytes_handed += traffic.sent
         if host_copy:
             flat.copy_(work)
         _wait_for_device(flat, everywhere=True)
+
+    def _of_unit(self, unit) -> "_UnitStages":
+        """The transport ``unit``'s exchanges run on: the state's, its stages named after
+        the unit (see :class:`_UnitStages`)."""
+        transport = self._unit_transports.get(unit.module)
+        if transport is None:
+            transport = self._unit_transports[unit.module] = _UnitStages(self._guarded,
+                                                                         unit.module)
+        return transport
 
     def _average_dense(self, flat, unit=None, nonfinite=False) -> None:
         """A plain average of ``flat`` across the replicas, recorded in :attr:`stats`;
@@ -346,6 +360,7 @@ class ReplicaExchangeState:
                 flat.div_(transport.size)
                 dist.all_reduce(flat, group=transport.group)
             nbytes = flat.numel() * flat.element_size()
+            self.bytes_handed += nbytes
             self.stats.record_step(StepStats(steps=1, tensors=1, bytes_sent=nbytes,
                                              bytes_received=nbytes, dense_bytes=nbytes,
                                              nonfinite_steps=int(nonfinite)))
@@ -426,6 +441,7 @@ class ReplicaExchangeState:
     def __getstate__(self):
         state = dict(self.__dict__)
         for runtime in ("replicate", "_transport", "_everyone", "_guarded", "_agreed",
+                        "_unit_transports",
                         "_in_iteration", "_nonfinite_iteration", "grad_scaler", "units"):
             state.pop(runtime, None)
         return state
@@ -522,6 +538,38 @@ class _Unit:
                 pieces.append(flat[start:start + size].reshape(shape))
             start += padded
         return names, pieces
+
+
+class _UnitStages(Transport):
+    """The state's transport for one unit's exchanges: its collectives' stages carry the
+    unit's name. A TorchTransport sizes the slots of an allgather from the recent frames
+    of the same stage; the units' payloads differ by orders of magnitude (a 2048 x 2048
+    weight's shard against a bias), and slots sized by the largest would pad every
+    other unit's frames to its size."""
+
+    def __init__(self, guarded, module):
+        super().__init__()
+        self.guarded, self.suffix = guarded, f" of module {module}"
+
+    @property
+    def rank(self):
+        return self.guarded.rank
+
+    @property
+    def size(self):
+        return self.guarded.size
+
+    def submit(self, fn, *args):
+        return self.guarded.submit(fn, *args)
+
+    def allgather(self, frame, traffic, stage):
+        return self.guarded.allgather(frame, traffic, stage + self.suffix)
+
+    def alltoall(self, frames, traffic, stage):
+        return self.guarded.alltoall(frames, traffic, stage + self.suffix)
+
+    def split(self, color, key=None):
+        return self.guarded.split(color, key)
 
 
 class HookError(CollectiveError):
