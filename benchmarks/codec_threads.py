@@ -40,10 +40,10 @@ import zlib
 
 import numpy as np
 
-from deepreduce.exchange import allgather as allgather_exchange
+from deepreduce.exchange import gathering
 from deepreduce.exchange import GradientExchange
 from deepreduce.bundle import split_bundles
-from deepreduce.codecs import golomb
+from deepreduce.codecs.index import golomb
 from deepreduce.exchange.parallel import PARALLEL_ENTRIES, available_cores, run_in_order
 from deepreduce.pipeline import decode
 
@@ -69,16 +69,16 @@ def step(exchanges, names, grads, every_payload: bool):
     """One step of rank 0 among ``len(exchanges)`` ranks: ``(bundles, sums, codec, encode
     codec, decode codec)``, the times in seconds. ``every_payload``: the small payloads'
     codings on the threads too (they stay on the caller's otherwise)."""
-    least = allgather_exchange.PARALLEL_ENTRIES, allgather_exchange.PARALLEL_BYTES
+    least = gathering.PARALLEL_ENTRIES, gathering.PARALLEL_BYTES
     if every_payload:
-        allgather_exchange.PARALLEL_ENTRIES = allgather_exchange.PARALLEL_BYTES = 0
+        gathering.PARALLEL_ENTRIES = gathering.PARALLEL_BYTES = 0
     try:
         bundles = [ex.encode_bundle(names, g) for ex, g in zip(exchanges, grads)]
         # (the step is open until its decode: what the encode recorded so far)
         encoded = exchanges[0].stats._pending.codec_seconds
         sums = exchanges[0].decode_bundles(bundles, ranks=len(exchanges), rank=0)
     finally:
-        allgather_exchange.PARALLEL_ENTRIES, allgather_exchange.PARALLEL_BYTES = least
+        gathering.PARALLEL_ENTRIES, gathering.PARALLEL_BYTES = least
     codec = exchanges[0].stats.last.codec_seconds
     return bundles, sums, codec, encoded, codec - encoded
 

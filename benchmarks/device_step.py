@@ -271,7 +271,7 @@ def build_schemes(ranks, device):
     for p in ranks:
         for device_path, path in ((False, "numpy/C path"), (True, "device path")):
             state = drt.DeepReduceState(sparsifier=dr.TopK(RATIO), index="auto", value="fp16",
-                                        error_feedback=True, start_iter=0,
+                                        error_feedback=1.0, start_iter=0,
                                         min_compression_rate=0, device_path=device_path)
             state._transport = LoopbackTransport(p)  # bound at the first hook call otherwise
             schemes.append(Scheme(f"deepreduce {path}, P={p}", drt.deepreduce_hook, state,

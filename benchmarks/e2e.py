@@ -279,7 +279,7 @@ def worker(args):
 
     def drh_builder(index_spec, value_spec, sparsifier=None, **communicator):
         def build(m, o):
-            compression = drh.Compression(sparsifier or dr.TopK(RATIO), index=index_spec,
+            compression = drh.Compression(sparsifier=sparsifier or dr.TopK(RATIO), index=index_spec,
                                           value=value_spec, **communicator)
             step = lambda x, y: plain_step(  # noqa: E731
                 m, o, x, y, lambda t: drh.DistributedGradientTape(t, compression=compression))
@@ -517,7 +517,7 @@ def random_pairs(shapes):
     """Top-k pairs of every compressed payload of ``shapes`` on random supports (the
     tensors below ``SHARED_BELOW`` elements share one, as the exchange codes them)."""
     import deepreduce as dr
-    from deepreduce.exchange.allgather import SHARED_BELOW
+    from deepreduce.exchange.gathering import SHARED_BELOW
 
     sizes = [int(np.prod(shape)) for shape in shapes]
     shared = [n for n in sizes if 1024 <= n < SHARED_BELOW]

@@ -33,9 +33,9 @@ fi
     "$python" - <<'EOF'
 import importlib, numpy, torch
 built = []
-for name in ("deepreduce._varint", "deepreduce._topkscan", "deepreduce.collectives._sparsesum",
-             "deepreduce.codecs._entropyc", "deepreduce.codecs._halfcast",
-             "deepreduce.codecs._qsgd", "deepreduce.codecs._bloomscan"):
+for name in ("deepreduce._varint", "deepreduce._topkscan", "deepreduce._sparsesum",
+             "deepreduce.codecs.index._entropyc", "deepreduce.codecs.values._halfcast",
+             "deepreduce.codecs.values._qsgd", "deepreduce.codecs.index._bloomscan"):
     try:
         importlib.import_module(name)
         built.append(name.rsplit(".", 1)[1])

@@ -29,7 +29,7 @@ bound ``log2 C(n, k) / k`` of the set, and checks the targets of issue 3:
   ``auto:link_gbits``, ``golomb`` and ``blockpack``: sizes, speeds and the time to encode, send
   and decode at 1, 10 and 100 Gbit/s;
 - ``huffman`` encode and decode times with its compiled loops
-  (``deepreduce.codecs._entropyc``) and with the numpy fallback, at n = 25M, 1%
+  (``deepreduce.codecs.index._entropyc``) and with the numpy fallback, at n = 25M, 1%
   and on the 41,944 indices of a 4,194,304-element tensor (the size of the
   e2e benchmark's largest layer), next to ``golomb``.
 
@@ -52,7 +52,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core: the targets are per c
 import numpy as np  # noqa: E402
 
 import deepreduce as dr  # noqa: E402
-from deepreduce.codecs import _entropy, auto, golomb, huffman  # noqa: E402
+from deepreduce.codecs.index import _entropy, auto, golomb, huffman  # noqa: E402
 from deepreduce.registry import registered_codecs  # noqa: E402
 
 from benchmarks.common import (GRADIENTS, RESULTS, best_of, best_wall_and_cpu,  # noqa: E402
@@ -247,7 +247,7 @@ def huffman_speed_section(repeat, seed) -> list[str]:
     lines = ["## Huffman with its compiled loops and with the numpy fallback",
              "",
              f"`huffman` (default precision 2, block 128) with the C extension "
-             f"`deepreduce.codecs._entropyc` and without it (the same bytes either way), and "
+             f"`deepreduce.codecs.index._entropyc` and without it (the same bytes either way), and "
              f"`golomb` (numpy only) for reference. Best of {repeat} runs on one core, "
              f"wall clock and CPU time of the process.",
              ""]

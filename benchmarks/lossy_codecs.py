@@ -51,13 +51,13 @@ from unittest import mock
 
 import numpy as np
 
-from deepreduce.codecs import bloom
+from deepreduce.codecs.index import bloom
 from deepreduce.codecs._murmur import RangeHasher
-from deepreduce.codecs.bloom import BloomFilter, BloomIndices, filter_geometry
-from deepreduce.codecs.dexp import DoubleExpValues
-from deepreduce.codecs.polyfit import PolyFitValues
-from deepreduce.codecs.qsgd import QSGDValues
-from deepreduce.codecs.sign import SignValues
+from deepreduce.codecs.index.bloom import BloomFilter, BloomIndices, filter_geometry
+from deepreduce.codecs.values.dexp import DoubleExpValues
+from deepreduce.codecs.values.polyfit import PolyFitValues
+from deepreduce.codecs.values.qsgd import QSGDValues
+from deepreduce.codecs.values.sign import SignValues
 
 from benchmarks.common import (GRADIENTS, RESULTS, ROOT, best_of, load_gradients, table,
                                write_report)
@@ -437,7 +437,7 @@ def report(source, sizes, rates, scans, breakdown, policies, decodes, values, sc
               "core: CPU time of the decoding thread and wall-clock time, each the best of "
               "several runs (on a machine shared with other jobs the wall clock mostly "
               "measures them). Target: >= 200 M positions/s (25M in <= 125 ms). *compiled*: "
-              "the C scan `deepreduce.codecs._bloomscan` that `pip install` builds; *numpy*: the "
+              "the C scan `deepreduce.codecs.index._bloomscan` that `pip install` builds; *numpy*: the "
               "fallback where it is not built (same positions). Encoding also scans (to know "
               "the positives) and builds the filter (in C, or numpy for the fallback); its "
               "CPU time is the best of three.", ""]

@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 import deepreduce as dr
-from deepreduce.exchange.allgather import SHARED_BELOW
+from deepreduce.exchange.gathering import SHARED_BELOW
 from deepreduce.exchange import GradientExchange
 
 from benchmarks.common import RESULTS, copy_bandwidth, mlp_shapes, table, write_report
@@ -64,7 +64,7 @@ MODELS = {"e2e MLP": mlp_shapes, "ResNet-50": resnet50_shapes,
 
 
 def exchanges(ranks: int):
-    return [GradientExchange(dr.TopK(0.01), index="auto:link_gbits=1.0", value="fp16", seed=r)
+    return [GradientExchange(sparsifier=dr.TopK(0.01), index="auto:link_gbits=1.0", value="fp16", seed=r)
             for r in range(ranks)]
 
 

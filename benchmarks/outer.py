@@ -207,7 +207,7 @@ def exchange_bundle(tensors: dict, k: int) -> bytes:
     feedback: the first outer step)."""
     from deepreduce.exchange import GradientExchange
 
-    exchange = GradientExchange(dr.ChunkTopK(k=k, chunk=formats.CHUNK), index="chunked",
+    exchange = GradientExchange(sparsifier=dr.ChunkTopK(k=k, chunk=formats.CHUNK), index="chunked",
                                 value=STATQ, error_feedback=False, min_size=0)
     return exchange.encode_bundle(list(tensors), list(tensors.values()))
 

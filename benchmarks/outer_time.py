@@ -19,7 +19,7 @@ the two ranks differ), each scheme in turns, its order rotating:
   dense DiLoCo fp32 (``value="raw"``), bf16, and SparseLoCo
   (``chunktopk:k=64,chunk=4096``, ``chunked``, ``statq:bits=2,sigmas=6``, decay 0.95);
   without it, a :class:`~deepreduce.exchange.GradientExchange` of the SparseLoCo
-  settings over :class:`~deepreduce.torch.TorchTransport`.
+  settings over :class:`~deepreduce.torch.transport.TorchTransport`.
 
 A step's time is the longest of the two ranks'; the bytes across the veth come from
 its interface counters (both directions, TCP/IP framing included). The namespaces
@@ -47,8 +47,6 @@ VETH = ("dro0", "dro1")
 ADDRESSES = ("10.78.0.1", "10.78.0.2")
 PREFIX = 24
 WORLD = 2
-SPARSELOCO = dict(sparsifier="chunktopk:k=64,chunk=4096", index="chunked",
-                  value="statq:bits=2,sigmas=6")
 LINK_GBITS = 1.0
 
 
@@ -187,12 +185,11 @@ def throughput(tensors: dict, repeat: int = 5) -> dict:
     per million parameters, against the wire time they save at 1 Gbit/s between 2 ranks."""
     from deepreduce.config import ExchangeConfig
     from deepreduce.exchange import GradientExchange
-    from deepreduce.exchange.memory import ResidualMemory
 
     names, arrays = list(tensors), list(tensors.values())
     other = [(x * 1.05).astype(np.float32) for x in arrays]
     n = sum(x.size for x in arrays)
-    config = ExchangeConfig(**SPARSELOCO, min_size=0, error_feedback=ResidualMemory(0.95))
+    config = ExchangeConfig.sparseloco()
     exchange = GradientExchange(config=config)
     peer = GradientExchange(config=config)
     bundle, theirs = exchange.encode_bundle(names, arrays), peer.encode_bundle(names, other)

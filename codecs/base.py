@@ -168,7 +168,7 @@ class IndexCodec(Codec):
 
         False (the default) has the pipeline check it: a pass over the indices
         and two numpy calls, each handing the GIL to the other codec threads
-        and back (:mod:`deepreduce.parallel`). A codec says True only where its
+        and back (:mod:`deepreduce.exchange.parallel`). A codec says True only where its
         decoding cannot give anything else (gaps of at least one, the set bits
         of a bitmap).
         """

@@ -43,7 +43,7 @@
  * positions of their concatenation; each tensor's start is taken off its positions in
  * place, in one pass, and the list says where each tensor's positions begin (and,
  * last, len(indices)). numpy needs a search and a subtraction per tensor, each
- * handing the GIL to the other codec threads and back (deepreduce.parallel).
+ * handing the GIL to the other codec threads and back (deepreduce.exchange.parallel).
  */
 
 #define PY_SSIZE_T_CLEAN

@@ -1,25 +1,35 @@
 """The settings of a gradient exchange: one home, the same on every integration.
 
-Horovod's :class:`deepreduce.horovod.tensorflow.Compression`, PyTorch's
-:class:`deepreduce.torch.DeepReduceState` and the framework-neutral
-:class:`deepreduce.exchange.GradientExchange` all take these settings, by these
-names, with these defaults.
+Every front end (:class:`deepreduce.exchange.GradientExchange`, PyTorch's
+:class:`deepreduce.torch.DeepReduceState` and
+:class:`deepreduce.torch.OuterOptimizer`, torchft's
+:class:`deepreduce.torch.torchft.DeepReduceManager`, Horovod's
+:class:`deepreduce.horovod.tensorflow.Compression`) takes ``config=`` an
+:class:`ExchangeConfig`, or its fields by name, with these defaults; the DiLoCo family's
+presets are :meth:`ExchangeConfig.sparseloco` and :meth:`ExchangeConfig.diloco`.
+
+Why the defaults differ from the codec layer's: a :class:`~deepreduce.Pipeline` (and
+:func:`deepreduce.compress`) keeps every value exactly unless asked (no sparsifier, raw
+values): it is a file format first, and a file must come back as it went in. A
+gradient exchange sends Top-1% in fp16 because error feedback carries what a step does
+not deliver to the next step, and that is where the papers' accuracy holds.
+:func:`deepreduce.collectives.allreduce` defaults to SparCML's ``"sparse_allreduce"``:
+it reduces one tensor that is sparse already, where the split allgather sends less
+than every rank's payload to every rank; the exchange's ``"allgather"`` sends one
+bundle per step whatever the tensors, which is what the papers measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import numbers
-import warnings
 
 from deepreduce import collectives
-from deepreduce.memory import ResidualMemory
+from deepreduce.exchange.memory import ResidualMemory
 from deepreduce.pipeline import DEFAULT_INDEX
 from deepreduce.sparsifiers import Sparsifier
-
-#: Old keyword names still accepted, with a DeprecationWarning: old name -> new name.
-_RENAMED = {"memory": "error_feedback", "use_error_feedback": "error_feedback"}
 
 
 @dataclasses.dataclass
@@ -41,12 +51,14 @@ class ExchangeConfig:
         Value codec: ``"raw"`` (lossless), ``"fp16"``, ``"bf16"``,
         ``"qsgd:bits=8"``... fp16 halves the values' bytes and error feedback
         carries its rounding to the next step.
-    error_feedback : bool or ResidualMemory, default True
-        Keep, per tensor name, what was not delivered (``input - received``,
-        exactly) and add it to the next gradient of that name: Top-k needs it
-        to converge. Pass a :class:`~deepreduce.ResidualMemory` to share or
-        inspect it (its ``beta`` < 1 lets stale error decay). The residual of
-        a sparse (row) gradient is kept dense, as every residual is.
+    error_feedback : float or bool, default 1.0
+        Error feedback: keep, per tensor name, what was not delivered (``input -
+        received``, exactly) and add it, times this decay, to the next input of that
+        name (:class:`~deepreduce.ResidualMemory`'s ``beta``). 1.0 is classic error
+        feedback (EF-SGD, DeepReduce), which Top-k needs to converge; below 1 stale
+        error decays (SparseLoCo's 0.95 takes the place of DiLoCo's outer momentum);
+        False (or None) turns it off; True means 1.0. The residual of a sparse (row)
+        gradient is kept dense, as every residual is.
     min_size : int, default 1024
         Tensors with fewer elements (biases, norms) travel losslessly (every
         non-zero, raw values) beside the others, those of one dtype in one
@@ -85,8 +97,14 @@ class ExchangeConfig:
     --------
     >>> from deepreduce.config import ExchangeConfig
     >>> ExchangeConfig(value="raw", min_size=0)
-    ExchangeConfig(sparsifier='topk:0.01', index='auto', value='raw', error_feedback=True, \
+    ExchangeConfig(sparsifier='topk:0.01', index='auto', value='raw', error_feedback=1.0, \
 min_size=0, seed=0, communicator='allgather', communicator_options={}, codec_threads=None)
+    >>> ExchangeConfig.sparseloco().value, ExchangeConfig.sparseloco(error_feedback=0.9).error_feedback
+    ('statq:bits=2,sigmas=6', 0.9)
+    >>> ExchangeConfig(error_feedback=1.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: error_feedback must be a decay in [0, 1], True (1.0) or False (off), got 1.5
     >>> ExchangeConfig(communicator="block", communicator_options={"size": 8})
     Traceback (most recent call last):
     ...
@@ -96,7 +114,7 @@ min_size=0, seed=0, communicator='allgather', communicator_options={}, codec_thr
     sparsifier: object = "topk:0.01"
     index: object = DEFAULT_INDEX
     value: object = "fp16"
-    error_feedback: object = True
+    error_feedback: float | None = 1.0
     min_size: int = 1024
     seed: int = 0
     communicator: str = "allgather"
@@ -104,54 +122,53 @@ min_size=0, seed=0, communicator='allgather', communicator_options={}, codec_thr
     codec_threads: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if isinstance(self.min_size, bool) or not isinstance(self.min_size, numbers.Integral) \
-                or self.min_size < 0:
-            raise ValueError(f"min_size must be an integer >= 0, got {self.min_size!r}")
-        self.seed, self.min_size = int(self.seed), int(self.min_size)
-        threads = self.codec_threads
-        if threads is not None and (isinstance(threads, bool) or not isinstance(
-                threads, numbers.Integral) or threads < 1):
-            raise ValueError(f"codec_threads must be None (automatic) or an integer >= 1, "
-                             f"got {threads!r}")
-        self.codec_threads = None if threads is None else int(threads)
-        feedback = self.error_feedback
-        if feedback is ResidualMemory or (isinstance(feedback, str) and feedback == "residual"):
-            feedback = True  # the old spellings of memory="residual"
-        elif feedback is None:
-            feedback = False
-        if not isinstance(feedback, (bool, ResidualMemory)):
-            raise ValueError("error_feedback must be True, False or a ResidualMemory, got "
-                             f"{feedback!r}")
-        self.error_feedback = feedback
+        self.seed = check_count("seed", self.seed, least=None)
+        self.min_size = check_count("min_size", self.min_size)
+        if self.codec_threads is not None:
+            self.codec_threads = check_count("codec_threads", self.codec_threads, least=1,
+                                             what="None (automatic) or an integer >= 1")
+        self.error_feedback = _decay(self.error_feedback)
         self.communicator_options = _check_communicator(self.communicator,
                                                         self.communicator_options)
 
     @classmethod
-    def from_settings(cls, config: ExchangeConfig | None = None, *args,
-                      **settings) -> ExchangeConfig:
-        """``config``, or one made of ``args`` and ``settings`` (its fields, in order or by
-        name; the old names accepted with a DeprecationWarning).
-
-        The integrations take either a config or its fields; this is where both
-        end up.
-        """
-        for old, new in _RENAMED.items():
-            if old in settings:
-                warnings.warn(f"{old}= is deprecated; use {new}= (the same in every "
-                              "deepreduce integration)", DeprecationWarning, stacklevel=3)
-                if new in settings:
-                    raise ValueError(f"give {new}= or {old}=, not both")
-                settings[new] = settings.pop(old)
+    def from_settings(cls, config: ExchangeConfig | None = None, **settings) -> ExchangeConfig:
+        """``config``, or one made of ``settings`` (its fields by name): the integrations
+        take either, and this is where both end up."""
         if config is None:
-            return cls(*args, **settings)
+            return cls(**settings)
         if not isinstance(config, cls):
             raise ValueError(f"config must be an ExchangeConfig, got {config!r}")
-        if args or settings:
-            raise ValueError("give a config or its settings, not both (got "
-                             f"{len(args)} positional and {sorted(settings)})")
+        if settings:
+            raise ValueError(f"give a config or its settings, not both (got {sorted(settings)})")
         return config
+
+    @classmethod
+    def sparseloco(cls, **settings) -> ExchangeConfig:
+        """SparseLoCo's outer step (Sarfi et al. 2025, arXiv 2508.15706), as ``settings``
+        do not override it: 64 of every 4,096 entries (64 x 64 tiles of a matrix), the
+        index code that knows each chunk holds exactly 64, 2-bit statistical
+        quantisation over +-6 sigma, every tensor chunk-wise (``min_size`` 0), and error
+        feedback whose residual decays by 0.95 at every outer step (in place of DiLoCo's
+        outer momentum)."""
+        return cls(**{"sparsifier": "chunktopk:k=64,chunk=4096", "index": "chunked",
+                      "value": "statq:bits=2,sigmas=6", "min_size": 0,
+                      "error_feedback": 0.95, **settings})
+
+    @classmethod
+    def diloco(cls, **settings) -> ExchangeConfig:
+        """DiLoCo's outer step (Douillard et al. 2023, arXiv 2311.08105), as ``settings``
+        do not override it: every element (no sparsifier), float32 values exactly
+        (``value="bf16"`` halves them), and error feedback (decay 1.0) only when the
+        pipeline loses anything (a sparsifier, a lossy value codec): a lossless one has
+        nothing to feed back."""
+        settings = {"sparsifier": None, "value": "raw", **settings}
+        if "error_feedback" not in settings:
+            from deepreduce.registry import get_codec  # (the codecs register on import)
+            lossless = settings["sparsifier"] is None and \
+                get_codec(settings["value"], family="value").lossless
+            settings["error_feedback"] = None if lossless else 1.0
+        return cls(**settings)
 
     def shared_settings(self, pipeline) -> dict:
         """What every rank's exchange of this configuration must agree on, as text:
@@ -166,19 +183,56 @@ min_size=0, seed=0, communicator='allgather', communicator_options={}, codec_thr
                 "value": shared_setting(pipeline.value_codec),
                 "communicator": self.communicator,
                 "communicator_options": repr(self.communicator_options),
-                "use_error_feedback": self.memory() is not None,  # (the key checkpoints carry)
+                "error_feedback": "off" if self.error_feedback is None else self.error_feedback,
                 "min_size": self.min_size}
 
     def memory(self) -> ResidualMemory | None:
-        """The residual memory this configuration asks for: a new one, the one given, or
-        None."""
-        if isinstance(self.error_feedback, ResidualMemory):
-            return self.error_feedback
-        return ResidualMemory() if self.error_feedback else None
+        """A new residual memory of this configuration's decay, or None without error
+        feedback."""
+        return None if self.error_feedback is None else ResidualMemory(self.error_feedback)
 
 
 #: What a reduction decides per call: never an option of the communicator's settings.
 _PER_CALL = ("pipeline", "op", "process_set", "transport")
+
+
+def check_flag(name: str, value) -> bool:
+    """``value`` of the setting ``name`` when it is a bool (not a string, not a number)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_count(name: str, value, least: int | None = 0, what: str | None = None) -> int:
+    """``value`` of the setting ``name`` as an int, when it is an integer of at least
+    ``least`` (None: any); ``what`` it must be, as the error says it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or (least is not None and value < least):
+        what = what or "an integer" + ("" if least is None else f" >= {least}")
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return int(value)
+
+
+def check_number(name: str, value, least: float = 0.0, most: float = float("inf")) -> float:
+    """``value`` of the setting ``name`` as a float, when it is a finite real number in
+    ``[least, most]``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or not least <= value <= most:
+        span = f">= {least:g}" if most == float("inf") else f"in [{least:g}, {most:g}]"
+        raise ValueError(f"{name} must be a finite number {span}, got {value!r}")
+    return float(value)
+
+
+def _decay(feedback) -> float | None:
+    """``error_feedback`` as its one meaning: the decay of the residuals, or None (off)."""
+    if feedback is None or feedback is False:
+        return None
+    if feedback is True:
+        return 1.0
+    if isinstance(feedback, numbers.Real) and 0.0 <= feedback <= 1.0:
+        return float(feedback)
+    raise ValueError("error_feedback must be a decay in [0, 1], True (1.0) or False (off), "
+                     f"got {feedback!r}")
 
 
 def shared_setting(part) -> str:
@@ -205,7 +259,7 @@ def _check_communicator(name, options) -> dict:
                          f"got {name!r}")
     options = {} if options is None else dict(options)
     if name == "hierarchical":  # dense inside a node, another communicator between nodes
-        from deepreduce.collectives.hierarchical import check_options
+        from deepreduce.exchange.topology import check_options
         return check_options(options, _check_communicator)
     if name == "allgather":
         if options:

@@ -33,8 +33,8 @@ WORLD, LOCAL = 4, 2
 LOSSLESS = {"sparsifier": None, "index": "varint", "value": "raw", "min_size": 0}
 
 
-def hierarchical(*args, inter="allgather", local_size=LOCAL, **settings):
-    return drh.Compression(*args, communicator="hierarchical",
+def hierarchical(inter="allgather", local_size=LOCAL, **settings):
+    return drh.Compression(communicator="hierarchical",
                            communicator_options={"local_size": local_size, "inter": inter},
                            **settings)
 
@@ -159,7 +159,7 @@ def check_topk_trains(rank):
     for mode in ("eager", "graph"):
         model = small_model()
         optimizer = tf.keras.optimizers.SGD(0.05, momentum=0.9)
-        compression = hierarchical(dr.TopK(0.05), index="varint", value="fp16")
+        compression = hierarchical(sparsifier=dr.TopK(0.05), index="varint", value="fp16")
 
         def step(xb, yb, model=model, optimizer=optimizer, compression=compression):
             return tape_step(model, optimizer, compression, loss_fn, xb, yb)

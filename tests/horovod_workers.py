@@ -25,7 +25,7 @@ INDEX = "varint"
 
 
 def lossless(**kwargs):
-    return drh.Compression(None, index=INDEX, value="raw", **kwargs)
+    return drh.Compression(sparsifier=None, index=INDEX, value="raw", **kwargs)
 
 
 def equal(a, b) -> bool:
@@ -111,7 +111,7 @@ def check_held_results_survive(rank):
 
 
 def check_error_feedback(rank, value="fp16", communicator="allgather"):
-    compression = drh.Compression(dr.TopK(0.02), index=INDEX, value=value, min_size=0,
+    compression = drh.Compression(sparsifier=dr.TopK(0.02), index=INDEX, value=value, min_size=0,
                                   communicator=communicator)
     names, shapes = ["a", "b"], [(1000,), (40, 50)]
     rng = np.random.default_rng(7 + rank)
@@ -131,7 +131,7 @@ def check_error_feedback(rank, value="fp16", communicator="allgather"):
         for total, r in zip(delivered, results):
             total += r.numpy()
         nonzeros.append([int(np.count_nonzero(r.numpy())) for r in results])
-    residuals = [compression.memory.residual(n).astype(np.float64) for n in names]
+    residuals = [compression.exchange.selector.memory.residual(n).astype(np.float64) for n in names]
     # the sum over ranks of inputs and residuals, by allreduce in float64
     all_inputs = [hvd.allreduce(tf.constant(x), op=hvd.Sum).numpy() for x in inputs]
     all_residuals = [hvd.allreduce(tf.constant(x), op=hvd.Sum).numpy() for x in residuals]
@@ -150,7 +150,7 @@ def check_grouped_bundles(rank, groups=3):
     shapes = [(300, 40), (40,), (40, 200), (200,), (200, 10), (10,)]
     variables = [tf.Variable(np.zeros(s, np.float32)) for s in shapes]
     kinds = [(0, True), (groups, True), (groups, False)]  # (num_groups, in a graph)
-    compressions = [drh.Compression(dr.TopK(0.05), index=INDEX, value="fp16") for _ in kinds]
+    compressions = [drh.Compression(sparsifier=dr.TopK(0.05), index=INDEX, value="fp16") for _ in kinds]
 
     def make_step(compression, num_groups, graph):
         def step(coefficients):
@@ -269,7 +269,7 @@ def check_indexed_slices(rank):
     out["sparse_as_dense_is_tensor"] = isinstance(dense, tf.Tensor)
     out["sparse_as_dense_equal"] = equal(dense, expected)
 
-    topk = drh.Compression(dr.TopK(0.25), index=INDEX, value="fp16", min_size=0)
+    topk = drh.Compression(sparsifier=dr.TopK(0.25), index=INDEX, value="fp16", min_size=0)
 
     @tf.function
     def sparse_step():
@@ -282,7 +282,7 @@ def check_indexed_slices(rank):
         values, rows = sparse_step()
     out["topk_value_shape"] = values.shape.as_list()
     out["topk_rows_unique"] = len(set(rows.numpy().tolist())) == int(rows.shape[0])
-    out["topk_residual_nonzero"] = int(np.count_nonzero(topk.memory.residual("Variable:0")))
+    out["topk_residual_nonzero"] = int(np.count_nonzero(topk.exchange.selector.memory.residual("Variable:0")))
     return out
 
 
@@ -356,7 +356,7 @@ def check_keras_fit(rank, size, log_dir):
             ("sparse_allreduce", tf.keras.optimizers.SGD(0.05, momentum=0.9),
              "sparse_allreduce", 2))
     for label, optimizer, communicator, epochs in runs:
-        compression = drh.Compression(dr.TopK(0.05), index=INDEX, value="fp16",
+        compression = drh.Compression(sparsifier=dr.TopK(0.05), index=INDEX, value="fp16",
                                       communicator=communicator)
         model = small_model()
         model.compile(optimizer=drh.DistributedOptimizer(optimizer, compression=compression),
@@ -379,7 +379,7 @@ def check_custom_loop(rank, size):
     x, y = digits_shard(rank, size)
     model = small_model()
     optimizer = tf.keras.optimizers.SGD(0.05, momentum=0.9)
-    compression = drh.Compression(dr.TopK(0.05), index=INDEX, value="fp16")
+    compression = drh.Compression(sparsifier=dr.TopK(0.05), index=INDEX, value="fp16")
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function
@@ -404,7 +404,7 @@ def check_nonfinite_step_is_skipped(rank, size, poisoned=5):
     def run(poison, skip):
         model = small_model()
         optimizer = tf.keras.optimizers.SGD(0.05, momentum=0.9)
-        compression = drh.Compression(dr.TopK(0.05), index=INDEX, value="fp16")
+        compression = drh.Compression(sparsifier=dr.TopK(0.05), index=INDEX, value="fp16")
 
         @tf.function
         def train_step(xb, yb, scale):
@@ -424,7 +424,7 @@ def check_nonfinite_step_is_skipped(rank, size, poisoned=5):
             scale = np.inf if step == poison and rank == 1 else 1.0
             seen.append(bool(train_step(x[start:start + 32], y[start:start + 32],
                                         tf.constant(scale, tf.float32))))
-        residuals = compression.exchange.state_dict()["residuals"]
+        residuals = compression.exchange.selector.state_dict()["residuals"]
         return model.get_weights(), residuals, seen, compression.stats.total.nonfinite_steps
 
     weights, residuals, seen, nonfinite = run(poisoned, None)

@@ -4,20 +4,20 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from deepreduce.codecs import _entropy
+from deepreduce.codecs.index import _entropy
 from deepreduce.errors import DecodeError
 import extensions
 
-#: Hypothesis settings of the tests comparing deepreduce.codecs._entropyc's loops with numpy's.
+#: Hypothesis settings of the tests comparing deepreduce.codecs.index._entropyc's loops with numpy's.
 COMPILED_SETTINGS = settings(max_examples=60, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow,
                                                     HealthCheck.function_scoped_fixture])
 compiled_only = pytest.mark.skipif(_entropy._entropyc is None,
-                                   reason="deepreduce.codecs._entropyc is not built")
+                                   reason="deepreduce.codecs.index._entropyc is not built")
 
 
 def both_outcomes(function, *args, messages=True):
-    """``function(*args)`` with deepreduce.codecs._entropyc's loops and with numpy's: each
+    """``function(*args)`` with deepreduce.codecs.index._entropyc's loops and with numpy's: each
     result, or its DecodeError as ``"DecodeError: message"`` (``"DecodeError"`` alone
     when ``messages`` is False: the two implementations word them differently)."""
     def outcome():

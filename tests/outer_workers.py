@@ -77,7 +77,7 @@ def check_identical(rank):
     last = outer.stats.last
     return {"digests": digests, "synced": synced, "outer_steps": outer.outer_steps,
             "sent": last.bytes_sent, "dense": last.dense_bytes,
-            "residuals": len(outer.exchange.memory), "beta": outer.exchange.memory.beta}
+            "residuals": len(outer.exchange.selector.memory), "beta": outer.exchange.selector.memory.beta}
 
 
 def check_dense_reference(rank):
@@ -111,7 +111,7 @@ def check_dense_reference(rank):
                                    for p, r in zip(floating, reference)))
     return {"identical": identical, "worst": worst, "skipped": outer.skipped,
             "count": model.count.tolist(), "frozen": model.frozen.tolist(),
-            "memory": outer.exchange.memory is None, "sent": outer.stats.last.bytes_sent,
+            "memory": outer.exchange.selector.memory is None, "sent": outer.stats.last.bytes_sent,
             "dense": outer.dense_bytes}
 
 
@@ -148,7 +148,7 @@ def check_sparseloco_reference(rank):
         if outer.step():
             identical.append(all(torch.equal(p, r) for p, r in zip(params, reference)))
             worst = max(worst, max((p - r).abs().max().item() for p, r in zip(params, reference)))
-    residuals_match = all(np.array_equal(outer.exchange.memory.residual(name), res)
+    residuals_match = all(np.array_equal(outer.exchange.selector.memory.residual(name), res)
                           for name, res in zip(outer.names, residuals))
     return {"identical": identical, "worst": worst, "kept": kept,
             "residuals_match": residuals_match}

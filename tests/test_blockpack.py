@@ -1,4 +1,4 @@
-"""The block-packed index code: its layout, its compiled loops (deepreduce.codecs._entropyc) against
+"""The block-packed index code: its layout, its compiled loops (deepreduce.codecs.index._entropyc) against
 numpy's, and the streams it refuses.
 
 Both implementations must write the same stream for every set, decode every stream to
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deepreduce.codecs import _entropy
-from deepreduce.codecs.blockpack import BLOCK, BlockpackIndices, bit_lengths
+from deepreduce.codecs.index import _entropy
+from deepreduce.codecs.index.blockpack import BLOCK, BlockpackIndices, bit_lengths
 import extensions
 from index_sets import COMPILED_SETTINGS, both_outcomes, compiled_only, random_set, round_trip, same
 

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import deepreduce as dr
 from deepreduce.codecs._murmur import RangeHasher, key_bytes_for, murmur3_32
-from deepreduce.codecs import bloom
-from deepreduce.codecs.bloom import (POLICIES, BloomFilter, BloomIndices, filter_geometry,
+from deepreduce.codecs.index import bloom
+from deepreduce.codecs.index.bloom import (POLICIES, BloomFilter, BloomIndices, filter_geometry,
                                      pattern_table, predicted_fpr)
 from deepreduce.errors import DecodeError
 import extensions
@@ -203,7 +203,7 @@ def test_implementation_is_reported():
 
 # ----------------------------------------------------------------- the C entry point
 
-compiled = pytest.mark.skipif(bloom._bloomscan is None, reason="deepreduce.codecs._bloomscan not built")
+compiled = pytest.mark.skipif(bloom._bloomscan is None, reason="deepreduce.codecs.index._bloomscan not built")
 
 
 def scan_arguments(**changes):

@@ -1,5 +1,5 @@
 """The chunked index codec: exactly k per chunk at the bound log2 C(C, k) / k, lossless and
-strict, with its compiled range coder (deepreduce.codecs._chunkc) and its Python loop giving
+strict, with its compiled range coder (deepreduce.codecs.index._chunkc) and its Python loop giving
 the same bytes."""
 
 import math
@@ -9,14 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import deepreduce as dr
-from deepreduce.codecs import chunked
-from deepreduce.codecs.chunked import FLAT, GENERAL, TILES, ChunkedIndices, find_layout
+from deepreduce.codecs.index import chunked
+from deepreduce.codecs.index.chunked import FLAT, GENERAL, TILES, ChunkedIndices, find_layout
 from deepreduce.errors import DecodeError
 import extensions
 
 implementation = extensions.fixture(chunked, "_chunkc", "implementation")
 compiled_only = pytest.mark.skipif(chunked._chunkc is None,
-                                   reason="deepreduce.codecs._chunkc is not built")
+                                   reason="deepreduce.codecs.index._chunkc is not built")
 SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 

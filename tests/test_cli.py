@@ -88,7 +88,7 @@ def test_inspect_reads_bundles(tmp_path, capsys):
 
     rng = np.random.default_rng(1)
     grads = [rng.standard_normal(shape).astype(np.float32) for shape in ((5000,), (8,), (3, 4))]
-    bundle = GradientExchange(dr.TopK(0.01), index="golomb", value="fp16").encode_bundle(
+    bundle = GradientExchange(sparsifier=dr.TopK(0.01), index="golomb", value="fp16").encode_bundle(
         ["w", "b", "c"], grads)
     path = tmp_path / "step.drb"
     path.write_bytes(bundle + bundle)   # what an allgather of two ranks holds

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import deepreduce as dr
-from deepreduce.exchange import allgather as allgather_exchange, parallel
-from deepreduce.codecs import _entropy, bloom, floats, golomb, qsgd
+from deepreduce.exchange import gathering, parallel
+from deepreduce.codecs.index import _entropy, bloom, golomb
+from deepreduce.codecs.values import floats, qsgd
 from deepreduce import sums
 from deepreduce.config import ExchangeConfig
 from deepreduce.exchange import GradientExchange
@@ -86,15 +87,15 @@ SHARED_BELOW = 1 << 16
 
 @pytest.fixture(autouse=True)
 def smaller_shared_payloads(monkeypatch):
-    monkeypatch.setattr(allgather_exchange, "SHARED_BELOW", SHARED_BELOW)
-    monkeypatch.setattr(allgather_exchange, "PAYLOAD_ELEMENTS", SHARED_BELOW)
+    monkeypatch.setattr(gathering, "SHARED_BELOW", SHARED_BELOW)
+    monkeypatch.setattr(gathering, "PAYLOAD_ELEMENTS", SHARED_BELOW)
 
 
 @pytest.fixture
 def every_coding_on_threads(monkeypatch):
     """Small tensors on the codec threads too (they keep to the caller's otherwise)."""
-    monkeypatch.setattr(allgather_exchange, "PARALLEL_ENTRIES", 0)
-    monkeypatch.setattr(allgather_exchange, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(gathering, "PARALLEL_ENTRIES", 0)
+    monkeypatch.setattr(gathering, "PARALLEL_BYTES", 0)
 
 
 # --------------------------------------------------------- the same bytes and sums
@@ -131,7 +132,7 @@ def test_threads_code_the_same_bundles_sums_and_residuals(settings, every_coding
             bundles = [ex.encode_bundle(names, gradients(rng, step)) for ex in exchanges]
             sums = exchanges[1].decode_bundles(bundles, ranks=ranks, rank=1)
             steps.append((bundles, sums))
-        runs[threads] = steps, [ex.state_dict() for ex in exchanges]
+        runs[threads] = steps, [ex.selector.state_dict() for ex in exchanges]
     (one, one_states), (three, three_states) = runs[1], runs[3]
     for (bundles, sums), (bundles3, sums3) in zip(one, three):
         assert bundles == bundles3
@@ -148,13 +149,13 @@ def test_threads_code_the_same_bundles_sums_and_residuals(settings, every_coding
 
 def test_a_failed_coding_on_threads_raises_the_first_and_leaves_every_residual(
         monkeypatch, every_coding_on_threads):
-    ex = GradientExchange(dr.TopK(0.01), value="fp16", codec_threads=3)
+    ex = GradientExchange(sparsifier=dr.TopK(0.01), value="fp16", codec_threads=3)
     rng = np.random.default_rng(3)
     names = ["s1", "s2", "a", "b", "c"]
     grads = [rng.standard_normal(size).astype(np.float32)
              for size in (2048, 4096, SHARED_BELOW, 4 * SHARED_BELOW, SHARED_BELOW)]
     ex.encode_bundle(names, grads)
-    owed = [g + ex.memory.residual(name) for name, g in zip(names, grads)]
+    owed = [g + ex.selector.memory.residual(name) for name, g in zip(names, grads)]
 
     def failing(name):
         def encode_sparse(selected, dense=None):
@@ -166,7 +167,7 @@ def test_a_failed_coding_on_threads_raises_the_first_and_leaves_every_residual(
     with pytest.raises(RuntimeError, match="coding b failed"):
         ex.encode_bundle(names, grads)
     for name, expected in zip(names, owed):
-        np.testing.assert_array_equal(ex.memory.residual(name), expected)
+        np.testing.assert_array_equal(ex.selector.memory.residual(name), expected)
 
 
 def test_codings_that_share_a_random_stream_stay_on_one_thread():
@@ -295,7 +296,7 @@ def record_compiled_calls(monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.skipif(floats._halfcast is None, reason="deepreduce.codecs._halfcast is not built")
+@pytest.mark.skipif(floats._halfcast is None, reason="deepreduce.codecs.values._halfcast is not built")
 def test_short_loops_keep_the_gil():
     # handing the GIL over and back costs more than a loop this short
     values, out = np.ones(1000, np.float32), np.empty(1000, np.float16)

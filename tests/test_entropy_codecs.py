@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import deepreduce as dr
 from deepreduce import bits as _bits
-from deepreduce.codecs import _entropy, auto, golomb, huffman, runs
+from deepreduce.codecs.index import _entropy, auto, golomb, huffman, runs
 from deepreduce.errors import DecodeError
 from deepreduce.registry import get_codec, registered_codecs
 from index_sets import assert_valid, random_set, round_trip
@@ -302,7 +302,7 @@ def test_auto_codes_a_tensors_next_sets_with_its_clear_winner(monkeypatch):
 def test_the_exchange_gives_each_tensor_its_own_auto():
     from deepreduce.config import ExchangeConfig
     from deepreduce.exchange.selection import Selector
-    selector = Selector(ExchangeConfig(dr.TopK(0.01), index="auto", value="fp16"))
+    selector = Selector(ExchangeConfig(sparsifier=dr.TopK(0.01), index="auto", value="fp16"))
     a, b = (selector.pipeline_of(name).index_codec for name in ("a", "b"))
     assert a is not b and a == b == selector.pipeline.index_codec
     assert a._memory is not None and selector.pipeline.index_codec._memory is None
@@ -319,7 +319,7 @@ def test_a_checkpoint_keeps_what_each_tensors_auto_remembers():
     uniform = [np.zeros(n, np.float32) for _ in range(3)]
     for g in uniform:  # what a full choice codes with Golomb
         g[rng.choice(n, k, replace=False)] = 1.0
-    config = ExchangeConfig(dr.TopK(k=k), index="auto", value="fp16", error_feedback=False)
+    config = ExchangeConfig(sparsifier=dr.TopK(k=k), index="auto", value="fp16", error_feedback=False)
 
     def payloads(selector, gradients):
         out = []

@@ -12,18 +12,16 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import deepreduce as dr
-from deepreduce.exchange import allgather as allgather_exchange, decoding, gradient_exchange, stats
+from deepreduce.exchange import decoding, gathering, gradient_exchange, stats
 from deepreduce.bundle import pack_bundle, split_bundles
 from deepreduce.exchange import GradientExchange
 
 
-def make_exchange(*args, **settings):
+def make_exchange(sparsifier=None, **settings):
     """A GradientExchange with these tests' baseline, every non-zero with raw values,
     unless they set otherwise (the library's defaults are Top-1% and fp16)."""
-    if not args:
-        settings.setdefault("sparsifier", None)
     settings.setdefault("value", "raw")
-    return GradientExchange(*args, **settings)
+    return GradientExchange(sparsifier=sparsifier, **settings)
 
 
 @pytest.mark.parametrize("module", [gradient_exchange, stats])
@@ -107,9 +105,9 @@ def test_selections_sharing_a_payload_deliver_what_they_would_alone(
     # tensors from min_size up to SHARED_BELOW elements share payloads of their
     # selections; each delivers what coding it alone would, so the sums and the
     # residuals are the same bits
-    monkeypatch.setattr(allgather_exchange, "SHARED_BELOW", 1 << 13)
-    monkeypatch.setattr(allgather_exchange, "PAYLOAD_ELEMENTS", payload_elements)
-    monkeypatch.setattr(allgather_exchange, "SUMMED_WHOLE_BELOW", summed_whole_below)
+    monkeypatch.setattr(gathering, "SHARED_BELOW", 1 << 13)
+    monkeypatch.setattr(gathering, "PAYLOAD_ELEMENTS", payload_elements)
+    monkeypatch.setattr(gathering, "SUMMED_WHOLE_BELOW", summed_whole_below)
     shapes = [(60, 50), (300,), (1 << 13,), (50, 40), (2000,), (5,)]
     names = ["a", "b", "big", "c", "d", "tiny"]
 
@@ -128,8 +126,8 @@ def test_selections_sharing_a_payload_deliver_what_they_would_alone(
                              alone[0].decode_bundles(b"".join(separate), 2, 0)):
             assert got.tobytes() == want.tobytes()
         for name in names[:5]:
-            assert shared[1].memory.residual(name).tobytes() == \
-                alone[1].memory.residual(name).tobytes()
+            assert shared[1].selector.memory.residual(name).tobytes() == \
+                alone[1].selector.memory.residual(name).tobytes()
     assert sum(map(len, bundles)) < sum(map(len, separate))
 
 
@@ -255,9 +253,9 @@ def test_error_feedback_is_exact_and_small_tensors_are_lossless():
             received = part.to_dense()
             compensated = g + previous[name]
             if g.size < 20:
-                assert np.array_equal(received, g) and c.memory.residual(name) is None
+                assert np.array_equal(received, g) and c.selector.memory.residual(name) is None
                 continue
-            residual = c.memory.residual(name)
+            residual = c.selector.memory.residual(name)
             # what was delivered plus what is kept is exactly what was to be sent
             assert np.array_equal(received + residual, compensated)
             assert np.count_nonzero(received) == int(np.ceil(0.05 * g.size))
@@ -268,14 +266,18 @@ def test_error_feedback_is_exact_and_small_tensors_are_lossless():
     assert c.stats.last.dense_bytes == 4 * (5000 + 10 + 300) and c.stats.last.ratio > 5
 
 
-def test_memory_off_and_shared_memory():
-    assert make_exchange(dr.TopK(1), index="varint", error_feedback=False).memory is None
-    assert isinstance(make_exchange(index="varint", error_feedback=True).memory,
-                      dr.ResidualMemory)
-    memory = dr.ResidualMemory(beta=0.5)
-    c = make_exchange(dr.TopK(1), index="varint", error_feedback=memory, min_size=0)
+def test_error_feedback_is_a_decay_or_off():
+    assert make_exchange(dr.TopK(1), index="varint", error_feedback=False).selector.memory is None
+    assert make_exchange(index="varint", error_feedback=None).selector.memory is None
+    assert make_exchange(index="varint", error_feedback=True).selector.memory.beta == 1.0
+    c = make_exchange(dr.TopK(1), index="varint", error_feedback=0.5, min_size=0)
+    assert c.config.error_feedback == 0.5 and c.selector.memory.beta == 0.5
     c.encode_bundle(["x"], [np.array([1.0, 3.0], np.float32)])
-    assert np.array_equal(memory.residual("x"), [1.0, 0.0])
+    assert np.array_equal(c.selector.memory.residual("x"), [1.0, 0.0])
+    assert np.array_equal(c.selector.memory.accumulate("x", np.zeros(2, np.float32)), [0.5, 0])
+    for wrong in (1.5, -0.1, "residual", dr.ResidualMemory()):
+        with pytest.raises(ValueError, match="error_feedback must be a decay in"):
+            make_exchange(error_feedback=wrong)
 
 
 def test_sparse_inputs_reduce_to_rows():
@@ -299,7 +301,7 @@ def test_sparse_input_with_error_feedback_stays_sparse_selection():
     # the residual (0.5 at 40) joins the next sparse gradient's entries
     payload, received = c.encode_tensor(dr.SparseTensor([0.25], [41], (50,)), "e")
     assert received.indices.tolist() == [40, 41]
-    assert np.count_nonzero(c.memory.residual("e")) == 0
+    assert np.count_nonzero(c.selector.memory.residual("e")) == 0
 
 
 @pytest.mark.parametrize("value", ["fp16", "qsgd"])
@@ -418,7 +420,7 @@ def test_seed_reaches_specs_and_makes_runs_reproducible():
     # a seed in the spec wins over the Compression's
     assert bundles(sparsifier="randomk:0.01,seed=9", seed=3) == \
         bundles(sparsifier="randomk:0.01,seed=9", seed=4)
-    assert make_exchange("randomk:0.01", index="varint", seed=5).pipeline.sparsifier.seed == 5
+    assert make_exchange("randomk:0.01", index="varint", seed=5).selector.pipeline.sparsifier.seed == 5
 
 
 def test_curve_fit_values_take_the_default_index():
@@ -431,12 +433,13 @@ def test_curve_fit_values_take_the_default_index():
         make_exchange(value="polyfit", index="varint")
 
 
-def test_old_names_of_error_feedback_still_work_with_a_warning():
-    for old in ("memory", "use_error_feedback"):
-        with pytest.warns(DeprecationWarning, match=f"{old}= is deprecated"):
-            assert make_exchange(index="varint", **{old: None}).memory is None
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
-        make_exchange(memory=None, error_feedback=True)
+def test_front_ends_take_settings_by_name_only():
+    with pytest.raises(TypeError):
+        GradientExchange(dr.TopK(0.01))
+    with pytest.raises(TypeError, match="memory"):
+        make_exchange(memory=None)     # (0.1's name of error_feedback)
+    with pytest.raises(ValueError, match="not both"):
+        GradientExchange(config=dr.ExchangeConfig(), value="raw")
 
 
 @pytest.mark.parametrize("kwargs", [{"min_size": -1}, {"min_size": 1.5},
@@ -545,7 +548,7 @@ def test_reducing_communicators_feed_back_exactly(communicator, options):
             corrected = [g + previous[r][n] for n, g in zip(names, grads[r][step])]
             outputs.append(c.reduce_async(names, grads[r][step], member).result()[0])
             for name, x in zip(names, corrected):
-                residual = c.memory.residual(name)
+                residual = c.selector.memory.residual(name)
                 if x.size < 20:
                     assert residual is None
                     continue
@@ -581,7 +584,7 @@ def test_block_threshold_spares_small_tensors():
     reduced_small, reduced_large = on_threads(2, rank_main)[0]
     assert np.array_equal(reduced_small, 2 * small)      # below min_size: no threshold
     assert np.array_equal(reduced_large, [0, 0, 0, 0, 6, 0, 0, 0])  # first block left behind
-    assert np.array_equal(c[0].memory.residual("l"), [0.25, 0, 0, 0, 0, 0, 0, 0])
+    assert np.array_equal(c[0].selector.memory.residual("l"), [0.25, 0, 0, 0, 0, 0, 0, 0])
 
 
 def test_reducing_communicators_reduce_sparse_inputs_to_rows():
@@ -663,7 +666,7 @@ def test_reduce_async_reusing_out_resets_only_what_it_wrote(
     from deepreduce.collectives import ThreadTransport
 
     if summed_whole_below is not None:
-        monkeypatch.setattr(allgather_exchange, "SUMMED_WHOLE_BELOW", summed_whole_below)
+        monkeypatch.setattr(gathering, "SUMMED_WHOLE_BELOW", summed_whole_below)
     names = [f"t{i}" for i in range(len(shapes))]
     reused, fresh = ([make_exchange(dr.TopK(0.05), index="auto", value="fp16", seed=r)
                       for r in range(2)] for _ in range(2))
@@ -715,12 +718,12 @@ def test_random_streams_are_per_tensor_and_checkpointable(settings):
     first = payloads(one, ["a", "b"], [a, b])
     # the other order draws the same for each tensor: streams do not depend on call order
     assert payloads(other, ["b", "a"], [b, a]) == first
-    state = one.random_state()
+    state = one.selector.random_state()
     assert state and all(key.split("/")[0] in ("a", "b") for key in state)
     later = payloads(one, ["a", "b"], [a, b])
     assert later != first                          # the streams moved on
     restored = make_exchange(index="varint", error_feedback=False, **settings)
-    restored.set_random_state(state)
+    restored.selector.set_random_state(state)
     assert payloads(restored, ["a", "b"], [a, b]) == later
 
 
@@ -736,7 +739,7 @@ def test_exchange_state_dict_continues_exactly():
     uninterrupted = run(through, grads)
     first = make_exchange(**settings)
     run(first, grads[:2])
-    saved = pickle.loads(pickle.dumps(first.state_dict()))
+    saved = pickle.loads(pickle.dumps(first.selector.state_dict()))
     resumed = make_exchange(**settings)
-    resumed.load_state_dict(saved)
+    resumed.selector.load_state_dict(saved)
     assert run(resumed, grads[2:]) == uninterrupted[2:]

@@ -1,4 +1,4 @@
-"""The Golomb codec's C loops (deepreduce.codecs._entropyc) and the varints' (deepreduce._varint)
+"""The Golomb codec's C loops (deepreduce.codecs.index._entropyc) and the varints' (deepreduce._varint)
 give numpy's bits exactly.
 
 Both implementations must give the same stream for every set and parameter,
@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deepreduce import bits as _bits
-from deepreduce.codecs import _entropy, golomb, runs
-from deepreduce.codecs.golomb import GolombIndices
+from deepreduce.codecs.index import _entropy, golomb, runs
+from deepreduce.codecs.index.golomb import GolombIndices
 import extensions
 from index_sets import (COMPILED_SETTINGS, both_outcomes, bit_flipped, compiled_only, random_set,
                         round_trip, same)

@@ -187,7 +187,7 @@ def test_error_feedback_conserves_the_sum():
     owed = np.zeros(3001, np.float64)
     for rank, exchange in enumerate(exchanges):
         local = rank % LOCAL
-        owed[bounds[local]:bounds[local + 1]] += exchange.memory.residual("g")
+        owed[bounds[local]:bounds[local + 1]] += exchange.selector.memory.residual("g")
     np.testing.assert_allclose(delivered + owed, np.sum(grads, axis=0), atol=1e-5)
     assert np.count_nonzero(delivered) <= 2 * 2 * (3001 // 2 // 50 + 1)
 
@@ -208,11 +208,11 @@ def test_checkpoint_resumes_bit_for_bit():
     uninterrupted = run_ranks(lambda m: run(straight, m, range(6)))
     first = [hierarchical_exchange_of(**settings) for _ in range(P)]
     run_ranks(lambda m: run(first, m, range(3)))
-    states = [pickle.loads(pickle.dumps(e.state_dict())) for e in first]
+    states = [pickle.loads(pickle.dumps(e.selector.state_dict())) for e in first]
     resumed = [pickle.loads(pickle.dumps(hierarchical_exchange_of(**settings)))
                for _ in range(P)]
     for exchange, state in zip(resumed, states):
-        exchange.load_state_dict(state)
+        exchange.selector.load_state_dict(state)
         assert state["residuals"]["w"].size in (536, 537)  # a shard of the 1,073
     second = run_ranks(lambda m: run(resumed, m, range(3, 6)))
     for rank in range(P):
@@ -322,10 +322,10 @@ def test_pay_adds_each_residual_into_its_shard():
     def rank_main(member):
         exchange = exchanges[member.rank]
         exchange.reduce_async(["g"], [grads[member.rank]], member).result()
-        owed = exchange.memory.residual("g").copy()
+        owed = exchange.selector.memory.residual("g").copy()
         target = np.zeros(100, np.float32)
         exchange.pay(["g"], [target], member)
-        return owed, target, "g" in exchange.memory
+        return owed, target, "g" in exchange.selector.memory
 
     for rank, (owed, target, still) in enumerate(run_ranks(rank_main)):
         local = rank % LOCAL

@@ -182,7 +182,7 @@ import deepreduce.horovod.tensorflow as drh
 tf.config.threading.set_inter_op_parallelism_threads(1)
 hvd.init()
 v = tf.Variable(tf.ones([4096]))
-compression = drh.Compression(dr.TopK(0.01), index="varint", communicator="sparse_allreduce")
+compression = drh.Compression(sparsifier=dr.TopK(0.01), index="varint", communicator="sparse_allreduce")
 
 @tf.function
 def step():

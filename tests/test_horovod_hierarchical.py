@@ -130,9 +130,12 @@ def test_topk_error_feedback_trains_alike_on_every_rank(four_ranks):
 
 
 def test_ranks_configured_differently_fail_everywhere(four_ranks):
+    # the settings every rank compares before its first step name the difference
     for found in findings(four_ranks, "check_misconfigured"):
         assert found["raised"] == "ValueError"
-        assert "local_size: 2 on ranks 0, 1, 2; 4 on rank 3" in found["message"]
+        assert "communicator_options: {'local_size': 2," in found["message"]
+        assert "on ranks 0, 1, 2; {'local_size': 4," in found["message"]
+        assert found["message"].endswith("on rank 3")
 
 
 def test_sets_registered_at_init_serve_without_dynamic_process_sets(tmp_path):

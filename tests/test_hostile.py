@@ -16,9 +16,9 @@ import pytest
 import deepreduce as dr
 from deepreduce import cli, container, pipeline
 from deepreduce import bits as _bits
-from deepreduce.codecs.bloom import BloomFilter, BloomIndices
-from deepreduce.codecs.huffman import HuffmanIndices
-from deepreduce.codecs.polyfit import PolyFitValues
+from deepreduce.codecs.index.bloom import BloomFilter, BloomIndices
+from deepreduce.codecs.index.huffman import HuffmanIndices
+from deepreduce.codecs.values.polyfit import PolyFitValues
 
 #: Far above what any of these checks takes, far below what the attacks cost.
 QUICK = 1.0
@@ -114,7 +114,7 @@ def test_deflate_values_of_an_impossible_size_are_a_decode_error(tmp_path):
 
 @pytest.mark.timing
 def test_zstd_frame_declaring_more_than_it_can_hold():
-    from deepreduce.codecs.zstd import zstd_compress, zstd_decompress
+    from deepreduce.codecs._zstd import zstd_compress, zstd_decompress
 
     # a magicless frame: single segment with an 8-byte content size of 2**40, then
     # one last RLE block of 100 bytes; a decoder trusting the size allocates 1 TiB
@@ -184,7 +184,7 @@ def test_header_fields_are_bounded():
 
 @pytest.mark.parametrize("name", ["eliasfano", "huffman", "varint"])
 def test_auto_tags_are_bound_to_fixed_codecs_not_to_the_registry(name):
-    from deepreduce.codecs.auto import TAG_CODECS, TAGS
+    from deepreduce.codecs.index.auto import TAG_CODECS, TAGS
     from deepreduce.registry import register_codec
 
     original = TAG_CODECS[TAGS.index(name)]
@@ -205,8 +205,8 @@ def test_auto_tags_are_bound_to_fixed_codecs_not_to_the_registry(name):
 
 
 def test_the_pipeline_checks_the_order_unless_the_codec_vouches_for_it():
-    from deepreduce.codecs.auto import COMPLEMENT, TAGS
-    from deepreduce.codecs.varint import VarintIndices
+    from deepreduce.codecs.index.auto import COMPLEMENT, TAGS
+    from deepreduce.codecs.index.varint import VarintIndices
     from deepreduce.registry import register_codec
 
     indices = np.array([3, 9, 40], np.int64)

@@ -1,8 +1,8 @@
-"""The Huffman codec's C loops (deepreduce.codecs._entropyc) give the numpy fallback's bits exactly.
+"""The Huffman codec's C loops (deepreduce.codecs.index._entropyc) give the numpy fallback's bits exactly.
 
 Every test that takes the ``implementation`` fixture runs once with the
 compiled loops and once with them switched off (the numpy code in
-codecs/huffman.py and codecs/_entropy.py); the comparisons run both in one test.
+codecs/index/huffman.py and codecs/index/_entropy.py); the comparisons run both in one test.
 """
 
 import numpy as np
@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deepreduce import bits as _bits
-from deepreduce.codecs import _entropy, huffman
-from deepreduce.codecs.huffman import HuffmanIndices
+from deepreduce.codecs.index import _entropy, huffman
+from deepreduce.codecs.index.huffman import HuffmanIndices
 import extensions
 from index_sets import (COMPILED_SETTINGS, both_outcomes, bit_flipped, compiled_only, random_set,
                         round_trip, same)
@@ -51,7 +51,7 @@ def test_edge_cases_round_trip(implementation, precision, block, case):
        kind=st.sampled_from(["uniform", "sparse", "runs", "blocks"]))
 def test_streams_and_decodes_are_identical(precision, block, n, seed, kind):
     if _entropy._entropyc is None:
-        pytest.skip("deepreduce.codecs._entropyc is not built")
+        pytest.skip("deepreduce.codecs.index._entropyc is not built")
     codec = HuffmanIndices(precision, block)
     indices = random_set(np.random.default_rng(seed), n, kind)
     data = same(both_outcomes(codec.encode, indices, n))
@@ -130,7 +130,7 @@ def test_encoded_bits_estimate_uses_the_same_buckets(implementation):
 def test_sampled_estimates_are_identical(precision, block, n, seed, step, kind):
     """auto's Huffman estimate: the compiled call gives numpy's bits and gap count."""
     if _entropy._entropyc is None:
-        pytest.skip("deepreduce.codecs._entropyc is not built")
+        pytest.skip("deepreduce.codecs.index._entropyc is not built")
     indices = random_set(np.random.default_rng(seed), n, kind)
     if indices.size:
         same(both_outcomes(huffman.estimate_gap_bits, indices, step, precision, block))

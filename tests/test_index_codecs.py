@@ -8,8 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepreduce import bits as _bits
-from deepreduce.codecs.deflate import DeflateIndices, deflate
-from deepreduce.codecs.zstd import ZstdIndices, zstd_compress
+from deepreduce.codecs._deflate import deflate
+from deepreduce.codecs._zstd import zstd_compress
+from deepreduce.codecs.index.deflate import DeflateIndices
+from deepreduce.codecs.index.zstd import ZstdIndices
 from deepreduce.errors import DecodeError
 from deepreduce.registry import get_codec
 from index_sets import assert_valid, random_set, round_trip
@@ -119,14 +121,14 @@ def test_empty_set_stream(codec_id):
 
 
 def test_bitpack_width_follows_n():
-    from deepreduce.codecs.bitpack import BitpackIndices
+    from deepreduce.codecs.index.bitpack import BitpackIndices
     assert [BitpackIndices.width(n) for n in (0, 1, 2, 3, 4, 5, 2**32, 2**32 + 1)] == \
         [0, 0, 1, 2, 2, 3, 32, 33]
 
 
 @pytest.mark.parametrize("n, nnz", [(64, 4), (1000, 10), (10**6, 10**4), (2**33, 3), (7, 7)])
 def test_eliasfano_size(n, nnz):
-    from deepreduce.codecs.eliasfano import EliasFanoIndices
+    from deepreduce.codecs.index.eliasfano import EliasFanoIndices
     indices = np.sort(np.random.default_rng(0).choice(n, nnz, replace=False))
     low_bits = EliasFanoIndices.low_bits(n, nnz)
     assert 2**low_bits <= n / nnz < 2**(low_bits + 1) or low_bits == 0
@@ -522,7 +524,7 @@ def test_varint_gap_bytes_bound_is_tight_enough():
 
 
 def test_remembered_golomb_parameters_are_the_computed_ones():
-    from deepreduce.codecs import golomb
+    from deepreduce.codecs.index import golomb
     for mean in [0.0, -0.0, 0.5, 1.0, 3.7, 99.0, 99.0, 1e6, 12345.678]:
         for mode in golomb.MODES:
             assert golomb.choose_parameter(mean, mode) == golomb._parameter_of(mean, mode)

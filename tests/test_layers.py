@@ -1,9 +1,11 @@
 """The layers import one way: each module only from its own layer or those below (issue 44);
-the codecs depend on the core, never the reverse (issue 15); the collectives know no
-framework (issue 30)."""
+the codecs depend on the core, never the reverse (issue 15); the collectives (issue 30) and
+the exchange (issue 51) know no framework."""
 
 import ast
 import pathlib
+
+import pytest
 
 import deepreduce
 import deepreduce.codecs
@@ -33,8 +35,19 @@ def test_core_modules_do_not_import_the_codecs():
     assert offenders == {}
 
 
-#: The frameworks deepreduce integrates with; the collectives know none of them (issue 30).
+#: The frameworks deepreduce integrates with; the collectives (issue 30) and the exchange
+#: with its settings (issue 51) know none of them.
 FRAMEWORKS = ("horovod", "tensorflow", "torch", "keras", "jax")
+FRAMEWORK_FREE = ("collectives", "exchange", "config.py")
+
+#: Methods of a framework's tensors that numpy arrays lack: code that calls them works on
+#: the framework's tensors itself, without importing it. The exchange hands such tensors
+#: to its selector instead (deepreduce.torch.device.DeviceSelector for torch's). Any
+#: other method whose name ends in one underscore is one of torch's in-place operations.
+TENSOR_METHODS = {"new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "numel",
+                  "clone", "detach", "cpu", "cuda", "to", "half", "bfloat16", "dim",
+                  "element_size", "is_floating_point", "is_contiguous", "data_ptr",
+                  "pin_memory", "contiguous", "record_stream", "untyped_storage", "numpy"}
 
 
 def framework_imports(path: pathlib.Path):
@@ -54,12 +67,47 @@ def framework_imports(path: pathlib.Path):
                 yield node.lineno, str(argument.value)
 
 
-def test_the_collectives_import_no_framework():
-    offenders = [f"{path.relative_to(CORE)}:{line} imports {module}"
-                 for path in sorted((CORE / "collectives").rglob("*.py"))
-                 for line, module in framework_imports(path)
-                 if module.split(".")[0] in FRAMEWORKS]
-    assert offenders == []
+def tensor_method_calls(path: pathlib.Path):
+    """``(line, method)`` of every call in ``path`` of a method that only a framework's
+    tensors have (:data:`TENSOR_METHODS`, or an in-place ``name_``)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method = node.func.attr
+            if method in TENSOR_METHODS or (method.endswith("_") and not method.endswith("__")
+                                            and not method.startswith("_")):
+                yield node.lineno, method
+
+
+def framework_uses(paths) -> list:
+    """Where ``paths`` import a framework or call a method of its tensors."""
+    offenders = []
+    for path in paths:
+        offenders += [f"{path.relative_to(CORE)}:{line} imports {module}"
+                      for line, module in framework_imports(path)
+                      if module.split(".")[0] in FRAMEWORKS]
+        offenders += [f"{path.relative_to(CORE)}:{line} calls .{method}()"
+                      for line, method in sorted(tensor_method_calls(path))]
+    return offenders
+
+
+@pytest.mark.parametrize("part", FRAMEWORK_FREE)
+def test_the_framework_free_layers_use_no_framework(part):
+    paths = sorted((CORE / part).rglob("*.py")) if (CORE / part).is_dir() else [CORE / part]
+    assert paths and framework_uses(paths) == []
+
+
+def test_the_framework_check_sees_a_tensor_handled_in_place(monkeypatch):
+    # what exchange/summing.py did before issue 51, in a module of the collectives
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: (
+        "import numpy as np\n"
+        "def f(first, out, size):\n"
+        "    whole = first.new_empty(size)\n"
+        "    out.reshape(-1).copy_(whole[:size])\n"
+        "    return np.zeros(size).reshape(-1), whole.numel(), out.__add__(1)\n"))
+    module = CORE / "collectives" / "block.py"
+    assert framework_uses([module]) == ["collectives/block.py:3 calls .new_empty()",
+                                        "collectives/block.py:4 calls .copy_()",
+                                        "collectives/block.py:5 calls .numel()"]
 
 
 def test_the_framework_check_sees_imports_anywhere(tmp_path):
@@ -87,19 +135,11 @@ LAYERS = [
     # the collectives over a transport, free of frameworks
     ("deepreduce.collectives",),
     # the exchange of one step's gradients, and its settings
-    # (deepreduce.selection, .memory and .stats: its modules' old paths, re-exporting)
-    ("deepreduce.exchange", "deepreduce.config", "deepreduce.selection", "deepreduce.memory",
-     "deepreduce.stats"),
+    ("deepreduce.exchange", "deepreduce.config"),
     # the integrations, the command line, the public entry point
     ("deepreduce.horovod", "deepreduce.torch", "deepreduce.cli", "deepreduce.testing",
      "deepreduce"),
 ]
-#: Old paths kept for code outside the package, re-exporting from above (module: why).
-UPWARD_SHIMS = {"deepreduce.collectives.hierarchical":
-                "deepreduce.config imports check_options from this old path of "
-                "deepreduce.exchange.topology"}
-
-
 def layer_of(module: str) -> int | None:
     """The layer of the dotted ``module`` (None: not deepreduce's)."""
     best = None
@@ -126,8 +166,7 @@ def upward_imports(paths) -> list:
         own = layer_of(name)
         for line, module in deepreduce_imports(path):
             theirs = layer_of(module)
-            if own is not None and theirs is not None and theirs > own \
-                    and name not in UPWARD_SHIMS:
+            if own is not None and theirs is not None and theirs > own:
                 offenders.append(f"{name}:{line} imports {module}")
     return offenders
 
@@ -200,15 +239,18 @@ def test_the_codec_families_share_helpers_and_never_import_each_other():
 #: import each other; the package's __init__ re-exports the facade, above them all.
 EXCHANGE_LAYERS = [
     # the parts a step uses: error feedback, the stats, the codec threads, the
-    # per-tensor selection, the hierarchical topology, the allgather's sums
+    # per-tensor selection, the hierarchical topology, the gathering's sums
     ("memory", "stats", "parallel", "selection", "topology", "summing"),
-    # the one strategy interface, the allgather's encoding and decoding sides, the
+    # the one strategy interface, the gathering's encoding and decoding sides, the
     # hierarchical's layout of the shards
     ("strategy", "encoding", "decoding", "shards"),
     # the strategies
-    ("allgather", "reducing", "hierarchical"),
+    ("gathering", "reducing", "hierarchical"),
     # the facade, which picks a strategy from the settings
     ("gradient_exchange",),
+    # the frame every integration shares around the facade (settings, agreement,
+    # checkpoints), main's deepreduce/exchange/integration.py of issue 51
+    ("integration",),
 ]
 
 
@@ -247,8 +289,15 @@ def test_the_exchange_modules_import_one_way():
 def test_the_exchange_check_sees_a_strategy_importing_another(monkeypatch):
     monkeypatch.setattr(pathlib.Path, "read_text", lambda self: (
         "from deepreduce.exchange.strategy import Step\n"
-        "def f():\n    from deepreduce.exchange.allgather import AllgatherExchange\n"
+        "def f():\n    from deepreduce.exchange.gathering import GatheringExchange\n"
         "from deepreduce.exchange import GradientExchange\n"))
     assert exchange_imports_not_below([CORE / "exchange" / "hierarchical.py"]) == [
-        "exchange/hierarchical.py:3 imports deepreduce.exchange.allgather.AllgatherExchange",
+        "exchange/hierarchical.py:3 imports deepreduce.exchange.gathering.GatheringExchange",
         "exchange/hierarchical.py:4 imports deepreduce.exchange.GradientExchange"]
+
+
+def test_no_exchange_module_shares_a_name_with_a_collective():
+    # (two allgather.py, two hierarchical.py told two different things apart by their
+    # folder alone until issue 51)
+    collectives = {path.stem for path in (CORE / "collectives").glob("*.py")}
+    assert [path.name for path in EXCHANGE_MODULES if path.stem in collectives] == []

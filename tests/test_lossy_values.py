@@ -6,12 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import deepreduce as dr
-from deepreduce.codecs.dexp import DoubleExpValues, curve
-from deepreduce.codecs.floats import SUPPORTED_DTYPES
-from deepreduce.codecs.polyfit import PolyFitValues
-from deepreduce.codecs.qsgd import QSGDValues
-from deepreduce.codecs.sign import SignValues
-from deepreduce.codecs.statq import StatQuantValues
+from deepreduce.codecs.values.dexp import DoubleExpValues, curve
+from deepreduce.codecs.values.dtypes import SUPPORTED_DTYPES
+from deepreduce.codecs.values.polyfit import PolyFitValues
+from deepreduce.codecs.values.qsgd import QSGDValues
+from deepreduce.codecs.values.sign import SignValues
+from deepreduce.codecs.values.statq import StatQuantValues
 from deepreduce.errors import DecodeError
 
 DTYPES = list(SUPPORTED_DTYPES)

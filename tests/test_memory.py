@@ -194,17 +194,17 @@ def test_settle_with_the_selection_has_the_same_bits(value, dtype):
 def test_a_bundle_whose_coding_fails_keeps_every_residual_owed(monkeypatch):
     # the exchange codes a bundle's tensors after all their selections and settles the
     # residuals after all codings: a failure sends nothing, so nothing may be settled
-    from deepreduce.exchange.allgather import SHARED_BELOW
+    from deepreduce.exchange.gathering import SHARED_BELOW
     from deepreduce.exchange import GradientExchange
 
-    ex = GradientExchange(dr.TopK(0.01), value="fp16")
+    ex = GradientExchange(sparsifier=dr.TopK(0.01), value="fp16")
     rng = np.random.default_rng(3)
     # two that share a payload, then two with their own: the last one's coding fails
     names = ["s1", "s2", "a", "b"]
     grads = [rng.standard_normal(size).astype(np.float32)
              for size in (2048, 4096, SHARED_BELOW, SHARED_BELOW)]
     ex.encode_bundle(names, grads)
-    owed = [g + ex.memory.residual(name) for name, g in zip(names, grads)]
+    owed = [g + ex.selector.memory.residual(name) for name, g in zip(names, grads)]
 
     def failing(selected, dense=None):
         raise RuntimeError("codec failed")
@@ -213,7 +213,7 @@ def test_a_bundle_whose_coding_fails_keeps_every_residual_owed(monkeypatch):
     with pytest.raises(RuntimeError, match="codec failed"):
         ex.encode_bundle(names, grads)
     for name, expected in zip(names, owed):
-        np.testing.assert_array_equal(ex.memory.residual(name), expected)
+        np.testing.assert_array_equal(ex.selector.memory.residual(name), expected)
 
 
 @pytest.mark.parametrize("error_feedback", [True, False])
@@ -222,7 +222,7 @@ def test_fp16_beyond_its_range_is_carried_by_error_feedback_and_lost_without(err
     without it the rest is lost (bf16, which has float32's range, loses nothing)."""
     from deepreduce.exchange import GradientExchange
 
-    exchange = GradientExchange(dr.TopK(1), value="fp16", min_size=0,
+    exchange = GradientExchange(sparsifier=dr.TopK(1), value="fp16", min_size=0,
                                 error_feedback=error_feedback)
     gradient = np.zeros(4, np.float32)
     gradient[2] = 200_000.0
@@ -234,6 +234,6 @@ def test_fp16_beyond_its_range_is_carried_by_error_feedback_and_lost_without(err
         if step == 0:
             assert out[2] == 65504.0
     assert delivered == (200_000.0 if error_feedback else 65504.0)
-    bf16 = GradientExchange(dr.TopK(1), value="bf16", min_size=0, error_feedback=False)
+    bf16 = GradientExchange(sparsifier=dr.TopK(1), value="bf16", min_size=0, error_feedback=False)
     (out,) = bf16.decode_bundles(bf16.encode_bundle(["w"], [gradient]), ranks=1, rank=0)
     assert out[2] == 199_680.0   # bf16's nearest to 200,000: rounded, not saturated

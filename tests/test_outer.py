@@ -16,7 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import deepreduce.torch.outer as outer_module  # noqa: E402
-from deepreduce.torch.outer import MODES, OuterOptimizer  # noqa: E402
+from deepreduce.config import ExchangeConfig  # noqa: E402
+from deepreduce.torch.outer import OuterOptimizer  # noqa: E402
 from conftest import findings, free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -122,12 +123,16 @@ def test_modes_defaults_and_bytes(world_of_one):
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 128)
     sparse = OuterOptimizer(model.parameters(), sync_every=1)
-    assert (sparse.lr, sparse.momentum, sparse.nesterov, sparse.beta) == (1.0, 0.0, False, 0.95)
+    assert (sparse.lr, sparse.momentum, sparse.nesterov, sparse.config.error_feedback) == \
+        (1.0, 0.0, False, 0.95)
+    assert sparse.config == ExchangeConfig.sparseloco()
     assert sparse.names == ["0", "1"]
     dense = OuterOptimizer(model.parameters(), mode="diloco", sync_every=1)
-    assert (dense.lr, dense.momentum, dense.nesterov, dense.beta) == (0.7, 0.9, True, None)
+    assert (dense.lr, dense.momentum, dense.nesterov, dense.config.error_feedback) == \
+        (0.7, 0.9, True, None)
+    assert dense.config == ExchangeConfig.diloco()
     half = OuterOptimizer(model.parameters(), mode="diloco", value="bf16", sync_every=1)
-    assert half.beta == 1.0                     # a lossy pipeline feeds its error back
+    assert half.config.error_feedback == 1.0    # a lossy pipeline feeds its error back
     sent = {}
     for name, outer in {"sparse": sparse, "dense": dense, "half": half}.items():
         with torch.no_grad():
@@ -138,7 +143,6 @@ def test_modes_defaults_and_bytes(world_of_one):
     assert sent["dense"] >= dense.dense_bytes > 1.9 * sent["half"]
     # 8 tiles of 64 x 64 with 64 kept: 1.56%, 2-bit values
     assert sent["sparse"] < dense.dense_bytes / 40
-    assert MODES["sparseloco"]["sparsifier"] == "chunktopk:k=64,chunk=4096"
 
 
 def test_arguments_are_checked():

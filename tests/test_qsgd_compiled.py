@@ -1,6 +1,6 @@
-"""QSGD's loops: the compiled ones (deepreduce.codecs._qsgd) and numpy's give the same bits.
+"""QSGD's loops: the compiled ones (deepreduce.codecs.values._qsgd) and numpy's give the same bits.
 
-Both draw the dither of :func:`deepreduce.codecs.qsgd.dither`, so a payload, the values the
+Both draw the dither of :func:`deepreduce.codecs.values.qsgd.dither`, so a payload, the values the
 sender expects to arrive and the decoded values must be identical byte for byte,
 NaN payloads and signed zeros included.
 """
@@ -11,15 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepreduce.bits import pack_fixed
-from deepreduce.codecs import qsgd
-from deepreduce.codecs.floats import SUPPORTED_DTYPES
+from deepreduce.codecs.values import qsgd
+from deepreduce.codecs.values.dtypes import SUPPORTED_DTYPES
 from deepreduce.errors import DecodeError
 import extensions
 
 #: A negative NaN with a payload that survives narrowing to float32 and float16.
 PAYLOAD_NAN = np.uint64(0xFFF9_2345_0000_0000).view(np.float64)
 
-compiled_only = pytest.mark.skipif(qsgd._qsgd is None, reason="deepreduce.codecs._qsgd is not built")
+compiled_only = pytest.mark.skipif(qsgd._qsgd is None, reason="deepreduce.codecs.values._qsgd is not built")
 implementation = extensions.fixture(qsgd, "_qsgd", "implementation")
 
 

@@ -65,7 +65,7 @@ def test_register_custom_codec():
 
 
 def test_decoding_uses_the_codec_registered_now():
-    from deepreduce.codecs.varint import VarintIndices
+    from deepreduce.codecs.index.varint import VarintIndices
 
     payload = dr.compress(np.array([0.0, 2.0, 0.0, 3.0]), index="varint", value="raw")
     dr.decompress(payload)  # its codecs are built and kept for the next payloads
@@ -103,3 +103,13 @@ def test_kept_spec_strings_follow_the_parameters():
     auto.link_gbits = 1
     assert auto.spec() == "auto:link_gbits=1" and auto.header_spec() == "auto"
 
+
+
+def test_the_registry_holds_the_built_in_codecs_in_order():
+    # in the order the families' packages import their modules (issue 44 kept it when it
+    # moved them; issue 51 removed their old paths)
+    assert {family: list(dr.registered_codecs(family)) for family in ("index", "value")} == {
+        "index": ["raw", "bitpack", "varint", "deflate", "zstd", "bitmap", "rle", "eliasfano",
+                  "golomb", "blockpack", "bloom", "huffman", "runs", "auto", "chunked"],
+        "value": ["raw", "fp32", "fp16", "bf16", "deflate", "zstd", "qsgd", "statq", "sign",
+                  "polyfit", "dexp"]}

@@ -147,7 +147,7 @@ def test_exit_waits_until_no_collective_holds_the_last_tensors(world_of_one):
     # GIL to free it; while the interpreter finalises that aborts the process
     # (pytorch/pytorch#179291). The transport keeps the last collective's tensors,
     # and at exit waits until it holds the last reference to each of them.
-    transport = ddp.transport_of()
+    transport = drt.transport_of()
     transport.allgather(b"frame", Traffic(), "test")
     held = transport._held
     # gloo's thread lets go of them just after the collective returns, not before
@@ -256,7 +256,7 @@ def test_state_dict_round_trip_and_settings_check(world_of_one):
     assert set(saved["residuals"]) == {"w"} and saved["iter"] == 0
     other = drt.DeepReduceState(sparsifier=dr.TopK(0.1), start_iter=0)
     other.load_state_dict(saved)
-    assert np.array_equal(other.exchange.memory.residual("w"), saved["residuals"]["w"].numpy())
+    assert np.array_equal(other.exchange.selector.memory.residual("w"), saved["residuals"]["w"].numpy())
     with pytest.raises(ValueError, match="start_iter"):
         drt.DeepReduceState(sparsifier=dr.TopK(0.1), start_iter=5).load_state_dict(saved)
     # each rank's link bandwidth steers only its own encoder: not a shared setting
@@ -316,9 +316,9 @@ def test_hook_and_allreduce_take_every_float_dtype(world_of_one, dtype):
 def test_seeds_may_differ_between_ranks_and_pickles_load_anywhere(world_of_one):
     states = [drt.DeepReduceState(sparsifier="randomk:0.01", value="qsgd:bits=4", seed=rank)
               for rank in range(2)]
-    assert states[0]._settings == states[1]._settings
-    assert repr(states[0].exchange.pipeline.sparsifier) != \
-        repr(states[1].exchange.pipeline.sparsifier)
+    assert states[0].settings == states[1].settings
+    assert repr(states[0].exchange.selector.pipeline.sparsifier) != \
+        repr(states[1].exchange.selector.pipeline.sparsifier)
     restored = pickle.loads(pickle.dumps(states[0]))
     assert restored.process_group is None and restored._transport is None
 

@@ -45,10 +45,10 @@ def test_device_path_on_cuda_codes_and_sums_the_same_bits(settings):
         for want, got in zip(summed, out):
             assert np.asarray(want).tobytes() == got.cpu().numpy().tobytes()
         assert on_cpu.residuals(device).keys() == on_cpu.residuals(host).keys()
-        for name in host.memory.names() if host.memory is not None else []:
-            got = device.memory.residual(name)
+        for name in host.selector.memory.names() if host.selector.memory is not None else []:
+            got = device.selector.memory.residual(name)
             got = got.cpu().numpy() if isinstance(got, torch.Tensor) else got
-            assert got.tobytes() == host.memory.residual(name).tobytes()
+            assert got.tobytes() == host.selector.memory.residual(name).tobytes()
 
 
 @pytest.mark.parametrize("case", on_cpu.SAMPLED_CASES)
@@ -63,9 +63,9 @@ def test_topk_on_cuda_takes_numpy_topk_set_from_its_sample(case):
 
 
 def test_exchange_keeps_its_residuals_on_the_gpu():
-    exchange = GradientExchange(dr.TopK(0.01), min_size=0, selector=DeviceSelector)
+    exchange = GradientExchange(sparsifier=dr.TopK(0.01), min_size=0, selector=DeviceSelector)
     exchange.encode_bundle(["w"], [torch.randn(10_000, device="cuda")])
-    assert exchange.memory.residual("w").is_cuda
+    assert exchange.selector.memory.residual("w").is_cuda
 
 
 def test_hook_trains_on_the_gpu_on_two_ranks(tmp_path):

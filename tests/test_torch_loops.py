@@ -2,6 +2,8 @@
 rank, loss scaling (two gloo ranks, tests/torch_loop_workers.py), and what the
 state does about them on one process."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -56,7 +58,7 @@ def _train_one_step(state, scale=1.0, steps=1):
 def test_rescale_multiplies_every_residual_exactly(world_of_one):
     state = drt.DeepReduceState(sparsifier="topk:0.1", value="fp16", start_iter=0)
     _train_one_step(state)
-    memory = state.exchange.memory
+    memory = state.exchange.selector.memory
     before = {k: memory.residual(k).copy() for k in memory.names()}
     assert before
     state.rescale(0.5)
@@ -72,13 +74,13 @@ def test_the_state_follows_its_grad_scaler_and_checkpoints_the_scale(world_of_on
                                 grad_scaler=scaler)
     scaler.scale(torch.ones(()))  # (the scaler makes its scale tensor at first use)
     _train_one_step(state)
-    memory = state.exchange.memory
+    memory = state.exchange.selector.memory
     before = {k: memory.residual(k).copy() for k in memory.names()}
     scaler.update(new_scale=256.0)     # as after two overflow steps
     net = torch.nn.Linear(64, 64)
     ddp = torch.nn.parallel.DistributedDataParallel(net)
     ddp.register_comm_hook(state, drt.deepreduce_hook)
-    state._begin_bucket()               # what the next backward pass's first bucket does
+    state.follow_loss_scale()           # what the next backward pass's first bucket does
     for key, residual in before.items():
         np.testing.assert_array_equal(memory.residual(key), residual / 4)
     assert state.state_dict()["loss_scale"] == 256.0
@@ -90,16 +92,35 @@ def test_the_state_follows_its_grad_scaler_and_checkpoints_the_scale(world_of_on
 def test_a_non_finite_bucket_on_one_process_is_plain_allreduce(world_of_one):
     state = drt.DeepReduceState(sparsifier="topk:0.1", value="fp16", start_iter=0)
     _train_one_step(state)
-    memory = state.exchange.memory
+    memory = state.exchange.selector.memory
     before = {k: memory.residual(k).copy() for k in memory.names()}
-    random_state = state.exchange.random_state()
+    random_state = state.exchange.selector.random_state()
     net = _train_one_step(state, scale=float("inf"))
     assert not torch.isfinite(net.weight.grad).all()
     assert state.iter == 1 and state.nonfinite_iters == 1
     assert state.stats.total.nonfinite_steps == 1
-    assert state.exchange.random_state() == random_state
+    assert state.exchange.selector.random_state() == random_state
     for key, residual in before.items():
         np.testing.assert_array_equal(memory.residual(key), residual)
+
+
+def test_a_non_finite_bucket_without_grad_scaler_warns_once(world_of_one):
+    state = drt.DeepReduceState(sparsifier="topk:0.1", value="fp16", start_iter=0)
+    _train_one_step(state)
+    with pytest.warns(RuntimeWarning, match=r"grad_scaler=scaler.*state\.rescale"):
+        _train_one_step(state, scale=float("inf"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")        # once: no second warning
+        _train_one_step(state, scale=float("inf"))
+    # no warning where the scale is followed, or where there are no residuals to mix
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for quiet in (drt.DeepReduceState(sparsifier="topk:0.1", start_iter=0, grad_scaler=scaler),
+                  drt.DeepReduceState(sparsifier="topk:0.1", start_iter=0, error_feedback=False)):
+        scaler.scale(torch.ones(()))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _train_one_step(quiet, scale=float("inf"))
+        assert quiet.nonfinite_iters == 1
 
 
 def test_check_finite_off_is_part_of_the_settings(world_of_one):
@@ -116,13 +137,13 @@ def test_allreduce_of_a_non_finite_tensor_is_exact_and_remembers_nothing(world_o
     state = drt.DeepReduceState(sparsifier="topk:0.1", value="fp16")
     g = torch.randn(4096)
     drt.allreduce(g, state, name="g")
-    residual = state.exchange.memory.residual("g").copy()
+    residual = state.exchange.selector.memory.residual("g").copy()
     bad = g.clone()
     bad[3] = float("nan")
     reduced = drt.allreduce(bad, state, name="g")
     assert torch.equal(torch.isnan(reduced), torch.isnan(bad))
     assert torch.equal(reduced[~torch.isnan(bad)], bad[~torch.isnan(bad)])
-    np.testing.assert_array_equal(state.exchange.memory.residual("g"), residual)
+    np.testing.assert_array_equal(state.exchange.selector.memory.residual("g"), residual)
 
 
 def test_a_backward_pass_under_no_sync_leaves_the_residuals_alone(world_of_one):
@@ -134,7 +155,7 @@ def test_a_backward_pass_under_no_sync_leaves_the_residuals_alone(world_of_one):
     ddp = torch.nn.parallel.DistributedDataParallel(net)
     ddp.register_comm_hook(state, drt.deepreduce_hook)
     ddp(torch.randn(4, 64)).square().sum().backward()
-    memory = state.exchange.memory
+    memory = state.exchange.selector.memory
     before = {k: memory.residual(k).copy() for k in memory.names()}
     with ddp.no_sync():
         ddp(torch.randn(4, 64)).sum().backward()     # the discarded pass

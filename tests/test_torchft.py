@@ -23,9 +23,8 @@ from torchft.local_sgd import DiLoCo, LocalSGD  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
-import deepreduce as dr  # noqa: E402
 import deepreduce.torch.torchft as drft  # noqa: E402
-from deepreduce.torch.outer import MODES  # noqa: E402
+from deepreduce.config import ExchangeConfig  # noqa: E402
 
 OUTER_STEPS, SYNC_EVERY = 3, 4
 
@@ -165,7 +164,7 @@ def test_diloco_through_deepreduce_keeps_replicas_identical_and_sends_compressed
     assert total.bytes_sent <= sent0 <= total.bytes_sent + OUTER_STEPS * 200 + 400
     # every tensor's residual is kept, under a stable name, and decays by 0.95
     assert set(ex0.state_dict()["residuals"]) == {f"fragment0.tensor{i}" for i in range(4)}
-    assert ex0.exchange.memory.beta == 0.95
+    assert ex0.exchange.selector.memory.beta == 0.95
 
 
 def test_lossless_settings_give_torchft_allreduce_result():
@@ -269,15 +268,13 @@ def test_checkpoint_of_the_residuals_continues_exactly():
 
 def test_settings_are_the_exchange_configs():
     (_, compressed, _, _), = run_replicas(
-        {"error_feedback": dr.ResidualMemory(beta=0.9), "min_size": 1024}, replicas=1,
+        {"error_feedback": 0.9, "min_size": 1024}, replicas=1,
         min_replicas=1, outer_steps=1)
-    assert compressed.exchange.memory.beta == 0.9
+    assert compressed.exchange.selector.memory.beta == 0.9
     assert compressed.stats.total.compressed_tensors == 2   # the biases travel exact
-    defaults = drft.DeepReduceManager(compressed.manager).exchange.config
-    sparseloco = MODES["sparseloco"]   # the same as OuterOptimizer's
-    assert (defaults.sparsifier, defaults.index, defaults.value, defaults.min_size) == tuple(
-        sparseloco[k] for k in ("sparsifier", "index", "value", "min_size"))
-    assert drft.DeepReduceManager(compressed.manager, error_feedback=0.5).exchange.memory.beta \
+    # the same as OuterOptimizer's mode="sparseloco"
+    assert drft.DeepReduceManager(compressed.manager).config == ExchangeConfig.sparseloco()
+    assert drft.DeepReduceManager(compressed.manager, error_feedback=0.5).exchange.selector.memory.beta \
         == 0.5
     with pytest.raises(ValueError, match="allgather"):
         drft.DeepReduceManager(compressed.manager, communicator="sparse_allreduce")

@@ -1,4 +1,4 @@
-"""Basic value codecs: raw, fp32, fp16, bf16 (codecs/floats.py), deflate and zstd."""
+"""Basic value codecs: raw, fp32, fp16, bf16 (codecs/values/raw.py, floats.py), deflate and zstd."""
 
 import json
 import subprocess
@@ -9,10 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepreduce.codecs.deflate import DeflateValues, deflate
-from deepreduce.codecs.floats import (BFLOAT16, SUPPORTED_DTYPES, BFloat16Values, Float16Values,
-                                      Float32Values, RawValues, float32_to_bfloat16_bits)
-from deepreduce.codecs.zstd import ZstdValues, zstd_compress
+from deepreduce.codecs._deflate import deflate
+from deepreduce.codecs._zstd import zstd_compress
+from deepreduce.codecs.values.deflate import DeflateValues
+from deepreduce.codecs.values.dtypes import BFLOAT16, SUPPORTED_DTYPES, float32_to_bfloat16_bits
+from deepreduce.codecs.values.floats import BFloat16Values, Float16Values, Float32Values
+from deepreduce.codecs.values.raw import RawValues
+from deepreduce.codecs.values.zstd import ZstdValues
 from deepreduce.errors import DecodeError
 from deepreduce.registry import get_codec
 
@@ -373,15 +376,15 @@ def test_works_without_ml_dtypes():
     script = (
         "import sys; sys.modules['ml_dtypes'] = None\n"
         "import numpy as np, deepreduce as dr\n"
-        "from deepreduce.codecs import floats\n"
-        "assert floats.BFLOAT16 is None and len(floats.SUPPORTED_DTYPES) == 3\n"
+        "from deepreduce.codecs.values import dtypes\n"
+        "assert dtypes.BFLOAT16 is None and len(dtypes.SUPPORTED_DTYPES) == 3\n"
         "x = np.array([0.1, -2.0], np.float64)\n"
         "for cid in ['raw', 'fp32', 'fp16', 'bf16', 'deflate', 'zstd']:\n"
         "    c = dr.get_codec(cid, family='value')\n"
         "    y = c.decode(c.encode(x), 2, np.float64)\n"
         "    assert np.allclose(x, y, rtol=2**-8), (cid, y)\n"
         "try:\n"
-        "    floats.value_dtype('V2')\n"
+        "    dtypes.value_dtype('V2')\n"
         "except ValueError:\n"
         "    print('ok')\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

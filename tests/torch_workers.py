@@ -68,7 +68,7 @@ def check_error_feedback(rank):
     inputs = [p.grad.detach().clone() for p in local.parameters()]
     torch.nn.functional.cross_entropy(ddp(x), y).backward()
     delivered = [p.grad.detach().clone() * 2 for p in net.parameters()]   # average -> sum
-    memory = state.exchange.memory
+    memory = state.exchange.selector.memory
     residuals = [torch.from_numpy(memory.residual(key).copy()) if key in memory
                  else torch.zeros_like(g) for key, g in zip(_keys(state, net), inputs)]
     summed_inputs = [_sum(t) for t in inputs]
@@ -98,7 +98,7 @@ def check_resume(rank):
     restored = pickle.loads(pickle.dumps(state))
     return {"identical": same(params(ddp), uninterrupted), "iter": state.iter,
             "pickled_group": restored.process_group is None,
-            "pickled_residuals": len(restored.exchange.memory)}
+            "pickled_residuals": len(restored.exchange.selector.memory)}
 
 
 def check_gradient_layouts(rank):

@@ -110,6 +110,10 @@ def allreduce(x, communicator="sparse_allreduce", pipeline=None, op="sum", proce
     ----------
     x : ndarray or SparseTensor
     communicator : {"sparse_allreduce", "block", "allgather"} or Communicator
+        SparCML's split allgather by default: one tensor that is sparse already costs
+        less through its range owners than in every rank's payload to every rank (a
+        gradient exchange's ``"allgather"`` default sends one bundle per step instead;
+        :mod:`deepreduce.config` says why they differ).
     pipeline : Pipeline, optional
     op : {"sum", "average"}
     process_set : optional

@@ -12,7 +12,7 @@ is the data path of a step, one job a module:
 - :mod:`~deepreduce.exchange.strategy`: the one interface of the strategies, which
   the three implement:
 
-  - :mod:`~deepreduce.exchange.allgather`: bundles of payloads to every rank, decoded
+  - :mod:`~deepreduce.exchange.gathering`: bundles of payloads to every rank, decoded
     and summed there (the default, DeepReduce's scheme): its encoding side in
     :mod:`~deepreduce.exchange.encoding`, its decoding side in
     :mod:`~deepreduce.exchange.decoding` and :mod:`~deepreduce.exchange.summing`;

@@ -1,6 +1,6 @@
 """The allgather strategy's decoding side: the ranks' bundles to the parts each sum adds up.
 
-:meth:`~deepreduce.exchange.allgather.AllgatherExchange.decode` takes the
+:meth:`~deepreduce.exchange.gathering.GatheringExchange.decode` takes the
 allgathered bundles through these steps, in this order:
 
 1. :func:`read`: the bundles of every allgather, one per rank, and the bytes
@@ -28,7 +28,7 @@ from deepreduce.sparse import SparseTensor
 
 @dataclasses.dataclass(frozen=True)
 class Decoded:
-    """:meth:`~deepreduce.exchange.allgather.AllgatherExchange.decode`'s result: the
+    """:meth:`~deepreduce.exchange.gathering.GatheringExchange.decode`'s result: the
     reduced tensors and the decoding's stats."""
 
     tensors: list

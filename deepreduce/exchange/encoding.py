@@ -1,6 +1,6 @@
 """The allgather strategy's encoding side: one rank's tensors to the payloads of its bundle.
 
-:meth:`~deepreduce.exchange.allgather.AllgatherExchange.encode` takes them through
+:meth:`~deepreduce.exchange.gathering.GatheringExchange.encode` takes them through
 these steps, in this order:
 
 1. :func:`shared_payloads`: which tensors share a payload (small ones losslessly,
@@ -53,7 +53,7 @@ class Sent:
 
 @dataclasses.dataclass(frozen=True)
 class Encoded:
-    """:meth:`~deepreduce.exchange.allgather.AllgatherExchange.encode`'s result: what to
+    """:meth:`~deepreduce.exchange.gathering.GatheringExchange.encode`'s result: what to
     send, what the ranks will decode of it, and the encoding's stats."""
 
     sent: Sent
@@ -240,10 +240,13 @@ def code(payloads, threads, least: int) -> float:
     start = time.perf_counter()
     to_code = [payload for payload in payloads if payload.coding is not None]
     codings = [payload.coding for payload in to_code]
-    count = 1 if sum(coding.selected.nnz >= least for coding in codings) < 2 else \
-        threads(codings)
-    coded = run_in_order(_encode, codings, count, cost=lambda coding: coding.selected.nnz,
-                         least=least)
+    if sum(coding.selected.nnz >= least for coding in codings) < 2:
+        # one thread: the caller's, straight to the pipelines (no pool to go through)
+        for payload, (pipeline, selected, dense) in zip(to_code, codings):
+            payload.data, payload.received = pipeline.encode_sparse(selected, dense)
+        return time.perf_counter() - start
+    coded = run_in_order(_encode, codings, threads(codings),
+                         cost=lambda coding: coding.selected.nnz, least=least)
     for payload, (data, received) in zip(to_code, coded):
         payload.data, payload.received = data, received
     return time.perf_counter() - start

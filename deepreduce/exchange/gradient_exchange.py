@@ -16,7 +16,7 @@ from deepreduce.collectives.signed import signed_allgather
 from deepreduce.collectives.transport import Traffic
 from deepreduce.config import ExchangeConfig
 from deepreduce.errors import DecodeError
-from deepreduce.exchange.allgather import BUNDLE_SIGNATURE, AllgatherExchange
+from deepreduce.exchange.gathering import BUNDLE_SIGNATURE, GatheringExchange
 from deepreduce.exchange.hierarchical import HierarchicalExchange
 from deepreduce.exchange.reducing import ReducingExchange
 from deepreduce.exchange.selection import Selector
@@ -32,7 +32,7 @@ def strategy_for(config: ExchangeConfig, selector: Selector) -> Strategy:
     """The strategy of ``config.communicator``, built once for an exchange; the
     hierarchical one gets the strategy of its ``inter`` communicator from here too."""
     if config.communicator == "allgather":
-        return AllgatherExchange(selector, config.codec_threads)
+        return GatheringExchange(selector, config.codec_threads)
     if config.communicator == "hierarchical":
         options = config.communicator_options
         between_nodes = strategy_for(dataclasses.replace(
@@ -42,35 +42,17 @@ def strategy_for(config: ExchangeConfig, selector: Selector) -> Strategy:
     return ReducingExchange(config, selector)
 
 
-class _Part:
-    """An attribute of one of the exchange's parts, read through the exchange: the names
-    its callers used before the parts existed, declared in one line each."""
-
-    def __init__(self, part: str, doc: str):
-        self.part, self.__doc__ = part, doc
-
-    def __set_name__(self, owner, name):
-        self.name = name
-
-    def __get__(self, exchange, owner=None):
-        if exchange is None:
-            return self
-        return getattr(getattr(exchange, self.part), self.name)
-
-
 class GradientExchange:
     """One step's gradients across ranks: error feedback, sparsifier, codecs, transport, sums.
 
     Parameters
     ----------
-    *args, **settings
-        The fields of :class:`~deepreduce.config.ExchangeConfig`, in its order or by
-        name: ``sparsifier`` (default Top-1%), ``index`` ("auto"), ``value``
-        ("fp16"), ``error_feedback`` (True), ``min_size`` (1024), ``seed`` (0),
-        ``communicator`` ("allgather"), ``communicator_options`` and
-        ``codec_threads`` (None: automatic).
     config : ExchangeConfig, optional
-        All of them at once, instead.
+        The settings at once; or, by name, the fields of
+        :class:`~deepreduce.config.ExchangeConfig`: ``sparsifier`` (default Top-1%),
+        ``index`` ("auto"), ``value`` ("fp16"), ``error_feedback`` (1.0), ``min_size``
+        (1024), ``seed`` (0), ``communicator`` ("allgather"),
+        ``communicator_options`` and ``codec_threads`` (None: automatic).
     selector : callable, default :class:`~deepreduce.exchange.selection.Selector`
         Makes the per-tensor step from the config: the numpy one, or one that
         works where the tensors live (:class:`deepreduce.torch.device.DeviceSelector`).
@@ -79,18 +61,12 @@ class GradientExchange:
     ----------
     config : ExchangeConfig
     selector : Selector
-        Error feedback and selection per tensor; it holds ``pipeline``,
-        ``small_pipeline``, ``memory`` and the random streams, which the exchange
-        shows under the same names.
+        Error feedback and selection per tensor: it holds ``pipeline`` (the configured
+        one), ``small_pipeline`` (the lossless one of tensors below ``min_size``),
+        ``memory`` (the residuals, None without error feedback) and the random
+        streams, and checkpoints them (``state_dict()``, ``load_state_dict()``).
     strategy : deepreduce.exchange.strategy.Strategy
         How a step travels, chosen from ``config.communicator``.
-    memory : ResidualMemory or None
-        The residuals of error feedback.
-    pipeline, small_pipeline : Pipeline
-        The configured pipeline, and the lossless one of tensors below ``min_size``
-        (the selector's).
-    min_size, seed, communicator, communicator_options
-        The settings of the same names (the config's).
     stats : deepreduce.exchange.stats.CompressionStats
         Bytes and times of every step.
 
@@ -101,7 +77,7 @@ class GradientExchange:
     >>> rng = np.random.default_rng(0)
     >>> grads = [rng.standard_normal((100, 50)).astype(np.float32),
     ...          rng.standard_normal(10).astype(np.float32)]
-    >>> c = GradientExchange(dr.TopK(0.01), index="varint", value="fp16")
+    >>> c = GradientExchange(sparsifier=dr.TopK(0.01), index="varint", value="fp16")
     >>> bundle = c.encode_bundle(["w", "b"], grads)     # what this rank sends
     >>> w, b = c.decode_bundles(bundle + bundle, ranks=2, rank=0)   # what two ranks get
     >>> int(np.count_nonzero(w)), bool(np.array_equal(b, 2 * grads[1]))
@@ -110,14 +86,13 @@ class GradientExchange:
     True
     """
 
-    def __init__(self, *args, config: ExchangeConfig | None = None, selector=Selector,
-                 **settings):
-        self.config = config = ExchangeConfig.from_settings(config, *args, **settings)
+    def __init__(self, *, config: ExchangeConfig | None = None, selector=Selector, **settings):
+        self.config = config = ExchangeConfig.from_settings(config, **settings)
         self.selector = selector(config)
         self.strategy = strategy_for(config, self.selector)
         # a non-finite step, and Horovod's graph path, go through the allgather's encoder
-        self._allgather = self.strategy if isinstance(self.strategy, AllgatherExchange) else \
-            AllgatherExchange(self.selector, config.codec_threads)
+        self._allgather = self.strategy if isinstance(self.strategy, GatheringExchange) else \
+            GatheringExchange(self.selector, config.codec_threads)
         self.stats = CompressionStats()
         self._init_runtime()
 
@@ -139,29 +114,11 @@ class GradientExchange:
         self._init_runtime()
 
     def __repr__(self):
-        config, residuals = self.config, self.selector.memory
-        memory = "None" if residuals is None else f"ResidualMemory(beta={residuals.beta})"
+        config = self.config
         options = "".join(f", {k}={v!r}" for k, v in config.communicator_options.items())
-        return (f"{type(self).__name__}({self.selector.pipeline!r}, error_feedback={memory}, "
-                f"min_size={config.min_size}, seed={config.seed}, "
-                f"communicator={config.communicator!r}{options})")
-
-    # -- what the parts hold, under the names the integrations read (deepreduce.torch,
-    # deepreduce.horovod, the benchmarks); the exchange's own code reads its parts ------
-    pipeline = _Part("selector", "The configured pipeline (sparsifier and codecs, seeded).")
-    small_pipeline = _Part("selector", "The lossless pipeline of tensors below ``min_size``.")
-    memory = _Part("selector", "The residuals of error feedback (None without).")
-    state_dict = _Part("selector", "What a checkpoint needs to continue exactly: every "
-                       "residual (copies) and the random streams (see "
-                       ":meth:`deepreduce.exchange.selection.Selector.state_dict`).")
-    load_state_dict = _Part("selector", "Continue from :meth:`state_dict` (of an exchange "
-                            "with the same settings).")
-    random_state = _Part("selector", "Where every tensor's random streams stand.")
-    set_random_state = _Part("selector", "Restore what :meth:`random_state` returned.")
-    min_size = _Part("config", "Tensors below this many elements go losslessly.")
-    seed = _Part("config", "The seed of every tensor's random streams.")
-    communicator = _Part("config", "The communicator's name.")
-    communicator_options = _Part("config", "The communicator's options.")
+        return (f"{type(self).__name__}({self.selector.pipeline!r}, "
+                f"error_feedback={config.error_feedback}, min_size={config.min_size}, "
+                f"seed={config.seed}, communicator={config.communicator!r}{options})")
 
     def pay(self, names, tensors, transport=None) -> None:
         """Add what error feedback owes into ``tensors`` (in place) and forget it, for a
@@ -182,14 +139,16 @@ class GradientExchange:
         if memory is not None:
             memory.rescale(factor)
 
-    def agree_finite(self, tensors, transport) -> bool:
+    def agree_finite(self, tensors, transport, mine: bool | None = None) -> bool:
         """Whether every rank's ``tensors`` are finite, as :meth:`reduce_async`'s
-        ``finite`` takes it: this rank's are checked here (one read pass each), and
-        every rank's answer travels in one allgather of a byte on ``transport``, after
-        the reductions already started there; the caller waits for it. Every rank
-        calls it for the same step. (DDP's hook asks its ranks on a group of its own
-        instead, without waiting for its other reductions.)"""
-        mine = self.selector.all_finite(tensors)
+        ``finite`` takes it: this rank's are checked here (one read pass each; ``mine``:
+        the answer, checked already), and every rank's answer travels in one allgather
+        of a byte on ``transport``, after the reductions already started there; the
+        caller waits for it. Every rank calls it for the same step. (DDP's hook asks
+        its ranks on a group of its own instead, without waiting for its other
+        reductions.)"""
+        if mine is None:
+            mine = self.selector.all_finite(tensors)
 
         def gather():
             # (ASCII: a frame starting with byte 0 is an ERROR frame)
@@ -264,7 +223,8 @@ class GradientExchange:
         >>> from concurrent.futures import ThreadPoolExecutor
         >>> from deepreduce.collectives import ThreadTransport
         >>> from deepreduce.exchange import GradientExchange
-        >>> ex = [GradientExchange(dr.TopK(1), value="raw", min_size=0) for _ in range(2)]
+        >>> ex = [GradientExchange(sparsifier=dr.TopK(1), value="raw", min_size=0)
+        ...       for _ in range(2)]
         >>> def rank_main(member):
         ...     g = np.array([1, -4, 2], np.float32) * (member.rank + 1)
         ...     return ex[member.rank].reduce_async(["w"], [g], member).result()
@@ -275,7 +235,7 @@ class GradientExchange:
 
         With SparCML's sparse allreduce, the gradients below ``min_size`` exact:
 
-        >>> ex = [GradientExchange(dr.TopK(2), index="varint", value="raw", min_size=4,
+        >>> ex = [GradientExchange(sparsifier=dr.TopK(2), index="varint", value="raw", min_size=4,
         ...                        communicator="sparse_allreduce") for _ in range(2)]
         >>> def rank_main(member):
         ...     grads = [np.array([0, 3, -1, 0, 2, 0], np.float32) * (member.rank + 1),
@@ -285,7 +245,7 @@ class GradientExchange:
         ...     w, b = list(pool.map(rank_main, ThreadTransport.group(2)))[0]
         >>> w, b
         (array([0., 9., 0., 0., 6., 0.], dtype=float32), array([2., 2.], dtype=float32))
-        >>> ex[0].memory.residual("w")    # the entry TopK left behind, kept for the next step
+        >>> ex[0].selector.memory.residual("w")    # the entry TopK left behind, kept for the next step
         array([ 0.,  0., -1.,  0.,  0.,  0.], dtype=float32)
         """
         op = op_name(op)

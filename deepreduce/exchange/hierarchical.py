@@ -13,7 +13,7 @@ and local rank ``l`` is in charge of shard ``l``:
    configured exchange on it: error feedback on the node's sum of the shard
    (residuals kept per tensor name, of the shard's size), the sparsifier and
    codecs, then the ``inter`` communicator (``"allgather"``: bundles to every
-   node, decoded and summed in node order, as :mod:`deepreduce.exchange.allgather`
+   node, decoded and summed in node order, as :mod:`deepreduce.exchange.gathering`
    does; or ``"sparse_allreduce"`` / ``"block"``, as
    :mod:`deepreduce.exchange.reducing` does);
 3. inside the node, an allgather of the reduced shards (each dense, or its

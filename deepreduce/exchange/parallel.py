@@ -56,7 +56,7 @@ def codec_threads(setting: int | None) -> int:
 #: ``least``): a payload's Python, which holds the GIL, outweighs their compiled
 #: loops, and a second thread costs more in handing the GIL over than it saves. The
 #: exchanges gather tensors into payloads of millions of elements
-#: (:data:`deepreduce.exchange.allgather.PAYLOAD_ELEMENTS`) so that few are that small
+#: (:data:`deepreduce.exchange.gathering.PAYLOAD_ELEMENTS`) so that few are that small
 #: (``benchmarks/codec_threads.py`` counts, per model, the payloads above these sizes).
 PARALLEL_ENTRIES = 1 << 13
 PARALLEL_BYTES = 1 << 15

@@ -80,7 +80,7 @@ class Selector:
     >>> import numpy as np, deepreduce as dr
     >>> from deepreduce.config import ExchangeConfig
     >>> from deepreduce.exchange.selection import Selector
-    >>> selector = Selector(ExchangeConfig(dr.TopK(1), value="raw", min_size=0))
+    >>> selector = Selector(ExchangeConfig(sparsifier=dr.TopK(1), value="raw", min_size=0))
     >>> selection = selector.select("w", np.array([0.5, -2.0, 1.0], np.float32))
     >>> payload, received = selection.pipeline.encode_sparse(selection.selected, selection.dense)
     >>> selector.settle(selection, received)
@@ -174,13 +174,17 @@ class Selector:
         """For each ``(target, parts, scale)`` of ``jobs``, make ``target``, a tensor on a
         device, the sum of the ranks' decoded ``parts`` (SparseTensors) times ``scale``
         (None: 1), as :func:`deepreduce.sums.sum_sorted_into` sums into a host array.
+        A ``target`` that is a list of tensors (a shared payload's, in order) receives
+        the sum in slices: the first tensor's elements first.
 
-        The allgather strategy calls it for the ``out`` tensors that are not numpy
+        The gathering strategy calls it for the ``out`` tensors that are not numpy
         arrays; a selector of tensors on a device
         (:class:`deepreduce.torch.device.DeviceSelector`) sums there. This one has none.
         """
+        target = jobs[0][0]
+        target = target[0] if isinstance(target, list) else target
         raise TypeError(f"{type(self).__name__} sums into numpy arrays only: out holds "
-                        f"{type(jobs[0][0]).__name__}; pass a selector of that device "
+                        f"{type(target).__name__}; pass a selector of that device "
                         "(deepreduce.torch.device.DeviceSelector for torch tensors)")
 
     def pipeline_of(self, name) -> Pipeline:
@@ -223,7 +227,7 @@ class Selector:
     def random_state(self) -> dict:
         """Where every tensor's random streams stand (see :meth:`pipeline_of`), and what
         its ``auto`` index codec remembers of its last choice (see
-        :data:`deepreduce.codecs.auto.RECHECK`).
+        :data:`deepreduce.codecs.index.auto.RECHECK`).
 
         Checkpoint it with the residuals: :meth:`set_random_state` on a new
         selector of the same configuration continues the same sequences.

@@ -1,7 +1,7 @@
 """The one interface of the exchange strategies: a :class:`Step` in, a Future out.
 
 A strategy moves one step's gradients across the ranks: the allgather
-(:class:`~deepreduce.exchange.allgather.AllgatherExchange`, DeepReduce's scheme), the
+(:class:`~deepreduce.exchange.gathering.GatheringExchange`, DeepReduce's scheme), the
 reducing communicators (:class:`~deepreduce.exchange.reducing.ReducingExchange`,
 SparCML's and OmniReduce's) or the hierarchical one
 (:class:`~deepreduce.exchange.hierarchical.HierarchicalExchange`, dense inside a node,

@@ -11,8 +11,9 @@ allreduce does, so every rank ends with the same bits. Where a result goes:
   rewrites next step where last step's entries were (aligned, so that TensorFlow
   adopts it without a copy), or the caller's ``out`` array (with ``reuse_out``,
   reset only where last step wrote);
-- tensors on a device: the selector sums there, all at once
-  (:meth:`~deepreduce.exchange.selection.Selector.sum_into_device`);
+- tensors on a device: the selector sums there, all at once, a shared payload's
+  tensors as one (:meth:`~deepreduce.exchange.selection.Selector.sum_into_device`):
+  this module calls no framework;
 - a tensor reduced as rows: ``(values, rows)`` of the rows any rank touched
   (:func:`sum_rows`; :func:`nonzero_rows` of a dense result).
 """
@@ -41,7 +42,7 @@ def sum_units(units, rank: int, scale, as_rows, out, out_keys, reused, selector)
     scale : float or None
         What the sums are multiplied by (``1 / ranks`` to average; None: 1).
     as_rows, out, out_keys
-        As :meth:`~deepreduce.exchange.allgather.AllgatherExchange.decode` takes them.
+        As :meth:`~deepreduce.exchange.gathering.GatheringExchange.decode` takes them.
     reused : ReusedSums
         The sums kept from the last step.
     selector : Selector
@@ -49,14 +50,13 @@ def sum_units(units, rank: int, scale, as_rows, out, out_keys, reused, selector)
     """
     results = [None] * len(as_rows)
     # the sums into tensors on a device, all at once after the loop (the selector then
-    # copies every part's pairs there together), and the copies out of shared payloads'
-    # sums that follow them
-    device_sums, after_sums = [], []
+    # copies every part's pairs there together)
+    device_sums = []
     for unit in units:
         reference = _reference(unit, rank)
         if unit.shapes is not None:
             _sum_shared(unit, reference, scale, out, out_keys, reused, selector, results,
-                        device_sums, after_sums)
+                        device_sums)
             continue
         i = unit.positions[0]
         if as_rows[i]:
@@ -70,8 +70,6 @@ def sum_units(units, rank: int, scale, as_rows, out, out_keys, reused, selector)
             results[i] = _sum_tensor(i, unit.parts, reference, scale, out, out_keys, reused)
     if device_sums:
         selector.sum_into_device(device_sums)
-    for copy_out in after_sums:
-        copy_out()
     return results
 
 
@@ -117,27 +115,19 @@ def _sum_tensor(i: int, parts, reference, scale, out, out_keys, reused) -> np.nd
 
 
 def _sum_shared(unit, reference, scale, out, out_keys, reused, selector, results,
-                device_sums, after_sums) -> None:
+                device_sums) -> None:
     """Sum the ranks' parts of one shared payload at once, into ``results`` at its
     positions: views of one dense sum, or copies into ``out``. Tensors on a device add
-    their sum to ``device_sums`` and the copies of its slices to ``after_sums``."""
+    one job to ``device_sums``: their list, whose concatenation the selector makes the
+    sum."""
     positions, shapes, parts = unit.positions, unit.shapes, unit.parts
     first = None if out is None else out[positions[0]]
     if first is not None and not isinstance(first, np.ndarray):
-        # tensors on a device: one sum there, then each tensor's slice of it
-        whole = first.new_empty(reference.size)
-        device_sums.append((whole, parts, scale))
-        for t, shape in zip(positions, shapes):
-            _check_holds_elements(out[t], math.prod(shape), selector)
-            results[t] = out[t]
-
-        def copy_out():
-            start = 0
-            for t, shape in zip(positions, shapes):
-                size = math.prod(shape)
-                out[t].reshape(-1).copy_(whole[start:start + size])
-                start += size
-        after_sums.append(copy_out)
+        targets = [out[t] for t in positions]
+        for t, target, shape in zip(positions, targets, shapes):
+            _check_holds_elements(target, math.prod(shape), selector)
+            results[t] = target
+        device_sums.append((targets, parts, scale))
         return
     accumulator, key = _accumulator(reference.dtype), ("shared", positions[0])
     total, stale = reused.zeros(key, reference.size, accumulator)

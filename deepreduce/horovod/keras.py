@@ -29,7 +29,7 @@ class CompressionStatsCallback(tf.keras.callbacks.Callback):
     --------
     ::
 
-        compression = drh.Compression(dr.TopK(0.01), value="fp16")
+        compression = drh.Compression(sparsifier=dr.TopK(0.01), value="fp16")
         model.compile(optimizer=drh.DistributedOptimizer(opt, compression=compression), ...)
         callbacks = [drh.CompressionStatsCallback(compression,
                                                   log_dir="logs" if hvd.rank() == 0 else None)]

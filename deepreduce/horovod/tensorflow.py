@@ -30,7 +30,7 @@ rank receives no longer grows with the number of ranks. Error feedback, the
 sparsifier and the codecs stay as configured; all gradients of one dtype
 travel in one set of collectives::
 
-    compression = drh.Compression(dr.TopK(0.01), value="fp16",
+    compression = drh.Compression(sparsifier=dr.TopK(0.01), value="fp16",
                                   communicator="sparse_allreduce")
     compression = drh.Compression(communicator="block",
                                   communicator_options={"block_size": 256})
@@ -42,7 +42,7 @@ first step (:meth:`~deepreduce.horovod.collectives.HorovodTransport.split`: that
 needs ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, or the sets given to ``hvd.init``, see
 :func:`~deepreduce.horovod.collectives.hierarchical_process_sets`)::
 
-    compression = drh.Compression(dr.TopK(0.01), value="fp16", communicator="hierarchical",
+    compression = drh.Compression(sparsifier=dr.TopK(0.01), value="fp16", communicator="hierarchical",
                                   communicator_options={"inter": "allgather"})
 
 ``tf.IndexedSlices`` gradients (embeddings) are encoded as sparse tensors of the
@@ -61,7 +61,8 @@ from deepreduce.errors import DecodeError
 from deepreduce.horovod.collectives import horovod_transport
 from deepreduce.pipeline import decode
 from deepreduce.sparse import SparseTensor
-from deepreduce.exchange import GradientExchange
+from deepreduce.config import ExchangeConfig
+from deepreduce.exchange.integration import Integration
 from deepreduce.horovod.keras import CompressionStatsCallback
 from deepreduce.exchange.stats import CompressionStats, StepStats
 
@@ -100,19 +101,19 @@ def _host_call(fn, inputs, tout, ordered=True):
     return tf.numpy_function(fn, inputs, tout, stateful=ordered)
 
 
-class Compression:
+class Compression(Integration):
     """Compression of gradients for Horovod: sparsifier, codecs, error feedback.
 
     Parameters
     ----------
-    *args, **settings
-        The settings of :class:`~deepreduce.config.ExchangeConfig`, in its order
-        or by name, with the same defaults as every deepreduce integration:
-        ``sparsifier`` (Top-1%), ``index`` ("auto"), ``value`` ("fp16"),
-        ``error_feedback`` (True, per variable), ``min_size`` (1024), ``seed``
-        (0), ``communicator`` ("allgather"; or "sparse_allreduce", "block",
-        "hierarchical") and ``communicator_options``. ``Compression(None,
-        value="raw")`` sends every non-zero, losslessly.
+    config : ExchangeConfig, optional
+        The exchange's settings at once; or, by name, the fields of
+        :class:`~deepreduce.config.ExchangeConfig`, with the same defaults as every
+        deepreduce integration: ``sparsifier`` (Top-1%), ``index`` ("auto"),
+        ``value`` ("fp16"), ``error_feedback`` (1.0, per variable), ``min_size``
+        (1024), ``seed`` (0), ``communicator`` ("allgather"; or "sparse_allreduce",
+        "block", "hierarchical"), ``communicator_options`` and ``codec_threads``.
+        ``Compression(sparsifier=None, value="raw")`` sends every non-zero, losslessly.
 
         With "hierarchical", ``communicator_options`` take ``local_size``
         (ranks per node; horovodrun's ``HOROVOD_LOCAL_SIZE`` by default),
@@ -121,8 +122,6 @@ class Compression:
         with dynamic process sets (``HOROVOD_DYNAMIC_PROCESS_SETS=1``) or
         registered at ``hvd.init``; otherwise the first step raises ValueError
         on every rank, saying so. It runs eagerly and inside ``tf.function``.
-    config : ExchangeConfig, optional
-        All of them at once, instead.
     check_finite : bool, default True
         The wrappers check every step that all ranks' gradients are finite (one
         read pass over them and a small allgather of the answers) before error
@@ -160,36 +159,15 @@ class Compression:
     back.
     """
 
-    def __init__(self, *args, config=None, check_finite=True, **settings):
-        self.exchange = GradientExchange(*args, config=config, **settings)
-        self.check_finite = bool(check_finite)
+    def __init__(self, *, config=None, check_finite=True, **settings):
+        super().__init__(ExchangeConfig.from_settings(config, **settings), {},
+                         check_finite=check_finite)
 
     def __repr__(self):
         return f"Compression({self.exchange!r})"
 
-    @property
-    def config(self):
-        return self.exchange.config
-
-    @property
-    def stats(self):
-        return self.exchange.stats
-
-    @property
-    def memory(self):
-        return self.exchange.memory
-
-    @property
-    def pipeline(self):
-        return self.exchange.pipeline
-
-    def state_dict(self) -> dict:
-        """The residuals and random streams, to continue exactly after a restart."""
-        return self.exchange.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from :meth:`state_dict` (of a Compression with the same settings)."""
-        self.exchange.load_state_dict(state)
+    def _bind(self):
+        return horovod_transport()
 
     # -- Horovod's compressor protocol ---------------------------------------
     @_plain_python
@@ -276,112 +254,148 @@ class _Reducer:
 
     @_plain_python
     def __call__(self, grads, keys):
-        """Reduce ``grads`` (tensors, IndexedSlices or None) named ``keys`` across ranks."""
+        """Reduce ``grads`` (tensors, IndexedSlices or None) named ``keys`` across ranks:
+
+        1. the gradients as host inputs (:class:`_HostStep`), predivided;
+        2. the first step compares every rank's settings (eagerly, on Horovod's
+           transport thread);
+        3. the reduction: an allgather of bundles between two host calls, or the whole
+           reduction of another communicator in one host call;
+        4. the results as tensors of the gradients' kinds, shapes and dtypes.
+        """
         todo = [(i, g) for i, g in enumerate(grads) if g is not None]
         if not todo:
             return list(grads)
-        inputs, kinds, names, templates = [], [], [], []
-        for i, g in todo:
-            if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
-                g = tf.convert_to_tensor(g)
-            if self.predivide != 1.0:
-                g = (tf.IndexedSlices(g.values / self.predivide, g.indices, g.dense_shape)
-                     if isinstance(g, tf.IndexedSlices) else g / self.predivide)
-            if isinstance(g, tf.IndexedSlices):
-                inputs += [g.values, g.indices, tf.cast(g.dense_shape, tf.int64)]
-                kinds.append("rows")
-            else:
-                inputs.append(tf.convert_to_tensor(g))
-                kinds.append("dense")
-            names.append(keys[i])
-            templates.append(g)
-
-        def unpack(arrays, kinds=kinds):
-            """The host arrays of the inputs as dense arrays and SparseTensors."""
-            tensors, pos = [], 0
-            for kind in kinds:
-                if kind == "dense":
-                    tensors.append(arrays[pos])
-                    pos += 1
-                else:
-                    tensors.append(SparseTensor.from_rows(*arrays[pos:pos + 3]))
-                    pos += 3
-            return tensors
-
-        def pack(reduced):
-            """The reduced tensors as the flat list of host outputs (see ``tout``)."""
-            outputs = []
-            for kind, template, result in zip(kinds, templates, reduced):
-                if kind == "dense":
-                    outputs.append(result.astype(template.dtype.as_numpy_dtype, copy=False))
-                else:
-                    values, rows = result
-                    outputs += [values.astype(template.values.dtype.as_numpy_dtype, copy=False),
-                                rows]
-            return outputs
-
-        tout = []
-        for kind, template in zip(kinds, templates):
-            tout += [template.dtype] if kind == "dense" else [template.values.dtype, tf.int64]
-        exchange, as_rows = self.compression.exchange, [k == "rows" for k in kinds]
-        average = self.op == hvd.Average
-        check_finite = getattr(self.compression, "check_finite", True)
-        if exchange.communicator == "allgather":
-            finite = []  # (one flag for every group's encode, the same on every rank)
-            if check_finite:
-                (mine,) = _host_call(lambda *arrays: (np.int32(exchange.selector.all_finite(
-                    unpack(arrays))),), inputs, [tf.int32])
-                answers = hvd.allgather(tf.reshape(mine, [1]), process_set=self.process_set)
-                finite = [tf.cast(tf.reduce_min(answers), tf.int32)]
-            ranks, rank = self.process_set.size(), self.process_set.rank()
-            # tensor i's host arrays are inputs[starts[i]:starts[i + 1]]
-            starts = np.cumsum([0] + [1 if kind == "dense" else 3 for kind in kinds]).tolist()
-            gathered, ranges = [], _balanced_groups(templates, self.num_groups)
-            for group, (lo, hi) in enumerate(ranges):
-                def encode(*arrays, lo=lo, hi=hi, group=group):
-                    everywhere = not check_finite or bool(arrays[-1])
-                    arrays = arrays[:-1] if check_finite else arrays
-                    bundle = exchange.encode_bundle(names[lo:hi], unpack(arrays, kinds[lo:hi]),
-                                                    group, finite=everywhere)
-                    return (np.frombuffer(bundle, dtype=np.uint8),)
-
-                # in a graph the groups' encodes are not chained to the allgathers (as
-                # stateful ops would be): the next group encodes while this one is on
-                # the wire. Their effects (residuals, stats) belong to the exchange,
-                # which decode_all, a stateful op after every allgather, reads.
-                (bundle,) = _host_call(encode, inputs[starts[lo]:starts[hi]] + finite,
-                                       [tf.uint8], ordered=len(ranges) == 1)
-                bundle.set_shape([None])
-                gathered.append(hvd.allgather(bundle, process_set=self.process_set))
-
-            def decode_all(*groups):
-                return pack(exchange.decode_groups(list(groups), ranks, rank, average,
-                                                   as_rows=as_rows))
-
-            outputs = _host_call(decode_all, gathered, tout)
+        step = _HostStep([self._predivided(g) for _, g in todo], [keys[i] for i, _ in todo])
+        self.compression.agree(horovod_transport(self.process_set))
+        if self.compression.config.communicator == "allgather":
+            outputs = self._allgather(step)
         else:
-            op, transport = "average" if average else "sum", horovod_transport(self.process_set)
-            if not tf.executing_eagerly() and \
-                    tf.config.threading.get_inter_op_parallelism_threads() == 1:
-                # The communicator runs Horovod ops from inside the host call; in a graph
-                # that call holds TensorFlow's only inter-op thread, and they would wait
-                # for it forever.
-                raise ValueError(f"communicator={exchange.communicator!r} inside a "
-                                 "tf.function needs TensorFlow's inter-op thread pool to have "
-                                 "at least 2 threads (tf.config.threading."
-                                 "set_inter_op_parallelism_threads; 0, the default, is fine), "
-                                 "or run the step eagerly, or use communicator='allgather'")
+            outputs = self._reduce(step)
+        reduced = list(grads)
+        for (i, _), result in zip(todo, step.results(outputs)):
+            reduced[i] = result if self.predivide == 1.0 else \
+                _map_values(result, lambda v: v * self.predivide)
+        return reduced
 
-            def reduce_all(*arrays):
-                tensors = unpack(arrays)
-                finite = not check_finite or exchange.agree_finite(tensors, transport)
-                return pack(exchange.reduce_async(names, tensors, transport, op,
-                                                  as_rows=as_rows, finite=finite).result()[0])
+    def _predivided(self, g):
+        if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
+            g = tf.convert_to_tensor(g)
+        return g if self.predivide == 1.0 else _map_values(g, lambda v: v / self.predivide)
 
-            outputs = _host_call(reduce_all, inputs, tout)
+    def _allgather(self, step) -> list:
+        """Each group's bundle encoded in a host call, allgathered by Horovod, and all of
+        them decoded and reduced in one more host call; with ``check_finite`` the ranks'
+        flags go in an allgather first, and every encode takes their minimum."""
+        exchange, compression = self.compression.exchange, self.compression
+        finite = []  # (one flag for every group's encode, the same on every rank)
+        if compression.check_finite:
+            (mine,) = _host_call(lambda *arrays: (np.int32(exchange.selector.all_finite(
+                step.unpack(arrays))),), step.inputs, [tf.int32])
+            answers = hvd.allgather(tf.reshape(mine, [1]), process_set=self.process_set)
+            finite = [tf.cast(tf.reduce_min(answers), tf.int32)]
+        gathered, ranges = [], _balanced_groups(step.templates, self.num_groups)
+        for group, (lo, hi) in enumerate(ranges):
+            def encode(*arrays, lo=lo, hi=hi, group=group):
+                everywhere = not finite or bool(arrays[-1])
+                arrays = arrays[:-1] if finite else arrays
+                bundle = exchange.encode_bundle(step.names[lo:hi],
+                                                step.unpack(arrays, step.kinds[lo:hi]),
+                                                group, finite=everywhere)
+                return (np.frombuffer(bundle, dtype=np.uint8),)
 
-        reduced, pos = list(grads), 0
-        for (i, _), kind, template in zip(todo, kinds, templates):
+            # in a graph the groups' encodes are not chained to the allgathers (as
+            # stateful ops would be): the next group encodes while this one is on the
+            # wire. Their effects (residuals, stats) belong to the exchange, which
+            # decode_all, a stateful op after every allgather, reads.
+            (bundle,) = _host_call(encode, step.inputs[step.starts[lo]:step.starts[hi]] + finite,
+                                   [tf.uint8], ordered=len(ranges) == 1)
+            bundle.set_shape([None])
+            gathered.append(hvd.allgather(bundle, process_set=self.process_set))
+        ranks, rank = self.process_set.size(), self.process_set.rank()
+
+        def decode_all(*groups):
+            return step.pack(exchange.decode_groups(list(groups), ranks, rank,
+                                                    self.op == hvd.Average,
+                                                    as_rows=step.as_rows))
+        return _host_call(decode_all, gathered, step.tout)
+
+    def _reduce(self, step) -> list:
+        """The whole reduction of a reducing or hierarchical communicator in one host call
+        (its collectives are Horovod ops on the transport's thread)."""
+        compression = self.compression
+        exchange, transport = compression.exchange, horovod_transport(self.process_set)
+        if not tf.executing_eagerly() and \
+                tf.config.threading.get_inter_op_parallelism_threads() == 1:
+            # The communicator runs Horovod ops from inside the host call; in a graph
+            # that call holds TensorFlow's only inter-op thread, and they would wait
+            # for it forever.
+            raise ValueError(f"communicator={compression.config.communicator!r} inside a "
+                             "tf.function needs TensorFlow's inter-op thread pool to have "
+                             "at least 2 threads (tf.config.threading."
+                             "set_inter_op_parallelism_threads; 0, the default, is fine), "
+                             "or run the step eagerly, or use communicator='allgather'")
+        op = "average" if self.op == hvd.Average else "sum"
+
+        def reduce_all(*arrays):
+            tensors = step.unpack(arrays)
+            finite = compression.finite_everywhere(tensors, transport)
+            return step.pack(exchange.reduce_async(step.names, tensors, transport, op,
+                                                   as_rows=step.as_rows,
+                                                   finite=finite).result()[0])
+        return _host_call(reduce_all, step.inputs, step.tout)
+
+
+class _HostStep:
+    """The gradients of one reduction as host calls see them: each dense tensor one
+    input, each IndexedSlices three (values, indices, dense shape); what the results'
+    host outputs are (``tout``), and how both convert (:meth:`unpack`, :meth:`pack`,
+    :meth:`results`)."""
+
+    def __init__(self, grads, names):
+        self.templates, self.names = grads, names
+        self.kinds = ["rows" if isinstance(g, tf.IndexedSlices) else "dense" for g in grads]
+        self.inputs, self.tout = [], []
+        for g in grads:
+            if isinstance(g, tf.IndexedSlices):
+                self.inputs += [g.values, g.indices, tf.cast(g.dense_shape, tf.int64)]
+                self.tout += [g.values.dtype, tf.int64]
+            else:
+                self.inputs.append(tf.convert_to_tensor(g))
+                self.tout.append(g.dtype)
+        self.as_rows = [kind == "rows" for kind in self.kinds]
+        # tensor i's host arrays are inputs[starts[i]:starts[i + 1]]
+        self.starts = np.cumsum([0] + [1 if k == "dense" else 3 for k in self.kinds]).tolist()
+
+    def unpack(self, arrays, kinds=None) -> list:
+        """The host arrays of the inputs (of tensors of ``kinds``) as dense arrays and
+        SparseTensors."""
+        tensors, pos = [], 0
+        for kind in self.kinds if kinds is None else kinds:
+            if kind == "dense":
+                tensors.append(arrays[pos])
+                pos += 1
+            else:
+                tensors.append(SparseTensor.from_rows(*arrays[pos:pos + 3]))
+                pos += 3
+        return tensors
+
+    def pack(self, reduced) -> list:
+        """The reduced tensors as the flat list of host outputs (see ``tout``)."""
+        outputs = []
+        for kind, template, result in zip(self.kinds, self.templates, reduced):
+            if kind == "dense":
+                outputs.append(result.astype(template.dtype.as_numpy_dtype, copy=False))
+            else:
+                values, rows = result
+                outputs += [values.astype(template.values.dtype.as_numpy_dtype, copy=False),
+                            rows]
+        return outputs
+
+    def results(self, outputs) -> list:
+        """The host calls' outputs as tensors of the gradients' kinds and shapes."""
+        results, pos = [], 0
+        for kind, template in zip(self.kinds, self.templates):
             if kind == "dense":
                 result = outputs[pos]
                 result.set_shape(template.shape)
@@ -393,12 +407,15 @@ class _Reducer:
                 result = tf.IndexedSlices(values, tf.cast(rows, template.indices.dtype),
                                           template.dense_shape)
                 pos += 2
-            if self.predivide != 1.0:
-                result = (tf.IndexedSlices(result.values * self.predivide, result.indices,
-                                           result.dense_shape)
-                          if isinstance(result, tf.IndexedSlices) else result * self.predivide)
-            reduced[i] = result
-        return reduced
+            results.append(result)
+        return results
+
+
+def _map_values(g, function):
+    """``function`` of the values of ``g``, a tensor or IndexedSlices."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(function(g.values), g.indices, g.dense_shape)
+    return function(g)
 
 
 def _balanced_groups(templates, num_groups: int) -> list[tuple[int, int]]:
@@ -470,8 +487,8 @@ def grouped_allreduce(tensors, compression=None, op=hvd.Average, names=None,
     reducer = _Reducer(compression, op, sparse_as_dense, 1.0, process_set)
     tensors = list(tensors)
     if names is None:
-        if reducer.compression.memory is not None:
-            raise ValueError("names= is required with error feedback (error_feedback=True): "
+        if reducer.compression.exchange.selector.memory is not None:
+            raise ValueError("names= is required with error feedback (error_feedback=1.0): "
                              "residuals are kept per name")
         names = [f"#{i}" for i in range(len(tensors))]
     return reducer(tensors, list(names))

@@ -23,10 +23,9 @@ import numpy as np
 import torch
 
 from deepreduce.sparse import SparseTensor
-from deepreduce.torch.ddp import (DeepReduceState, deepreduce_hook, from_host, host_array,
-                                  transport_of)
+from deepreduce.torch.ddp import DeepReduceState, deepreduce_hook, from_host, host_array
 from deepreduce.torch.outer import OuterOptimizer as OuterOptimizer  # (docs/diloco.md)
-from deepreduce.torch.transport import CollectiveError
+from deepreduce.torch.transport import CollectiveError, transport_of
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "allreduce", "allreduce_async",
            "transport_of", "CollectiveError"]

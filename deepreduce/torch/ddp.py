@@ -20,9 +20,7 @@ residuals, checkpoints and a resumed run do not depend on the bucket layout.
 
 import copy
 import math
-import numbers
-import threading
-import weakref
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import NamedTuple, Optional
@@ -31,44 +29,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from deepreduce.collectives.signed import agree_settings
 from deepreduce.collectives.transport import GuardedTransport
-from deepreduce.config import ExchangeConfig
-from deepreduce.exchange import GradientExchange
+from deepreduce.config import ExchangeConfig, check_count, check_number
 from deepreduce.exchange.selection import Selector
 from deepreduce.exchange.stats import StepStats
 from deepreduce.registry import get_codec
 from deepreduce.torch.device import DeviceSelector, from_host, host_array, tensor_finite
+from deepreduce.torch.integration import TorchIntegration
 from deepreduce.torch.transport import CollectiveError, TorchTransport
 
-__all__ = ["DeepReduceState", "deepreduce_hook", "transport_of", "host_array", "from_host"]
-
-# weak keys: a destroyed process group must not be kept alive (see TorchTransport)
-_TRANSPORTS = weakref.WeakKeyDictionary()
-_TRANSPORTS_LOCK = threading.Lock()
-
-
-def transport_of(process_group=None) -> TorchTransport:
-    """The shared :class:`~deepreduce.torch.transport.TorchTransport` of ``process_group``.
-
-    One per group and process, so every deepreduce collective of that group
-    (the hook's, :func:`deepreduce.torch.allreduce`'s) runs on one thread, in
-    the order it was started, which is the same on every rank. It runs them on
-    a process group of its own with the same members, and has a second one,
-    ``flag_group`` (:meth:`TorchTransport.private
-    <deepreduce.torch.transport.TorchTransport.private>`), both created by the
-    first call for ``process_group``, which every member must make: collectives
-    of DDP's own on ``process_group`` (``find_unused_parameters=True``'s
-    bookkeeping, from the autograd thread) then never meet deepreduce's.
-    """
-    group = dist.group.WORLD if process_group is None else process_group
-    if group is None:  # torch.distributed is not initialised: TorchTransport says so
-        return TorchTransport()
-    with _TRANSPORTS_LOCK:
-        transport = _TRANSPORTS.get(group)
-        if transport is None:
-            transport = _TRANSPORTS[group] = TorchTransport.private(group)
-        return transport
+__all__ = ["DeepReduceState", "deepreduce_hook", "host_array", "from_host"]
 
 
 def _device_path(asked, config) -> bool:
@@ -84,7 +54,7 @@ def _device_path(asked, config) -> bool:
     return bool(asked)
 
 
-class DeepReduceState:
+class DeepReduceState(TorchIntegration):
     """Configuration and state of :func:`deepreduce_hook`.
 
     Parameters
@@ -94,15 +64,13 @@ class DeepReduceState:
         are supported. The group is looked up at the first hook call, so the
         state can be built before ``init_process_group`` (as Lightning's
         ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` does).
-    *args, **settings
-        The settings of :class:`~deepreduce.config.ExchangeConfig`, in its order
-        or by name, with the same defaults as every deepreduce integration:
-        ``sparsifier`` (Top-1%), ``index`` ("auto"), ``value`` ("fp16"),
-        ``error_feedback`` (True, per parameter), ``min_size`` (1024),
-        ``seed`` (0), ``communicator`` ("allgather"; or "sparse_allreduce",
-        "block", "hierarchical") and ``communicator_options``.
     config : ExchangeConfig, optional
-        All of them at once, instead.
+        The exchange's settings at once; or, by name, its fields, with the same
+        defaults as every deepreduce integration: ``sparsifier`` (Top-1%), ``index``
+        ("auto"), ``value`` ("fp16"), ``error_feedback`` (1.0, per parameter),
+        ``min_size`` (1024), ``seed`` (0), ``communicator`` ("allgather"; or
+        "sparse_allreduce", "block", "hierarchical"), ``communicator_options`` and
+        ``codec_threads``.
     start_iter : int, default 10
         Iterations (backward passes) of plain allreduce before compression
         starts. Early gradients change fast and error feedback has nothing to
@@ -141,8 +109,10 @@ class DeepReduceState:
         good ones), the first bucket of the next backward pass multiplies every
         residual by new scale / old scale (powers of two: exact), so error
         feedback stays in the units of the true gradient. Without one,
-        :meth:`rescale` does the same for a scaler of your own. Not pickled
-        (as the process group is not): set the attribute again after loading.
+        :meth:`rescale` does the same for a scaler of your own; the first
+        non-finite bucket with error feedback and no ``grad_scaler`` warns once.
+        Not pickled (as the process group is not): set the attribute again after
+        loading.
 
     Attributes
     ----------
@@ -172,109 +142,48 @@ class DeepReduceState:
     layout, which DDP builds afresh after a restart.
     """
 
-    def __init__(self, process_group=None, *args, config=None, start_iter=10,
+    RUNTIME = TorchIntegration.RUNTIME + (
+        "_keys", "_estimates", "guarded", "_results", "_layouts", "_in_iteration",
+        "_nonfinite_iteration", "_warned_scale", "grad_scaler")
+
+    def __init__(self, process_group=None, *, config=None, start_iter=10,
                  min_compression_rate=2.0, device_path=None, check_finite=True,
                  grad_scaler=None, **settings):
-        if isinstance(start_iter, bool) or not isinstance(start_iter, numbers.Integral) \
-                or start_iter < 0:
-            raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
-        if not isinstance(min_compression_rate, numbers.Real) or \
-                not math.isfinite(min_compression_rate) or min_compression_rate < 0:
-            raise ValueError("min_compression_rate must be a finite number >= 0, got "
-                             f"{min_compression_rate!r}")
-        config = ExchangeConfig.from_settings(config, *args, **settings)
+        config = ExchangeConfig.from_settings(config, **settings)
+        self.start_iter = check_count("start_iter", start_iter)
+        self.min_compression_rate = check_number("min_compression_rate", min_compression_rate)
         self.device_path = _device_path(device_path, config)
-        self.exchange = GradientExchange(
-            config=config, selector=DeviceSelector if self.device_path else Selector)
-        self.process_group = process_group
-        self._transport = None  # bound at the first hook call: see the transport property
-        self.start_iter, self.min_compression_rate = int(start_iter), float(min_compression_rate)
-        self.check_finite, self.grad_scaler = bool(check_finite), grad_scaler
+        super().__init__(config, {"start_iter": self.start_iter,
+                                  "min_compression_rate": self.min_compression_rate},
+                         process_group=process_group, check_finite=check_finite,
+                         selector=DeviceSelector if self.device_path else Selector)
+        self.grad_scaler = grad_scaler
         self.iter = self.nonfinite_iters = 0
         self._loss_scale = None  # the scale the residuals are in (see grad_scaler)
-        # what every rank must share; seeds may differ (independent RandomK draws)
-        self._settings = {**config.shared_settings(self.exchange.pipeline),
-                          "start_iter": self.start_iter,
-                          "min_compression_rate": self.min_compression_rate,
-                          "check_finite": self.check_finite}
         self._init_runtime()
 
     def _init_runtime(self):
+        super()._init_runtime()
         self._keys = {}          # id(parameter) -> stable key, given at its first bucket
         self._estimates = {}     # (shape, dtype) -> estimated payload bytes
-        self._agreed = False     # settings compared across ranks
         # the transport, stopped by a failure every rank shares
-        self._guarded = GuardedTransport(lambda: self.transport)
+        self.guarded = GuardedTransport(lambda: self.transport)
         self._results = {}       # bucket index -> the tensor its reductions are written into
-        self._layouts = {}       # bucket index -> its _BucketLayout (see _layout)
+        self._layouts = {}       # bucket index -> its _BucketLayout (see bucket_layout)
         self._in_iteration = False   # a bucket of this backward pass was seen
         self._nonfinite_iteration = False  # one of them was non-finite
+        self._warned_scale = False   # (see grad_scaler)
+        self.__dict__.setdefault("grad_scaler", None)
 
-    # -- checkpointing ------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The iteration, the residuals (per parameter), the random state, and the loss
-        scale the residuals are in (see ``grad_scaler``)."""
-        state = self.exchange.state_dict()
-        state["residuals"] = {name: from_host(residual)
-                              for name, residual in state["residuals"].items()}
+    # -- checkpoints: the frame's, with the counters and the loss scale ------------------
+    def _own_state(self) -> dict:
         return {"iter": self.iter, "nonfinite_iters": self.nonfinite_iters,
-                "loss_scale": self._loss_scale, "settings": dict(self._settings), **state}
+                "loss_scale": self._loss_scale}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Continue from :meth:`state_dict` (of a state with the same settings)."""
-        # (checkpoints from before the setting existed checked, its default)
-        theirs = {"check_finite": True, **(state_dict.get("settings") or {})}
-        if theirs != self._settings:
-            differ = [k for k in self._settings if theirs.get(k) != self._settings[k]]
-            raise ValueError("the checkpoint was written with other settings: "
-                             + ", ".join(f"{k} {theirs.get(k)!r} there, {self._settings[k]!r} "
-                                         "here" for k in differ))
+    def _load_own_state(self, state_dict: dict) -> None:
         self.iter = int(state_dict["iter"])
         self.nonfinite_iters = int(state_dict.get("nonfinite_iters", 0))
         self._loss_scale = state_dict.get("loss_scale")
-        self.exchange.load_state_dict({
-            "residuals": {name: host_array(residual.detach().cpu())
-                          for name, residual in state_dict["residuals"].items()},
-            "random_state": state_dict["random_state"]})
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        for runtime in ("process_group", "_transport", "_keys", "_estimates", "_agreed",
-                        "_guarded", "_results", "_layouts", "_in_iteration",
-                        "_nonfinite_iteration", "grad_scaler"):
-            state.pop(runtime, None)
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self.process_group = self.grad_scaler = None
-        self._transport = None    # the default group's, once the state is used
-        self.__dict__.setdefault("check_finite", True)  # (pickled before it existed)
-        self.__dict__.setdefault("nonfinite_iters", 0)
-        self.__dict__.setdefault("_loss_scale", None)
-        self._settings.setdefault("check_finite", self.check_finite)
-        self._init_runtime()
-
-    def rescale(self, factor: float) -> None:
-        """Multiply every residual by ``factor``: for a loss scaler that is not
-        ``grad_scaler``, call it with new scale / old scale between the backward pass
-        after which the scale changed and the next one."""
-        self.exchange.rescale(factor)
-
-    # -- the group -------------------------------------------------------------------
-    @property
-    def stats(self):
-        return self.exchange.stats
-
-    @property
-    def transport(self) -> TorchTransport:
-        """The transport every collective of this state runs on: bound at the first use
-        (the first hook call, or :func:`deepreduce.torch.allreduce`), on every rank,
-        to :func:`transport_of` the state's group, which creates deepreduce's own
-        process groups for it then (the transport's and :attr:`flag_group`)."""
-        if self._transport is None:
-            self._transport = transport_of(self.process_group)
-        return self._transport
 
     @property
     def flag_group(self):
@@ -288,85 +197,144 @@ class DeepReduceState:
         Held weakly, as the transport's; RuntimeError once destroyed."""
         return self.transport.flag_group
 
-    # -- reducing --------------------------------------------------------------------
-    def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Start reducing a DDP bucket: what :func:`deepreduce_hook` does, which see.
-
-        1. The first call compares every rank's settings; the first bucket of a
-           backward pass follows ``grad_scaler``'s scale.
-        2. A bucket that is not finite on every rank (``check_finite``) goes as DDP's
-           allreduce of the gradients as they are.
-        3. Otherwise each parameter's gradient goes through :meth:`reduce_async`, or,
-           before ``start_iter`` and for a bucket below ``min_compression_rate``, the
-           bucket goes as a plain allreduce, with what error feedback owes added.
-        4. The last bucket of a backward pass counts it in :attr:`iter` (or in
-           ``nonfinite_iters``).
-
-        Returns the Future DDP waits for: the averaged bucket, or the failure
-        ``loss.backward()`` raises, naming this rank and the bucket.
-        """
-        buffer = bucket.buffer()
-        # (GradBucket's methods let go of the GIL: called before the communication thread
-        # has work, they do not wait for it)
-        index, last = bucket.index(), bucket.is_last()
-        if not buffer.dtype.is_floating_point:
-            raise TypeError(f"deepreduce_hook reduces floating-point gradients; bucket "
-                            f"{index} holds {buffer.dtype}")
-        self._agree()
-        self._begin_bucket()
-        finite = self._finite_everywhere(buffer, index)
-        if finite:
-            reduction = self._reduce_finite(self._layout(bucket, index, buffer), buffer)
-        else:  # every rank: DDP's own allreduce of the gradients as they are, nothing paid
-            reduction = _Reduction(self._guarded.submit(
-                lambda: self._allreduce(buffer, buffer, nonfinite=True)), buffer)
-        self._end_bucket(last, finite)
-        return reduction.future(self, index)
-
+    # -- what the hook asks of the state -------------------------------------------------
     def reduce_async(self, names, tensors, op="average", *, check=None, as_rows=None,
                      out=None, reuse_out=False):
-        """Start reducing this rank's ``tensors`` over the state's group: what the hook's
-        compressing path and :func:`deepreduce.torch.allreduce` do. The first call
-        compares every rank's settings; ``check`` (a tensor, with ``check_finite``):
-        every rank learns first whether it is finite everywhere, and a non-finite one
-        goes whole and exact (see :meth:`GradientExchange.reduce_async
-        <deepreduce.exchange.GradientExchange.reduce_async>`'s ``finite``, which
-        takes the other arguments too). Returns its concurrent future."""
-        self._agree()
-        finite = True if check is None else self._finite_everywhere(check)
-        return self.exchange.reduce_async(names, tensors, self._guarded, op, as_rows=as_rows,
+        """Start reducing this rank's ``tensors`` over the state's group, for
+        :func:`deepreduce.torch.allreduce`. The first call compares every rank's settings;
+        ``check`` (a tensor, with ``check_finite``): every rank learns first whether it
+        is finite everywhere, and a non-finite one goes whole and exact (see
+        :meth:`GradientExchange.reduce_async
+        <deepreduce.exchange.GradientExchange.reduce_async>`'s ``finite``, which takes
+        the other arguments too). Returns its concurrent future."""
+        self.agree(self.guarded, wait=False)
+        finite = True if check is None else self.finite_everywhere([check])
+        return self.exchange.reduce_async(names, tensors, self.guarded, op, as_rows=as_rows,
                                           out=out, reuse_out=reuse_out, finite=finite)
 
-    def _reduce_finite(self, layout, buffer) -> "_Reduction":
-        """Start reducing ``buffer``, finite on every rank: compressed (:meth:`_compresses`),
-        or a plain allreduce. The parameters' gradients go to the exchange as torch
-        views of the buffer on the device path; else, as the codecs work on host
-        memory, as numpy views of a CPU buffer, or of a host copy of another (decoded
-        into the copy, which is copied back before DDP reads it)."""
-        on_host_copy = not (self.device_path or layout.on_host)
-        host = buffer.detach().cpu() if on_host_copy else buffer
-        grads = layout.gradients(host)
-        keys = layout.keys
-        if not self._compresses(layout):
-            self.exchange.pay(keys, grads, self._guarded)  # what error feedback still owes
-            return _Reduction(self._guarded.submit(lambda: self._allreduce(buffer, host)),
-                              buffer, on_device=not on_host_copy)
-        if on_host_copy:
-            return _Reduction(self.reduce_async(keys, grads, out=grads), buffer,
-                              copy_back=lambda: buffer.copy_(host), on_device=False)
-        if self.device_path:
-            # (encoding copies what it needs before this returns: the sums may overwrite)
-            return _Reduction(self.reduce_async(keys, self._small_to_host(grads), out=grads),
-                              buffer)
-        reduced, reuse = self._result_tensor(layout, buffer)
-        out = grads if reduced is buffer else layout.views_of(reduced)
-        return _Reduction(self.reduce_async(keys, grads, out=out, reuse_out=reuse), reduced)
+    def finite_everywhere(self, tensors, transport=None, bucket=None) -> bool:
+        """Whether every rank's ``tensors`` (of bucket ``bucket``) are finite (see
+        ``check_finite``): checked on their device, the answers allreduced on the
+        state's flag group, from the autograd thread (the group of the hook's other
+        collectives may be busy with earlier buckets); over another transport, in
+        an allgather of a byte after the collectives started there."""
+        if not self.check_finite:
+            return True
+        finite = torch.stack([tensor_finite(t) for t in tensors]).all()
+        transport = self.transport if transport is None else transport
+        if not isinstance(transport, TorchTransport):
+            return self.exchange.agree_finite(tensors, self.guarded, mine=bool(finite.item()))
+        if transport.size > 1:
+            flag = finite.to(device=transport.device, dtype=torch.int32).reshape(1)
+            try:
+                with transport.failing_as("allreduce of the all-finite flag"):
+                    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flag_group)
+            except CollectiveError as exc:  # raised from the hook: named as its futures'
+                raise _named(exc, self, bucket) from exc
+            finite = flag
+        return bool(finite.item())
 
+    def follow_loss_scale(self) -> None:
+        """At the first bucket of a backward pass: follow ``grad_scaler``'s scale."""
+        if self._in_iteration:
+            return
+        self._in_iteration = True
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return
+        scale = float(scaler.get_scale())
+        if self._loss_scale is not None and scale != self._loss_scale:
+            self.rescale(scale / self._loss_scale)
+        self._loss_scale = scale
+
+    def count_bucket(self, last: bool, finite: bool) -> None:
+        """Count a backward pass at its last bucket, in :attr:`iter` or in
+        :attr:`nonfinite_iters`; warn at the first non-finite bucket when the residuals
+        may be in a loss scale nobody follows (see ``grad_scaler``)."""
+        if not finite and self.grad_scaler is None and self.exchange.selector.memory \
+                is not None and not self._warned_scale:
+            self._warned_scale = True
+            warnings.warn(
+                "deepreduce's DDP hook met a non-finite bucket, as a loss scaler's overflow "
+                "step makes, and the state has no grad_scaler: when a scaler changes its "
+                "scale, error feedback mixes gradients of two scales. Pass "
+                "DeepReduceState(..., grad_scaler=scaler), or call state.rescale(new_scale "
+                "/ old_scale) when the scale changes", RuntimeWarning, stacklevel=3)
+        self._nonfinite_iteration |= not finite
+        if not last:
+            return
+        if self._nonfinite_iteration:
+            self.nonfinite_iters += 1
+        else:
+            self.iter += 1
+        self._in_iteration = self._nonfinite_iteration = False
+
+    def bucket_layout(self, bucket, buffer) -> "_BucketLayout":
+        """What the hook derives from the layout of ``bucket`` once, not every step:
+        kept while DDP hands over the same buffer (DDP's rebuild after the first
+        iteration allocates new ones; the layout's views hold the old one's memory, so
+        a new buffer never reuses its address)."""
+        index = bucket.index()
+        layout = self._layouts.get(index)
+        if layout is None or not layout.serves(buffer):
+            params = bucket.parameters()
+            # keys come from the first layout DDP builds (the same in every run of the
+            # same model), so checkpoints survive DDP's bucket rebuild
+            keys = [self._keys.setdefault(id(p), f"{index}.{position}")
+                    for position, p in enumerate(params)]
+            layout = self._layouts[index] = _BucketLayout(index, buffer, params, keys,
+                                                          self.device_path)
+        return layout
+
+    def compresses(self, layout) -> bool:
+        """Whether the bucket of ``layout`` goes compressed: from ``start_iter`` on, when
+        its dense bytes are at least ``min_compression_rate`` times its estimated
+        payload (worked out once per layout)."""
+        if self.iter < self.start_iter:
+            return False
+        if layout.compressible is None:
+            dtype = layout.numpy_dtype
+            estimate = sum(self._estimate(shape, dtype) for shape in layout.shapes)
+            layout.compressible = \
+                sum(layout.sizes) * dtype.itemsize >= self.min_compression_rate * estimate
+        return layout.compressible
+
+    def allreduce(self, layout, buffer, nonfinite=False) -> "_BucketReduction":
+        """Start DDP's allreduce of ``buffer``: a non-finite one as it is; else with what
+        error feedback still owes added (on its host copy, for a device buffer the
+        host path serves)."""
+        host = buffer
+        if not nonfinite:
+            host = buffer if self.device_path or layout.on_host else buffer.detach().cpu()
+            self.exchange.pay(layout.keys, layout.gradients(host), self.guarded)
+        return _BucketReduction(self.guarded.submit(
+            lambda: self._allreduce(buffer, host, nonfinite)), buffer,
+            on_device=host is buffer)
+
+    def targets(self, layout, buffer) -> "_Targets":
+        """Where a compressed bucket's reduction reads and writes: torch views of the
+        buffer on the device path (those below ``min_size`` on the host); else, as the
+        codecs work on host memory, numpy views of a CPU buffer, or of a host copy of
+        another (decoded into the copy, which is copied back before DDP reads it)."""
+        if self.device_path:
+            # (encoding copies what it needs before it returns: the sums may overwrite)
+            grads = layout.gradients(buffer)
+            return _Targets(self._small_to_host(grads), grads, False, buffer)
+        if not layout.on_host:
+            host = buffer.detach().cpu()
+            grads = layout.gradients(host)
+            return _Targets(grads, grads, False, buffer, lambda: buffer.copy_(host), False)
+        grads = layout.gradients(buffer)
+        reduced, reuse = self._result_tensor(layout, buffer)
+        return _Targets(grads, grads if reduced is buffer else layout.views_of(reduced),
+                        reuse, reduced)
+
+    # -- helpers of the above -----------------------------------------------------------
     def _small_to_host(self, grads) -> list:
         """The device path's ``grads`` with those below ``min_size`` on the host: they
         travel losslessly from there, and are small enough to cross in one copy."""
         inputs = list(grads)
-        small = [i for i, grad in enumerate(grads) if grad.numel() < self.exchange.min_size]
+        small = [i for i, grad in enumerate(grads) if grad.numel() < self.config.min_size]
         link = self.exchange.selector.link
         for i, array in zip(small, link.to_host([grads[i] for i in small])):
             inputs[i] = array
@@ -386,74 +354,6 @@ class DeepReduceState:
                                          bytes_received=nbytes, dense_bytes=nbytes,
                                          nonfinite_steps=int(nonfinite)))
 
-    # -- around the buckets ------------------------------------------------------------
-    def _agree(self):
-        """Compare the settings of all ranks once, before the first reduction."""
-        if self._agreed:
-            return
-        self._agreed = True
-        self._guarded.submit(agree_settings, self.transport, self._settings)
-
-    def _begin_bucket(self):
-        """At the first bucket of a backward pass: follow the loss scaler's scale."""
-        if self._in_iteration:
-            return
-        self._in_iteration = True
-        scaler = self.grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return
-        scale = float(scaler.get_scale())
-        if self._loss_scale is not None and scale != self._loss_scale:
-            self.rescale(scale / self._loss_scale)
-        self._loss_scale = scale
-
-    def _end_bucket(self, last: bool, finite: bool):
-        self._nonfinite_iteration |= not finite
-        if not last:
-            return
-        if self._nonfinite_iteration:
-            self.nonfinite_iters += 1
-        else:
-            self.iter += 1
-        self._in_iteration = self._nonfinite_iteration = False
-
-    def _finite_everywhere(self, buffer, index=None) -> bool:
-        """Whether every rank's ``buffer`` (bucket ``index``) is finite (see
-        ``check_finite``): checked here, the answers allreduced on the state's flag
-        group, from the autograd thread: the group of the hook's other collectives may
-        be busy with earlier buckets."""
-        if not self.check_finite:
-            return True
-        if not isinstance(self.transport, TorchTransport):  # (another transport: on its own)
-            return self.exchange.agree_finite([buffer], self._guarded)
-        finite = tensor_finite(buffer)
-        if self.transport.size > 1:
-            flag = finite.to(device=self.transport.device, dtype=torch.int32).reshape(1)
-            try:
-                with self.transport.failing_as("allreduce of the all-finite flag"):
-                    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flag_group)
-            except CollectiveError as exc:  # raised from the hook: named as its futures'
-                raise _named(exc, self, index) from exc
-            finite = flag
-        return bool(finite.item())
-
-    # -- what a bucket's layout decides ------------------------------------------------
-    def _layout(self, bucket, index: int, buffer) -> "_BucketLayout":
-        """What the hook derives from the layout of bucket ``index`` once, not every
-        step: kept while DDP hands over the same buffer (DDP's rebuild after the first
-        iteration allocates new ones; the layout's views hold the old one's memory, so
-        a new buffer never reuses its address)."""
-        layout = self._layouts.get(index)
-        if layout is None or not layout.serves(buffer):
-            params = bucket.parameters()
-            # keys come from the first layout DDP builds (the same in every run of the
-            # same model), so checkpoints survive DDP's bucket rebuild
-            keys = [self._keys.setdefault(id(p), f"{index}.{position}")
-                    for position, p in enumerate(params)]
-            layout = self._layouts[index] = _BucketLayout(index, buffer, params, keys,
-                                                          self.device_path)
-        return layout
-
     def _result_tensor(self, layout, buffer):
         """``(tensor, reuse)``: the tensor the reduction of a bucket on the CPU is written
         into and handed to DDP: with DDP's default gradient layout
@@ -472,26 +372,14 @@ class DeepReduceState:
             kept = self._results[layout.index] = torch.zeros_like(buffer)
         return kept, True
 
-    def _compresses(self, layout) -> bool:
-        """Whether the bucket of ``layout`` goes compressed: from ``start_iter`` on, when
-        its dense bytes are at least ``min_compression_rate`` times its estimated
-        payload (worked out once per layout)."""
-        if self.iter < self.start_iter:
-            return False
-        if layout.compressible is None:
-            dtype = layout.numpy_dtype
-            estimate = sum(self._estimate(shape, dtype) for shape in layout.shapes)
-            layout.compressible = \
-                sum(layout.sizes) * dtype.itemsize >= self.min_compression_rate * estimate
-        return layout.compressible
-
     def _estimate(self, shape, dtype) -> int:
         """Payload bytes of a synthetic Gaussian gradient of ``shape``: shapes decide."""
         key = (shape, dtype.str)
         if key not in self._estimates:
             size = math.prod(shape)
-            pipeline = (self.exchange.small_pipeline if size < self.exchange.min_size
-                        else self.exchange.pipeline)
+            selector = self.exchange.selector
+            pipeline = selector.small_pipeline if size < self.config.min_size \
+                else selector.pipeline
             synthetic = np.random.default_rng(0).standard_normal(size).astype(dtype)
             # a copy: estimating must not advance the random streams of the real ones
             self._estimates[key] = len(copy.deepcopy(pipeline).encode(synthetic.reshape(shape))[0])
@@ -509,15 +397,32 @@ def deepreduce_hook(state: DeepReduceState,
     the sparsifier and the codecs here, in the backward pass; the
     collectives, decoding and sums run on the transport's thread, and the
     returned future completes there, so communication overlaps the rest of
-    the backward pass. The steps are :meth:`DeepReduceState.reduce_bucket`'s.
+    the backward pass. The steps:
+
+    1. The first call compares every rank's settings; the first bucket of a
+       backward pass follows ``grad_scaler``'s scale.
+    2. A bucket that is not finite on every rank (``check_finite``) goes as DDP's
+       allreduce of the gradients as they are.
+    3. Before ``start_iter``, and for a bucket below ``min_compression_rate``, the
+       bucket goes as a plain allreduce, with what error feedback owes added.
+    4. Otherwise each parameter's gradient goes through the exchange
+       (:meth:`GradientExchange.reduce_async
+       <deepreduce.exchange.GradientExchange.reduce_async>`).
+    5. The last bucket of a backward pass counts it in ``state.iter`` (or in
+       ``state.nonfinite_iters``).
+
+    Returns the Future DDP waits for: the averaged bucket, or the failure
+    ``loss.backward()`` raises, naming this rank and the bucket.
 
     Examples
     --------
     On one process (a gloo group of size 1); the weight (4,096 elements) goes
     through Top-10% and fp16, the bias (below ``min_size``) losslessly:
 
-    >>> import os, torch, torch.distributed as dist, deepreduce as dr, deepreduce.torch as drt
-    >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29591")
+    >>> import os, socket, torch, torch.distributed as dist, deepreduce as dr, deepreduce.torch as drt
+    >>> with socket.socket() as s:
+    ...     _ = s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     >>> dist.init_process_group("gloo", rank=0, world_size=1)
     >>> model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
     >>> state = drt.DeepReduceState(sparsifier=dr.TopK(0.1), value="fp16", start_iter=0)
@@ -530,13 +435,46 @@ def deepreduce_hook(state: DeepReduceState,
     410
     >>> dist.destroy_process_group()
     """
-    return state.reduce_bucket(bucket)
+    buffer = bucket.buffer()
+    # (GradBucket's methods let go of the GIL: called before the communication thread
+    # has work, they do not wait for it)
+    index, last = bucket.index(), bucket.is_last()
+    if not buffer.dtype.is_floating_point:
+        raise TypeError(f"deepreduce_hook reduces floating-point gradients; bucket "
+                        f"{index} holds {buffer.dtype}")
+    state.agree(state.guarded, wait=False)                                       # 1.
+    state.follow_loss_scale()
+    layout = state.bucket_layout(bucket, buffer)
+    finite = state.finite_everywhere([buffer], bucket=index)
+    if not finite:                                                               # 2.
+        reduction = state.allreduce(layout, buffer, nonfinite=True)
+    elif not state.compresses(layout):                                           # 3.
+        reduction = state.allreduce(layout, buffer)
+    else:                                                                        # 4.
+        to = state.targets(layout, buffer)
+        reduction = _BucketReduction(state.exchange.reduce_async(
+            layout.keys, to.inputs, state.guarded, "average", out=to.out,
+            reuse_out=to.reuse_out), to.result, to.copy_back, to.on_device)
+    state.count_bucket(last, finite)                                             # 5.
+    return reduction.future(state, index)
+
+
+class _Targets(NamedTuple):
+    """Where a compressed bucket's reduction reads (``inputs``) and writes (``out``,
+    whose memory ``result`` is, copied into the bucket by ``copy_back`` when given)."""
+
+    inputs: list
+    out: list
+    reuse_out: bool
+    result: torch.Tensor
+    copy_back: Optional[Callable[[], object]] = None
+    on_device: bool = True
 
 
 class _BucketLayout:
     """What the hook derives once from the layout of a bucket, for every step it keeps:
     the parameters' keys and shapes, where each lies in the buffer, views of it, and
-    whether the bucket is worth compressing (see :meth:`DeepReduceState._layout`)."""
+    whether the bucket is worth compressing (see :meth:`DeepReduceState.bucket_layout`)."""
 
     def __init__(self, index, buffer, params, keys, device_path):
         self.buffer = buffer  # (held: its memory is not handed to another buffer)
@@ -584,7 +522,7 @@ class _BucketLayout:
         return self._kept[1]
 
 
-class _Reduction(NamedTuple):
+class _BucketReduction(NamedTuple):
     """A bucket's reduction under way: ``tensor`` holds the result once the concurrent
     future ``done`` is and ``copy_back`` (when given) has run. ``on_device``: a result
     on a GPU has DDP's streams wait for what was recorded on the device when it is set

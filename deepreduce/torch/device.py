@@ -330,17 +330,21 @@ class DeviceSelector(Selector):
 
     def sum_into_device(self, jobs) -> None:
         """For each ``(target, parts, scale)`` of ``jobs``, make ``target`` (a tensor on the
-        device of them all) the sum of the ranks' decoded ``parts`` times ``scale``: the
-        same bits as :func:`deepreduce.sums.sum_sorted_into` (each rank added
+        device of them all, or a list of them: a shared payload's tensors, which receive
+        the sum in slices, in order) the sum of the ranks' decoded ``parts`` times
+        ``scale``: the same bits as :func:`deepreduce.sums.sum_sorted_into` (each rank added
         in turn in the accumulator's precision, scaled in double). The positions of every
         part cross in one copy, and their values in one per dtype: each copy from the
         host's pageable memory waits for the device."""
         parts = [part for _, job_parts, _ in jobs for part in job_parts]
         arrays = [a for part in parts for a in (part.indices, part.values)]
-        tensors = iter(self.link.to_device(arrays, jobs[0][0].device) if arrays else ())
+        device = _pieces(jobs[0][0])[0].device
+        tensors = iter(self.link.to_device(arrays, device) if arrays else ())
         for target, job_parts, scale in jobs:
-            flat = target.view(-1)
-            accumulator = torch.float64 if target.dtype == torch.float64 else torch.float32
+            pieces = _pieces(target)
+            flat = target.view(-1) if pieces[0] is target else \
+                pieces[0].new_empty(sum(piece.numel() for piece in pieces))
+            accumulator = torch.float64 if flat.dtype == torch.float64 else torch.float32
             total = flat if flat.dtype == accumulator else \
                 torch.zeros(flat.numel(), dtype=accumulator, device=flat.device)
             total.zero_()
@@ -357,9 +361,10 @@ class DeviceSelector(Selector):
                 total[touched] = (total[touched].double() * scale).to(accumulator)
             if total is not flat:
                 flat.copy_(total)
-
-    #: (the name of :meth:`sum_into_device` before the base class declared it)
-    sum_all = sum_into_device
+            if pieces[0] is not target:  # a shared payload: each tensor's slice of the sum
+                sizes = [piece.numel() for piece in pieces]
+                for piece, part in zip(pieces, flat.split(sizes)):
+                    piece.view(-1).copy_(part)
 
     def state_dict(self) -> dict:
         memory = self.memory
@@ -380,6 +385,12 @@ def tensor_finite(x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu":  # no device to wait for: the exact check only when needed
         return finite_sum if finite_sum else torch.isfinite(x).all()
     return finite_sum | torch.isfinite(x).all()
+
+
+def _pieces(target) -> list:
+    """The tensors a job of :meth:`DeviceSelector.sum_into_device` writes: ``target``
+    itself, or the tensors of a shared payload (``target`` is their list)."""
+    return target if isinstance(target, list) else [target]
 
 
 def _copy(residual):

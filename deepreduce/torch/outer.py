@@ -18,14 +18,17 @@ average), sends them all through one :class:`~deepreduce.exchange.GradientExchan
 step (error feedback, sparsifier and codecs per parameter, one bundle, allgather,
 decode, average), and applies the outer update to the synced copy, which then
 replaces the model's parameters on every worker. Two modes (Douillard et al. 2023,
-arXiv 2311.08105; Sarfi et al. 2025, arXiv 2508.15706) differ only in their defaults:
+arXiv 2311.08105; Sarfi et al. 2025, arXiv 2508.15706) differ only in their defaults: the
+outer update's (:data:`OUTER_UPDATE`) and the exchange's (the presets
+:meth:`ExchangeConfig.diloco <deepreduce.config.ExchangeConfig.diloco>` and
+:meth:`ExchangeConfig.sparseloco <deepreduce.config.ExchangeConfig.sparseloco>`):
 
 ==================  ==================================  ==================================
                     ``mode="diloco"``                   ``mode="sparseloco"``
 ==================  ==================================  ==================================
 outer update        SGD, Nesterov momentum 0.9, lr 0.7  SGD, no momentum, lr (alpha) 1.0
 error feedback      only when the pipeline is lossy     decay beta = 0.95 (the momentum)
-                    (beta 1.0)
+                    (decay 1.0)
 sparsifier          None (every element)                ``chunktopk:k=64,chunk=4096``
 index codec         ``auto``                            ``chunked``
 value codec         ``raw`` (float32; or ``bf16``)      ``statq:bits=2,sigmas=6``
@@ -39,46 +42,31 @@ code, the same outer update and checkpoints); in float32 its outer step is an al
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from deepreduce.collectives.signed import agree_settings
 from deepreduce.collectives.transport import Traffic
-from deepreduce.config import ExchangeConfig
-from deepreduce.exchange import GradientExchange
-from deepreduce.exchange.memory import ResidualMemory
+from deepreduce.config import ExchangeConfig, check_count, check_flag, check_number
 from deepreduce.exchange.stats import StepStats
 from deepreduce.registry import get_codec
 from deepreduce.torch.device import from_host, host_array
+from deepreduce.torch.integration import TorchIntegration
 
-__all__ = ["OuterOptimizer", "MODES"]
+__all__ = ["OuterOptimizer", "OUTER_UPDATE"]
 
-#: Each mode's defaults: what an argument left out (or None) takes.
-MODES = {
-    "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "error_feedback": "lossy",
-               "sparsifier": None, "index": "auto", "value": "raw", "min_size": 1024},
-    "sparseloco": {"lr": 1.0, "momentum": 0.0, "nesterov": False, "error_feedback": 0.95,
-                   "sparsifier": "chunktopk:k=64,chunk=4096", "index": "chunked",
-                   "value": "statq:bits=2,sigmas=6", "min_size": 0},
+#: Each mode's outer update (``torch.optim.SGD``'s lr, momentum, nesterov), what the
+#: arguments left out (or None) take; the exchange's settings come from the preset of
+#: the same name (:meth:`ExchangeConfig.diloco`, :meth:`ExchangeConfig.sparseloco`).
+OUTER_UPDATE = {
+    "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+    "sparseloco": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
 }
 
 
-class _ModeDefault:
-    """The default of an argument whose None means something else (no sparsifier)."""
-
-    def __repr__(self):
-        return "<the mode's default>"
-
-
-MODE_DEFAULT = _ModeDefault()
-
-
-class OuterOptimizer:
+class OuterOptimizer(TorchIntegration):
     """The outer step of DiLoCo-style training, every ``sync_every`` inner steps.
 
     Parameters
@@ -91,7 +79,9 @@ class OuterOptimizer:
         dtypes (integers, booleans) have no average and are left as each rank has
         them, listed in :attr:`skipped`.
     mode : {"sparseloco", "diloco"}, default "sparseloco"
-        The defaults of the arguments below (see :data:`MODES` and the module's table).
+        The defaults of the outer update (:data:`OUTER_UPDATE`) and of the exchange
+        (the preset of the same name of :class:`~deepreduce.config.ExchangeConfig`;
+        see the module's table).
     sync_every : int, default 30
         H, the inner steps between outer steps: :meth:`step` counts them.
     process_group : torch.distributed.ProcessGroup, optional
@@ -108,16 +98,16 @@ class OuterOptimizer:
         Nesterov momentum (diloco True; sparseloco False). The outer update is
         ``torch.optim.SGD(synced, lr, momentum, nesterov=nesterov)`` stepped with the
         averaged pseudo-gradient as the gradient, bit for bit.
-    error_feedback : float or False, optional
-        The decay beta of error feedback per parameter
-        (:class:`~deepreduce.ResidualMemory`: ``accumulate = pseudo-gradient + beta *
-        residual``, and what was not delivered stays for the next outer step); False
-        turns it off. sparseloco: 0.95. diloco: 1.0 when the pipeline loses anything (a
-        sparsifier, a lossy value codec), else off (there is nothing to feed back).
-    sparsifier, index, value, min_size, seed, codec_threads
-        The exchange's settings (:class:`~deepreduce.config.ExchangeConfig`), with the
-        mode's defaults; ``sparsifier=None`` sends every element (dense DiLoCo with
-        ``value="raw"`` or ``"bf16"``). The communicator is the allgather.
+    config : ExchangeConfig, optional
+        The exchange's settings at once (the communicator is the allgather); or, by
+        name, its fields, which take the place of the mode's preset's:
+        ``sparsifier`` (``None`` sends every element: dense DiLoCo with
+        ``value="raw"`` or ``"bf16"``), ``index``, ``value``, ``error_feedback`` (the
+        decay beta of error feedback per parameter, :class:`~deepreduce.ResidualMemory`:
+        ``accumulate = pseudo-gradient + beta * residual``, and what was not delivered
+        stays for the next outer step; False turns it off; sparseloco 0.95, diloco 1.0
+        when the pipeline loses anything, else off), ``min_size``, ``seed``,
+        ``codec_threads``.
     synced_on_host : bool, default False
         Keep the synced copy (and the outer momentum) in host memory instead of on the
         parameters' device: the accelerator then holds nothing beyond the model and the
@@ -218,58 +208,47 @@ class OuterOptimizer:
     """
 
     def __init__(self, params, mode: str = "sparseloco", sync_every: int = 30,
-                 process_group=None, *, lr=None, momentum=None, nesterov=None,
-                 error_feedback=None, sparsifier=MODE_DEFAULT, index=None, value=None,
-                 min_size=None, seed: int = 0, codec_threads=None, synced_on_host=False):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
-        if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) \
-                or sync_every < 1:
-            raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
-        defaults = MODES[mode]
-        self.mode, self.sync_every = mode, int(sync_every)
-        self.lr = _number("lr", defaults["lr"] if lr is None else lr)
-        self.momentum = _number("momentum", defaults["momentum"] if momentum is None
-                                else momentum)
-        self.nesterov = bool(defaults["nesterov"] if nesterov is None else nesterov)
+                 process_group=None, *, config=None, lr=None, momentum=None, nesterov=None,
+                 synced_on_host=False, **settings):
+        if mode not in OUTER_UPDATE:
+            raise ValueError(f"mode must be one of {', '.join(map(repr, OUTER_UPDATE))}, "
+                             f"got {mode!r}")
+        self.mode, self.sync_every = mode, check_count("sync_every", sync_every, least=1)
+        defaults = OUTER_UPDATE[mode]
+        self.lr = check_number("lr", defaults["lr"] if lr is None else lr)
+        self.momentum = check_number("momentum", defaults["momentum"] if momentum is None
+                                     else momentum)
+        self.nesterov = check_flag("nesterov", defaults["nesterov"] if nesterov is None
+                                   else nesterov)
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0")
-        sparsifier = defaults["sparsifier"] if sparsifier is MODE_DEFAULT else sparsifier
-        index = defaults["index"] if index is None else index
-        value = defaults["value"] if value is None else value
-        min_size = defaults["min_size"] if min_size is None else min_size
-        self.beta = _decay(defaults["error_feedback"] if error_feedback is None
-                           else error_feedback, sparsifier, value)
-        config = ExchangeConfig(
-            sparsifier=sparsifier, index=index, value=value, min_size=min_size, seed=seed,
-            error_feedback=False if self.beta is None else ResidualMemory(self.beta),
-            codec_threads=codec_threads)
-        self.exchange = GradientExchange(config=config)
-        # nothing to select, code or remember: the outer step is an allreduce
-        self.dense = sparsifier is None and get_codec(value, family="value").lossless
-        self.synced_on_host = bool(synced_on_host)
-
+        self.synced_on_host = check_flag("synced_on_host", synced_on_host)
+        config = ExchangeConfig.from_settings(config, **settings) if config is not None \
+            else getattr(ExchangeConfig, mode)(**settings)
+        if config.communicator != "allgather":
+            raise ValueError("the outer step sends its bundle by allgather; got "
+                             f"communicator={config.communicator!r}")
         self.names, self.params, self.skipped = _floating_parameters(params)
         if not self.params:
             raise ValueError("no floating-point parameters to synchronise")
+        # what every rank of the group must share (seeds may differ), and checkpoints carry
+        layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(self.names,
+                                                                             self.params))
+        super().__init__(config, {
+            "mode": self.mode, "sync_every": self.sync_every, "lr": self.lr,
+            "momentum": self.momentum, "nesterov": self.nesterov,
+            "parameters": f"{len(self.names)} ({zlib.crc32(layout.encode()):08x})"},
+            process_group=process_group)
+        # nothing to select, code or remember: the outer step is an allreduce
+        self.dense = config.sparsifier is None and \
+            get_codec(config.value, family="value").lossless
         with torch.no_grad():
             self._synced = [p.detach().to("cpu" if self.synced_on_host else p.device,
                                           copy=True) for p in self.params]
         self._outer = torch.optim.SGD(self._synced, lr=self.lr, momentum=self.momentum,
                                       nesterov=self.nesterov)
-        self.process_group = process_group
-        self._transport = None
-        self._agreed = False
         self.inner_steps = self.outer_steps = 0
         self.last_traffic = None
-        # what every rank of the group must share (seeds may differ), and checkpoints carry
-        layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(self.names,
-                                                                             self.params))
-        self._settings = {"mode": self.mode, "sync_every": self.sync_every, "lr": self.lr,
-                          "momentum": self.momentum, "nesterov": self.nesterov,
-                          "error_feedback": "off" if self.beta is None else self.beta,
-                          **config.shared_settings(self.exchange.pipeline),
-                          "parameters": f"{len(self.names)} ({zlib.crc32(layout.encode()):08x})"}
 
     # -- the training loop's calls ---------------------------------------------------------
     def step(self) -> bool:
@@ -336,19 +315,6 @@ class OuterOptimizer:
 
     # -- what it holds -------------------------------------------------------------------
     @property
-    def transport(self):
-        """The transport of the outer group (:func:`deepreduce.torch.transport_of`), bound
-        at the first outer step; it makes deepreduce's own groups of the same ranks then."""
-        if self._transport is None:
-            import deepreduce.torch  # (the package's public function; it imports this module)
-            self._transport = deepreduce.torch.transport_of(self.process_group)
-        return self._transport
-
-    @property
-    def stats(self):
-        return self.exchange.stats
-
-    @property
     def dense_bytes(self) -> int:
         """Bytes of the synced parameters as they are (what a dense outer step sends)."""
         return sum(p.numel() * p.element_size() for p in self.params)
@@ -359,37 +325,21 @@ class OuterOptimizer:
         return dict(zip(self.names, self._synced))
 
     def __repr__(self):
-        shown = ", ".join(f"{k}={v!r}" for k, v in self._settings.items() if k != "parameters")
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.settings.items() if k != "parameters")
         return f"{type(self).__name__}({shown}, synced_on_host={self.synced_on_host})"
 
-    # -- checkpoints --------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The counters, the synced copy, the outer optimizer's state, the residuals and
-        random streams of the exchange, and the settings (checked on loading)."""
-        exchange = self.exchange.state_dict()
+    # -- checkpoints: the frame's, with the counters, the synced copy and the momentum --
+    def _own_state(self) -> dict:
         return {"inner_steps": self.inner_steps, "outer_steps": self.outer_steps,
-                "settings": dict(self._settings),
                 "synced": {n: s.detach().clone() for n, s in zip(self.names, self._synced)},
-                "outer_optimizer": self._outer.state_dict(),
-                "residuals": {n: from_host(r) for n, r in exchange["residuals"].items()},
-                "random_state": exchange["random_state"]}
+                "outer_optimizer": self._outer.state_dict()}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Continue from :meth:`state_dict` (of an optimizer with the same settings and
-        parameters). The model's parameters are the model's checkpoint's business."""
-        theirs = state_dict["settings"]
-        if theirs != self._settings:
-            differ = [k for k in self._settings if theirs.get(k) != self._settings[k]]
-            raise ValueError("the checkpoint was written with other settings: " + ", ".join(
-                f"{k} {theirs.get(k)!r} there, {self._settings[k]!r} here" for k in differ))
+    def _load_own_state(self, state_dict: dict) -> None:
+        # (the model's parameters are the model's checkpoint's business)
         with torch.no_grad():
             for name, s in zip(self.names, self._synced):
                 s.copy_(state_dict["synced"][name])
         self._outer.load_state_dict(state_dict["outer_optimizer"])
-        self.exchange.load_state_dict({
-            "residuals": {n: host_array(r.detach().cpu())
-                          for n, r in state_dict["residuals"].items()},
-            "random_state": state_dict["random_state"]})
         self.inner_steps = int(state_dict["inner_steps"])
         self.outer_steps = int(state_dict["outer_steps"])
 
@@ -402,15 +352,13 @@ class OuterOptimizer:
         for s in self._synced:
             checksum = zlib.crc32(host_array(s.detach().cpu().contiguous()).view("u1"),
                                   checksum)
-        settings = {**self._settings, "start": f"{checksum:08x}"}
         try:
-            transport.submit(agree_settings, transport, settings, "outer settings").result()
+            self.agree(transport, {"start": f"{checksum:08x}"}, what="outer settings")
         except ValueError as exc:
             raise ValueError(f"OuterOptimizer: {exc} ('start' is a checksum of the "
                              "parameters each rank starts from: seed the model alike on "
                              "every rank; 'parameters' counts their names, shapes and "
                              "dtypes)") from exc
-        self._agreed = True
 
 
 def _floating_parameters(params):
@@ -433,24 +381,3 @@ def _floating_parameters(params):
     if len(set(names)) != len(names):
         raise ValueError("two parameters share a name")
     return names, kept, skipped
-
-
-def _number(name, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def _decay(asked, sparsifier, value):
-    """Error feedback's beta (None: off) from ``error_feedback`` (``"lossy"``: 1.0 when
-    the pipeline loses anything)."""
-    if asked == "lossy":
-        lossless = sparsifier is None and get_codec(value, family="value").lossless
-        return None if lossless else 1.0
-    if asked is False:
-        return None
-    if isinstance(asked, bool) or not isinstance(asked, numbers.Real) \
-            or not 0.0 <= asked <= 1.0:
-        raise ValueError(f"error_feedback must be a decay in [0, 1] or False, got {asked!r}")
-    return float(asked)

@@ -40,26 +40,13 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from deepreduce.collectives import frames
-from deepreduce.collectives.signed import agree_settings
 from deepreduce.collectives.transport import Transport
-from deepreduce.config import ExchangeConfig
-from deepreduce.exchange import GradientExchange
-from deepreduce.exchange.memory import ResidualMemory
+from deepreduce.config import ExchangeConfig, check_count
 from deepreduce.torch.device import from_host, host_array
-from deepreduce.torch.outer import MODES
+from deepreduce.torch.integration import TorchIntegration, check_process_group
 from deepreduce.torch.transport import CollectiveError, _reason
 
-__all__ = ["DeepReduceManager", "ReplicaGroupTransport", "SPARSELOCO"]
-
-#: The settings :class:`DeepReduceManager` starts from: SparseLoCo's (Sarfi et al. 2025,
-#: arXiv 2508.15706), as :class:`deepreduce.torch.outer.OuterOptimizer`'s
-#: ``mode="sparseloco"`` has them: 64 of every 4,096 entries (64 x 64 tiles of a matrix),
-#: the index codec that knows each chunk holds exactly 64, 2-bit statistical
-#: quantisation over +-6 sigma, every tensor chunk-wise (``min_size`` 0), and error
-#: feedback whose residual decays by beta = 0.95 at every outer step, which takes the
-#: place of DiLoCo's outer momentum.
-SPARSELOCO = {key: MODES["sparseloco"][key]
-              for key in ("sparsifier", "index", "value", "min_size", "error_feedback")}
+__all__ = ["DeepReduceManager", "ReplicaGroupTransport"]
 
 #: What a collective of :class:`ReplicaGroupTransport` waits at most when the group's
 #: own timeout is unknown.
@@ -140,7 +127,7 @@ def configured_group(process_group):
     return group
 
 
-class DeepReduceManager:
+class DeepReduceManager(TorchIntegration):
     """A torchft ``Manager`` whose ``allreduce`` goes through deepreduce's exchange.
 
     Give it to torchft's ``DiLoCo`` or ``LocalSGD`` where they take the manager;
@@ -151,7 +138,16 @@ class DeepReduceManager:
     manager : torchft.Manager
         The replica group's manager. DiLoCo needs ``use_async_quorum=False``.
     config : ExchangeConfig, optional
-        The exchange's settings at once, instead of ``settings``.
+        The exchange's settings at once; or, by name, its fields (``sparsifier``,
+        ``index``, ``value``, ``error_feedback``, the decay of the residuals,
+        ``min_size``, ``seed``, ``codec_threads``; ``communicator`` must stay
+        "allgather"), which take the place of SparseLoCo's
+        (:meth:`ExchangeConfig.sparseloco <deepreduce.config.ExchangeConfig.sparseloco>`,
+        as :class:`~deepreduce.torch.outer.OuterOptimizer`'s ``mode="sparseloco"``).
+        SparseLoCo's outer step is then torchft's DiLoCo with ``SGD(lr=1.0)`` (alpha,
+        no momentum) as the outer optimizer; DiLoCo's own Nesterov momentum goes with
+        ``error_feedback=1.0``, and dense DiLoCo in bf16 is
+        ``config=ExchangeConfig.diloco(value="bf16")``.
     fragments : int, default 1
         The model fragments DiLoCo syncs in turn (Streaming DiLoCo: the length of its
         ``model_fragments``); outer step ``s`` syncs fragment ``s % fragments``. Each
@@ -167,20 +163,9 @@ class DeepReduceManager:
         The replica groups' process group; by default the manager's.
     device : torch.device or str, optional
         Where the transport's byte tensors live (see :class:`ReplicaGroupTransport`).
-    timeout : datetime.timedelta, optional
-        How long a wait for an outer step's exchange lasts before it counts as failed;
-        by default the manager's ``timeout``.
-    **settings
-        The settings of :class:`~deepreduce.config.ExchangeConfig`, as in every
-        deepreduce integration: ``sparsifier``, ``index``, ``value``,
-        ``error_feedback`` (also a number: the decay beta of the residuals, as
-        :class:`~deepreduce.torch.outer.OuterOptimizer` takes it), ``min_size``,
-        ``seed``, ``codec_threads`` (``communicator`` must stay "allgather"). Those
-        not given are :data:`SPARSELOCO`'s, then ExchangeConfig's. SparseLoCo's outer
-        step is then torchft's DiLoCo with ``SGD(lr=1.0)`` (alpha, no momentum) as the
-        outer optimizer; DiLoCo's own Nesterov momentum goes with
-        ``error_feedback=True`` (beta 1), and dense DiLoCo in bf16 is
-        ``sparsifier=None, value="bf16", error_feedback=True, min_size=1024``.
+    timeout : datetime.timedelta or float, optional
+        How long a wait for an outer step's exchange lasts before it counts as failed
+        (a number: seconds); by default the manager's ``timeout``.
 
     Attributes
     ----------
@@ -253,17 +238,13 @@ class DeepReduceManager:
     >>> manager.shutdown(wait=False); lighthouse.shutdown()
     """
 
+    RUNTIME = TorchIntegration.RUNTIME + ("manager", "_lock", "_pending", "_in_flight")
+
     def __init__(self, manager, *, config=None, fragments=1, check_finite=True,
                  process_group=None, device=None, timeout=None, **settings):
-        if isinstance(fragments, bool) or not isinstance(fragments, numbers.Integral) \
-                or fragments < 1:
-            raise ValueError(f"fragments must be an integer >= 1, got {fragments!r}")
-        if config is None:
-            settings = {**SPARSELOCO, **settings}
-            feedback = settings.get("error_feedback")
-            if isinstance(feedback, numbers.Real) and not isinstance(feedback, bool):
-                settings["error_feedback"] = ResidualMemory(beta=feedback)
-        config = ExchangeConfig.from_settings(config, **settings)
+        self.fragments = check_count("fragments", fragments, least=1)
+        config = ExchangeConfig.from_settings(config, **settings) if config is not None \
+            else ExchangeConfig.sparseloco(**settings)
         if config.communicator != "allgather":
             raise ValueError("deepreduce over torchft sends bundles by allgather; got "
                              f"communicator={config.communicator!r}")
@@ -271,15 +252,13 @@ class DeepReduceManager:
         if group is None:
             raise ValueError("the manager holds no process group: pass process_group= (the "
                              "pg given to torchft.Manager)")
+        super().__init__(config, {"fragments": self.fragments},
+                         process_group=check_process_group(group), check_finite=check_finite)
         self.manager = manager
-        self.exchange = GradientExchange(config=config)
-        self.transport = ReplicaGroupTransport(group, device)
-        self.fragments, self.check_finite = int(fragments), bool(check_finite)
-        self.timeout = timeout if timeout is not None else \
-            getattr(manager, "_timeout", DEFAULT_TIMEOUT)
+        self._transport = ReplicaGroupTransport(group, device)
+        self.timeout = _timeout(timeout if timeout is not None else
+                                getattr(manager, "_timeout", DEFAULT_TIMEOUT))
         self.last_traffic = None
-        self._settings = {**config.shared_settings(self.exchange.pipeline),
-                          "fragments": self.fragments, "check_finite": self.check_finite}
         self._lock = threading.RLock()
         self._pending = []       # the queued tensors of the bundle to come: _Queued
         self._in_flight = []     # the _Batch of every exchange started and not waited for
@@ -308,7 +287,7 @@ class DeepReduceManager:
         future = _Future(self._drain)
         if self.manager.errored():
             future.set_result(tensor)
-            return _Reduction(future)
+            return _QueuedWork(future)
         self.manager.wait_quorum()
         with self._lock:
             if self._fragment is None:
@@ -318,7 +297,7 @@ class DeepReduceManager:
             self._check_shape(name, tensor)
             divisor = self.manager.num_participants() if reduce_op == dist.ReduceOp.AVG else 1
             self._pending.append(_Queued(name, tensor, divisor, future))
-        return _Reduction(future)
+        return _QueuedWork(future)
 
     def start_quorum(self, *args, **kwargs):
         """torchft's ``start_quorum``, once this manager's exchanges have ended (the new
@@ -335,7 +314,7 @@ class DeepReduceManager:
         self._drain()
         committed = self.manager.should_commit(timeout=timeout)
         if not committed and self._snapshot is not None:
-            self.exchange.load_state_dict(self._snapshot)
+            self.exchange.selector.load_state_dict(self._snapshot)
         self._snapshot = None
         return committed
 
@@ -347,10 +326,6 @@ class DeepReduceManager:
         return getattr(self.manager, name)
 
     # -- the exchange --------------------------------------------------------------------
-    @property
-    def stats(self):
-        return self.exchange.stats
-
     def _check_shape(self, name, tensor):
         seen = self._shapes.setdefault(name, (tuple(tensor.shape), tensor.dtype))
         if seen != (tuple(tensor.shape), tensor.dtype):
@@ -381,27 +356,22 @@ class DeepReduceManager:
         transport = self.transport
         if not self._bound:
             self._bound = True
-            if transport.bind():
-                self._agree()
+            if transport.bind():  # a new quorum: its members compare their settings
+                self.agree(transport, again=True)
         if self._snapshot is None:  # what a discarded outer step gives back
-            self._snapshot = self.exchange.state_dict()
+            self._snapshot = self.exchange.selector.state_dict()
         participating = self.manager.is_participating()
         # a replica that is not participating (healing, a spare) sends zeros, as in
         # torchft's allreduce, and keeps its residuals
         arrays = [_host(q.tensor) if participating else np.zeros_like(_host(q.tensor))
                   for q in queued]
         names = [q.name if participating else None for q in queued]
-        finite = self.exchange.agree_finite(arrays, transport) if self.check_finite else True
+        finite = self.finite_everywhere(arrays, transport)
         batch = _Batch(queued)
         batch.started = self.exchange.reduce_async(names, arrays, transport, "sum",
                                                    finite=finite)
         self._in_flight.append(batch)
         batch.started.add_done_callback(lambda done: self._deliver(batch))
-
-    def _agree(self):
-        """Compare the settings of this quorum's members (raises on every one of them)."""
-        transport = self.transport
-        transport.submit(agree_settings, transport, self._settings).result()
 
     def _deliver(self, batch):
         """On the transport's thread: write the reduced tensors in place, divided by the
@@ -446,30 +416,6 @@ class DeepReduceManager:
                 self._fail(batch.queued, TimeoutError(
                     f"deepreduce's exchange on torchft's replica group took over {self.timeout}"))
 
-    # -- checkpoints -----------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """This replica's residuals (per tensor name) and random streams, and the settings
-        they belong to: for a checkpoint of this replica (``torch.save`` it)."""
-        state = self.exchange.state_dict()
-        return {"settings": dict(self._settings),
-                "residuals": {name: from_host(residual).clone()
-                              for name, residual in state["residuals"].items()},
-                "random_state": state["random_state"]}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Continue from :meth:`state_dict` (of a manager with the same settings)."""
-        theirs = state_dict.get("settings") or {}
-        if theirs != self._settings:
-            differ = [k for k in self._settings if theirs.get(k) != self._settings[k]]
-            raise ValueError("the checkpoint was written with other settings: "
-                             + ", ".join(f"{k} {theirs.get(k)!r} there, {self._settings[k]!r} "
-                                         "here" for k in differ))
-        self.exchange.load_state_dict({
-            "residuals": {name: host_array(residual.detach().cpu()).copy()
-                          for name, residual in state_dict["residuals"].items()},
-            "random_state": state_dict["random_state"]})
-
-
 class _Queued:
     """A tensor waiting for its outer step's bundle."""
 
@@ -511,7 +457,7 @@ class _Future(torch.futures.Future):
         return value
 
 
-class _Reduction(dist._Work):
+class _QueuedWork(dist._Work):
     """The ``Work`` of one tensor, as torchft's allreduce returns: ``wait()`` and
     ``get_future()``."""
 
@@ -525,6 +471,16 @@ class _Reduction(dist._Work):
 
     def get_future(self):
         return self._future
+
+
+def _timeout(timeout) -> timedelta:
+    """``timeout`` as a timedelta: one, or a number of seconds > 0."""
+    if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+        raise ValueError(f"timeout must be a datetime.timedelta or a number of seconds > 0, "
+                         f"got {timeout!r}")
+    return timeout
 
 
 def _host(tensor) -> np.ndarray:

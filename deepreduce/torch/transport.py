@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import threading
 import time
 import weakref
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from deepreduce.collectives.transport import Transport, members_of, split_frames
 
-__all__ = ["TorchTransport", "CollectiveError"]
+__all__ = ["TorchTransport", "CollectiveError", "transport_of"]
 
 
 class CollectiveError(RuntimeError):
@@ -365,3 +366,32 @@ def _release_at_exit(timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
     for transport in list(_WITH_HELD_TENSORS):
         transport._wait_until_released(deadline)
+
+
+# the shared transport of each process group (weak keys: a destroyed process group must not
+# be kept alive, see TorchTransport)
+_TRANSPORTS = weakref.WeakKeyDictionary()
+_TRANSPORTS_LOCK = threading.Lock()
+
+
+def transport_of(process_group=None) -> TorchTransport:
+    """The shared :class:`TorchTransport` of ``process_group``.
+
+    One per group and process, so every deepreduce collective of that group
+    (the hook's, :func:`deepreduce.torch.allreduce`'s) runs on one thread, in
+    the order it was started, which is the same on every rank. It runs them on
+    a process group of its own with the same members, and has a second one,
+    ``flag_group`` (:meth:`TorchTransport.private
+    <deepreduce.torch.transport.TorchTransport.private>`), both created by the
+    first call for ``process_group``, which every member must make: collectives
+    of DDP's own on ``process_group`` (``find_unused_parameters=True``'s
+    bookkeeping, from the autograd thread) then never meet deepreduce's.
+    """
+    group = dist.group.WORLD if process_group is None else process_group
+    if group is None:  # torch.distributed is not initialised: TorchTransport says so
+        return TorchTransport()
+    with _TRANSPORTS_LOCK:
+        transport = _TRANSPORTS.get(group)
+        if transport is None:
+            transport = _TRANSPORTS[group] = TorchTransport.private(group)
+        return transport

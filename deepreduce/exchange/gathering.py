@@ -4,7 +4,7 @@ Every rank packs its gradients' payloads (one per gradient, or one per group of
 small gradients of a dtype) into a bundle (:mod:`deepreduce.bundle`), the
 bundles are allgathered whatever their lengths, and every rank splits them,
 decodes every payload and sums in rank order, so all ranks end with
-bit-identical results. One step, as :class:`AllgatherExchange` runs it:
+bit-identical results. One step, as :class:`GatheringExchange` runs it:
 
 1. encode, on the caller's thread (:mod:`~deepreduce.exchange.encoding`): which
    tensors share a payload, error feedback and selection, the codecs, the residuals;
@@ -62,13 +62,11 @@ PAYLOAD_ELEMENTS = 1 << 22
 #: entry (see :mod:`~deepreduce.exchange.summing`).
 SUMMED_WHOLE_BELOW = 1 << 16
 
-#: (the class's name before it moved to deepreduce.exchange.summing: pickles name it)
-_ReusedSums = ReusedSums
 
-__all__ = ["AllgatherExchange", "BUNDLE_SIGNATURE", "Decoded", "Encoded", "Sent"]
+__all__ = ["GatheringExchange", "BUNDLE_SIGNATURE", "Decoded", "Encoded", "Sent"]
 
 
-class AllgatherExchange(Strategy):
+class GatheringExchange(Strategy):
     """Encode one rank's gradients into a bundle; decode and sum the ranks' bundles.
 
     Parameters
