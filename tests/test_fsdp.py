@@ -76,10 +76,13 @@ def test_settings_that_differ_raise_on_every_rank_naming_them(four_ranks):
 
 
 def test_replicas_of_another_layout_raise_naming_the_module(four_ranks):
-    for found in findings(four_ranks, "check_other_layout"):
+    for rank, found in enumerate(findings(four_ranks, "check_other_layout")):
         assert found["raised"] is True
-        assert "module 0: 0.weight[150, 32]/4800" in found["message"]
-        assert "0.weight[151, 32]/4832" in found["message"]
+        # the ranks of this rank's replicate group (global), each with its version
+        a, b = rank % 2, rank % 2 + 2
+        assert found["message"].startswith("the replicas hold other layouts: module 0: ")
+        assert f"0.weight[150, 32]/4800, 0.bias[150]/150 on rank {a}; " \
+               f"0.weight[151, 32]/4832, 0.bias[151]/151 on rank {b}" in found["message"]
 
 
 def test_refuses_native_hsdp_and_unsharded_models(four_ranks):
@@ -111,7 +114,7 @@ def test_dcp_checkpoint_continues_bit_for_bit_in_new_processes(tmp_path):
             "the checkpoint was written with other settings: value "
             "\"QSGDValues(bits=8, bucket=512, norm='max')\" there, 'Float16Values()' here")
         layout = found["other_layout"]
-        assert layout.startswith("the checkpoint was written with other layout: "
+        assert layout.startswith("the checkpoint was written with another layout: "
                                  "replicas '2' there, '1' here; shard ")
         assert f"'{rank % 2} of 2' there, '{rank} of 4' here" in layout
 
@@ -151,5 +154,5 @@ def test_bad_settings_fail_when_the_state_is_built(kwargs, message):
 def test_state_is_built_before_the_process_group_and_pickles_without_it():
     state = fsdp.ReplicaExchangeState(None, sparsifier=dr.TopK(0.05), start_iter=3)
     restored = pickle.loads(pickle.dumps(state))
-    assert restored.start_iter == 3 and restored.replicate is None
-    assert restored._settings == state._settings
+    assert restored.start_iter == 3 and restored.process_group is None
+    assert restored.settings == state.settings and restored.units == []

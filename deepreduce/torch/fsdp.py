@@ -38,24 +38,31 @@ place, through one :class:`~deepreduce.exchange.GradientExchange` step:
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import math
-import numbers
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from deepreduce.collectives.signed import agree_settings
-from deepreduce.collectives.transport import GuardedTransport, Transport
-from deepreduce.config import ExchangeConfig
-from deepreduce.exchange import GradientExchange
+from deepreduce.collectives.signed import signed_allgather
+from deepreduce.collectives.transport import GuardedTransport, Traffic, Transport
+from deepreduce.config import ExchangeConfig, check_count
 from deepreduce.exchange.selection import Selector
 from deepreduce.exchange.stats import StepStats
-from deepreduce.torch.ddp import _device_path, transport_of
-from deepreduce.torch.device import DeviceSelector, from_host, host_array, tensor_finite
-from deepreduce.torch.transport import CollectiveError
+from deepreduce.torch.ddp import _device_path
+from deepreduce.torch.device import DeviceSelector, host_array, tensor_finite
+from deepreduce.torch.integration import TorchIntegration
+from deepreduce.torch.transport import CollectiveError, transport_of
 
 __all__ = ["compress_replicas", "ReplicaExchangeState", "HookError"]
+
+#: What the replicas' layouts travel behind when they are compared (once).
+LAYOUT_SIGNATURE = "fsdp=layout"
+
+#: Numbers the states as they are attached to models (see _UnitStages).
+_ATTACHED = itertools.count()
 
 
 def compress_replicas(model, replicate=None, *, state=None,
@@ -113,15 +120,16 @@ def compress_replicas(model, replicate=None, *, state=None,
     return state
 
 
-class ReplicaExchangeState:
+class ReplicaExchangeState(TorchIntegration):
     """Configuration and state of the replica exchange :func:`compress_replicas` installs.
 
     Parameters
     ----------
     replicate : torch.distributed.ProcessGroup or DeviceMesh, optional
-        The group the shards are averaged over (see :func:`compress_replicas`), looked
-        up at the first hook call, when deepreduce's own groups of the same ranks are
-        made.
+        The group the shards are averaged over (see :func:`compress_replicas`; a
+        mesh's group is taken at once). None: the default group, looked up at the
+        first hook call, so that the state can be made before ``init_process_group``.
+        deepreduce's own groups of the same ranks are made at the first hook call.
     **settings
         The settings of :class:`~deepreduce.config.ExchangeConfig`, by name, with the
         same defaults as every deepreduce integration: ``sparsifier`` (Top-1%),
@@ -185,31 +193,32 @@ class ReplicaExchangeState:
     (True)`` on the module keeps them in.
     """
 
+    RUNTIME = TorchIntegration.RUNTIME + (
+        "_everyone", "guarded", "_unit_transports", "_in_iteration", "_nonfinite_iteration",
+        "grad_scaler", "units", "_serial")
+
     def __init__(self, replicate=None, *, config=None, start_iter=10, device_path=None,
                  check_finite=True, grad_scaler=None, **settings):
-        if isinstance(start_iter, bool) or not isinstance(start_iter, numbers.Integral) \
-                or start_iter < 0:
-            raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
         config = ExchangeConfig.from_settings(config, **settings)
+        self.start_iter = check_count("start_iter", start_iter)
         self.device_path = _device_path(device_path, config)
-        self.exchange = GradientExchange(
-            config=config, selector=DeviceSelector if self.device_path else Selector)
-        self.replicate = replicate
-        self.start_iter, self.check_finite = int(start_iter), bool(check_finite)
+        super().__init__(config, {"start_iter": self.start_iter},
+                         process_group=_group_of(replicate), check_finite=check_finite,
+                         selector=DeviceSelector if self.device_path else Selector)
         self.grad_scaler = grad_scaler
         self.iter = self.nonfinite_iters = self.bytes_handed = 0
-        self.units = []
-        self._loss_scale = None
-        self._settings = {**config.shared_settings(self.exchange.selector.pipeline),
-                          "start_iter": self.start_iter, "check_finite": self.check_finite}
+        self._loss_scale = None  # the scale the residuals are in (see grad_scaler)
         self._init_runtime()
 
     def _init_runtime(self):
-        self._transport = self._everyone = None   # bound at the first hook call
-        self._guarded = GuardedTransport(lambda: self.transport)
-        self._unit_transports = {}  # module -> its _UnitStages over _guarded
-        self._agreed = False
+        super()._init_runtime()
+        self._everyone = None    # bound with the transport, at the first hook call
+        # the transport, stopped by a failure every rank shares
+        self.guarded = GuardedTransport(lambda: self.transport)
+        self._unit_transports = {}  # module -> its _UnitStages over guarded
         self._in_iteration = self._nonfinite_iteration = False
+        self.__dict__.setdefault("grad_scaler", None)
+        self.__dict__.setdefault("units", [])
 
     # -- installing ---------------------------------------------------------------
     def attach(self, model) -> None:
@@ -235,48 +244,48 @@ class ReplicaExchangeState:
             raise ValueError("the model has no FSDP module with parameters: shard it with "
                              "torch.distributed.fsdp.fully_shard(..., mesh=mesh['shard']) first")
         self.units = units
+        # states attached in the same order on every rank: the same number everywhere
+        self._serial = next(_ATTACHED)
 
-    # -- the groups (frame) ------------------------------------------------------------
-    @property
-    def transport(self):
-        """The transport of the replicate group, bound at the first hook call (see
-        :func:`deepreduce.torch.transport_of`: deepreduce's own process groups)."""
-        if self._transport is None:
-            self._transport = transport_of(self._replicate_group())
-        return self._transport
-
+    # -- the groups ---------------------------------------------------------------------
     @property
     def everyone(self):
         """The transport of all the model's ranks (every shard of every replica), for the
-        settings' agreement and the all-finite flags; bound with :attr:`transport`."""
+        settings' agreement and the all-finite flags; bound with :attr:`transport` (the
+        replicate group's, :func:`~deepreduce.torch.transport.transport_of` it)."""
         if self._everyone is None:
             self._everyone = transport_of(_union_group(self.transport, self.units[0].shard_group))
         return self._everyone
 
-    @property
-    def stats(self):
-        return self.exchange.stats
-
     def _replicate_group(self):
-        replicate = self.replicate
-        if replicate is None:
-            return dist.group.WORLD
-        if hasattr(replicate, "get_group"):  # a DeviceMesh
-            if replicate.ndim != 1:
-                raise ValueError(f"replicate must be a 1-D DeviceMesh (mesh['replicate']), got "
-                                 f"one of {replicate.ndim} dimensions")
-            return replicate.get_group()
-        return replicate
+        return dist.group.WORLD if self.process_group is None else self.process_group
 
     def _agree(self) -> None:
         """Once: the same settings on every rank, the same layout on every replica."""
         if self._agreed:
             return
-        self._agreed = True
-        everyone = GuardedTransport(lambda: self.everyone)
-        everyone.submit(agree_settings, everyone.inner, self._settings).result()
-        self._guarded.submit(agree_settings, self.transport, self.layout(shared_only=True),
-                             "layout").result()
+        self.agree(self.everyone)
+        self.guarded.submit(self._agree_layout).result()
+
+    def _agree_layout(self) -> None:
+        """Every replica's :meth:`layout` (less its number) against this one's, on the
+        transport's thread; ValueError on every rank, naming each module that differs
+        and the ranks (global) that hold each version."""
+        mine = json.dumps(self.layout(shared_only=True)).encode()
+        frames = signed_allgather(self.transport, LAYOUT_SIGNATURE, mine, Traffic(), "layout")
+        layouts = [json.loads(bytes(frame)) for frame in frames]
+        ranks = dist.get_process_group_ranks(self._replicate_group())
+        differences = []
+        for key in dict.fromkeys(k for layout in layouts for k in layout):
+            holders = {}
+            for rank, layout in zip(ranks, layouts):
+                holders.setdefault(layout.get(key, "absent"), []).append(str(rank))
+            if len(holders) > 1:
+                differences.append(f"{key}: " + "; ".join(
+                    f"{value} on rank{'s' if len(held) > 1 else ''} {', '.join(held)}"
+                    for value, held in holders.items()))
+        if differences:
+            raise ValueError("the replicas hold other layouts: " + " | ".join(differences))
 
     def layout(self, shared_only=False) -> dict:
         """This rank's place and what it holds, as text: which replica and shard, and each
@@ -303,7 +312,7 @@ class ReplicaExchangeState:
                                 f"the shard holds {flat.dtype}")
             self._agree()
             ends_here = self._begin_backward()
-            finite = self._finite_everywhere(flat)
+            finite = self.finite_everywhere([flat])
             if not finite:  # every rank: as it is, nothing remembered
                 self._average_dense(flat, nonfinite=True)
             elif self.iter < self.start_iter:
@@ -339,8 +348,8 @@ class ReplicaExchangeState:
         the unit (see :class:`_UnitStages`)."""
         transport = self._unit_transports.get(unit.module)
         if transport is None:
-            transport = self._unit_transports[unit.module] = _UnitStages(self._guarded,
-                                                                         unit.module)
+            transport = self._unit_transports[unit.module] = _UnitStages(
+                self.guarded, f"module {unit.module} (state {self._serial})")
         return transport
 
     def _average_dense(self, flat, unit=None, nonfinite=False) -> None:
@@ -349,7 +358,7 @@ class ReplicaExchangeState:
         memory = self.exchange.selector.memory
         if unit is not None and memory is not None and len(memory):
             work = flat.detach().cpu() if flat.is_cuda else flat.detach()
-            self.exchange.pay(*unit.pieces(host_array(work)), self._guarded)
+            self.exchange.pay(*unit.pieces(host_array(work)), self.guarded)
             if flat.is_cuda:
                 flat.copy_(work)
         _wait_for_device(flat)
@@ -364,18 +373,21 @@ class ReplicaExchangeState:
             self.stats.record_step(StepStats(steps=1, tensors=1, bytes_sent=nbytes,
                                              bytes_received=nbytes, dense_bytes=nbytes,
                                              nonfinite_steps=int(nonfinite)))
-        self._guarded.submit(average).result()
+        self.guarded.submit(average).result()
         _wait_for_device(flat, everywhere=True)
 
-    def _finite_everywhere(self, flat) -> bool:
-        """Whether every rank's shard of this unit is finite (see ``check_finite``)."""
+    def finite_everywhere(self, tensors, transport=None) -> bool:
+        """Whether every rank's ``tensors`` (this unit's shard) are finite (see
+        ``check_finite``): checked on their device, the answers allreduced over every
+        rank of the model (:attr:`everyone`'s flag group), from the autograd thread."""
         if not self.check_finite:
             return True
-        flag = tensor_finite(flat).to(device=self.everyone.device, dtype=torch.int32)
-        if self.everyone.size > 1:
-            with self.everyone.failing_as("allreduce of the all-finite flag"):
-                dist.all_reduce(flag.reshape(1), op=dist.ReduceOp.MIN,
-                                group=self.everyone.flag_group)
+        everyone = self.everyone if transport is None else transport
+        flag = torch.stack([tensor_finite(t) for t in tensors]).all().to(
+            device=everyone.device, dtype=torch.int32).reshape(1)
+        if everyone.size > 1:
+            with everyone.failing_as("allreduce of the all-finite flag"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=everyone.flag_group)
         return bool(flag.item())
 
     # -- backward passes ----------------------------------------------------------------
@@ -404,77 +416,49 @@ class ReplicaExchangeState:
             self.iter += 1
         self._in_iteration = self._nonfinite_iteration = False
 
-    def rescale(self, factor: float) -> None:
-        """Multiply every residual by ``factor`` (new loss scale / old one)."""
-        self.exchange.rescale(factor)
-
     # -- checkpoints (DCP's Stateful) -----------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's part, under a key of its own (``"rank<global rank>"``), so that
-        ``torch.distributed.checkpoint.save`` keeps every rank's: the settings, the layout,
-        the counters, the residuals of this rank's parameter shards and the random state.
-        """
-        state = self.exchange.selector.state_dict()
-        return {f"rank{dist.get_rank()}": RankCheckpoint(
-            settings=dict(self._settings), layout=self.layout(), iter=self.iter,
-            nonfinite_iters=self.nonfinite_iters, loss_scale=self._loss_scale,
-            residuals={name: _as_tensor(r) for name, r in state["residuals"].items()},
-            random_state=state["random_state"])}
+        ``torch.distributed.checkpoint.save`` keeps every rank's: the frame's (settings,
+        residuals of this rank's parameter shards as tensors, random state) with the
+        counters, the loss scale and the layout."""
+        return {f"rank{dist.get_rank()}": RankCheckpoint(super().state_dict())}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Continue from :meth:`state_dict`, refusing one of other settings or another
-        layout, with a message that says which."""
+        layout, with a message that names each difference."""
         key = f"rank{dist.get_rank()}"
         mine = state_dict.get(key)
         if mine is None:
             raise ValueError(f"the checkpoint holds no deepreduce state for {key} (it holds "
                              f"{', '.join(sorted(state_dict)) or 'none'}): written by "
                              "another number of ranks")
-        _refuse_differences("settings", mine.settings, self._settings)
-        _refuse_differences("layout", mine.layout, self.layout())
-        self.iter, self.nonfinite_iters = int(mine.iter), int(mine.nonfinite_iters)
-        self._loss_scale = mine.loss_scale
-        self.exchange.selector.load_state_dict({
-            "residuals": {name: host_array(r.detach().cpu()) for name, r in mine.residuals.items()},
-            "random_state": mine.random_state})
+        self.check_settings(mine.state.get("settings"))
+        theirs, ours = mine.state["layout"], self.layout()
+        differ = [k for k in dict.fromkeys([*ours, *theirs]) if theirs.get(k) != ours.get(k)]
+        if differ:
+            raise ValueError("the checkpoint was written with another layout: " + "; ".join(
+                f"{k} {theirs.get(k, 'absent')!r} there, {ours.get(k, 'absent')!r} here"
+                for k in differ))
+        super().load_state_dict(mine.state)
 
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        for runtime in ("replicate", "_transport", "_everyone", "_guarded", "_agreed",
-                        "_unit_transports",
-                        "_in_iteration", "_nonfinite_iteration", "grad_scaler", "units"):
-            state.pop(runtime, None)
-        return state
+    def _own_state(self) -> dict:
+        return {"iter": self.iter, "nonfinite_iters": self.nonfinite_iters,
+                "loss_scale": self._loss_scale, "layout": self.layout()}
 
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self.replicate = self.grad_scaler = None
-        self.units = []
-        self._init_runtime()
+    def _load_own_state(self, state_dict: dict) -> None:
+        self.iter, self.nonfinite_iters = int(state_dict["iter"]), int(state_dict["nonfinite_iters"])
+        self._loss_scale = state_dict["loss_scale"]
 
 
 @dataclasses.dataclass
 class RankCheckpoint:
-    """One rank's part of a :class:`ReplicaExchangeState` checkpoint: one object, so that
-    a checkpoint of another layout reaches :meth:`ReplicaExchangeState.load_state_dict`
-    (which names the difference) instead of failing on a tensor's size in DCP."""
+    """One rank's part of a :class:`ReplicaExchangeState` checkpoint, ``state`` (its
+    ``state_dict`` in the frame's form), as one object: DCP saves it whole, so that a
+    checkpoint of another layout reaches :meth:`ReplicaExchangeState.load_state_dict`,
+    which names the difference, instead of failing on a tensor's size in DCP."""
 
-    settings: dict
-    layout: dict
-    iter: int
-    nonfinite_iters: int
-    loss_scale: float | None
-    residuals: dict
-    random_state: dict
-
-
-def _refuse_differences(what, theirs, ours) -> None:
-    """Raise ValueError naming every entry of ``what`` (settings, layout) that differs."""
-    differ = [k for k in dict.fromkeys([*ours, *theirs]) if theirs.get(k) != ours.get(k)]
-    if differ:
-        raise ValueError(f"the checkpoint was written with other {what}: " + "; ".join(
-            f"{k} {theirs.get(k, 'absent')!r} there, {ours.get(k, 'absent')!r} here"
-            for k in differ))
+    state: dict
 
 
 class _Hook:
@@ -542,14 +526,16 @@ class _Unit:
 
 class _UnitStages(Transport):
     """The state's transport for one unit's exchanges: its collectives' stages carry the
-    unit's name. A TorchTransport sizes the slots of an allgather from the recent frames
-    of the same stage; the units' payloads differ by orders of magnitude (a 2048 x 2048
-    weight's shard against a bias), and slots sized by the largest would pad every
-    other unit's frames to its size."""
+    unit's name (and the state's number). A TorchTransport sizes the slots of an
+    allgather from the recent frames of the same stage; the units' payloads differ by
+    orders of magnitude (a 2048 x 2048 weight's shard against a bias), and slots sized
+    by the largest would pad every other unit's frames to its size. (The transport of
+    a group is shared: another state's frames, a lossless one's, say, would size them
+    too.)"""
 
-    def __init__(self, guarded, module):
+    def __init__(self, guarded, unit: str):
         super().__init__()
-        self.guarded, self.suffix = guarded, f" of module {module}"
+        self.guarded, self.suffix = guarded, f" of {unit}"
 
     @property
     def rank(self):
@@ -603,10 +589,19 @@ def _named(exc, unit):
     return exc
 
 
+def _group_of(replicate):
+    """The process group of ``replicate``: a group, a 1-D DeviceMesh's, or None."""
+    if hasattr(replicate, "get_group"):  # a DeviceMesh
+        if replicate.ndim != 1:
+            raise ValueError(f"replicate must be a 1-D DeviceMesh (mesh['replicate']), got "
+                             f"one of {replicate.ndim} dimensions")
+        return replicate.get_group()
+    return replicate
+
+
 def _union_group(transport, shard_group):
     """The group of every rank of the model: the shard groups of the replicate group's
     members, gathered over it; None (the default group) when that is every rank."""
-    from deepreduce.collectives.transport import Traffic
     mine = np.full(dist.get_world_size(), -1, np.int64)
     ranks = dist.get_process_group_ranks(shard_group)
     mine[:len(ranks)] = ranks
@@ -616,13 +611,6 @@ def _union_group(transport, shard_group):
     if len(everyone) == dist.get_world_size():
         return None
     return dist.new_group(everyone, use_local_synchronization=True)
-
-
-def _as_tensor(residual) -> torch.Tensor:
-    """A residual as a checkpoint keeps it: a torch tensor (the device path's, cloned)."""
-    if isinstance(residual, torch.Tensor):
-        return residual.detach().clone()
-    return from_host(residual)
 
 
 def _small_to_host(exchange, pieces) -> list:
