@@ -180,6 +180,32 @@ def _conserved(mesh):
     return all(good)
 
 
+def check_device_path(rank, mesh):
+    """The dense work on the shard's device (forced on the CPU: the path a GPU takes)
+    trains bit for bit as the numpy path, and moves only the selected pairs (and the
+    shards below min_size) across the host link, never a whole shard."""
+    out = {}
+    for device_path in (False, True):
+        net = sharded(mesh["shard"])
+        state = compress_replicas(net, mesh["replicate"], sparsifier=dr.TopK(0.05),
+                                  value="fp16", start_iter=1, device_path=device_path)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        for i, (x, y) in enumerate(batches(rank, 5, seed=11)):
+            if device_path and i == 4:
+                state.exchange.selector.link.reset()
+            step(net, opt, x, y)
+        out[device_path] = full(net)
+    link, replicas, pair = state.exchange.selector.link, 2, 8 + 4
+    bound = 0  # per piece: this rank's k pairs out, every replica's back; small ones whole
+    for p in net.parameters():
+        n = p.to_local().numel()
+        bound += (1 + replicas) * -(-n // 20) * pair if n >= 1024 else \
+            n * 4 + replicas * n * pair
+    return {"identical": same(out[False], out[True]),
+            "crossed": link.to_host_bytes + link.to_device_bytes, "bound": bound,
+            "dense": sum(p.to_local().numel() * 4 for p in net.parameters())}
+
+
 def check_mixed_precision(rank, mesh):
     """bf16 parameters, gradients reduced in bf16, float16 (FSDP divides before and after
     the reductions then) and float32: lossless settings give FSDP2's own HSDP result
@@ -341,7 +367,8 @@ def check_refusals(rank, mesh):
 
 
 CHECKS = [check_lossless, check_unused_parameters, check_compressed_trains,
-          check_mixed_precision, check_nonfinite, check_misconfigured, check_other_layout, check_refusals]
+          check_device_path, check_mixed_precision, check_nonfinite, check_misconfigured,
+          check_other_layout, check_refusals]
 
 
 def main(rank, out_dir, port, *only):

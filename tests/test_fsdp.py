@@ -54,6 +54,12 @@ def test_compressed_settings_train_and_error_feedback_loses_nothing(four_ranks):
         assert found["conserved"] is True
 
 
+def test_device_path_trains_as_the_numpy_path_and_moves_only_pairs(four_ranks):
+    for found in findings(four_ranks, "check_device_path"):
+        assert found["identical"] is True
+        assert 0 < found["crossed"] <= found["bound"] < found["dense"]
+
+
 def test_mixed_precision_bf16_parameters_any_reduce_dtype(four_ranks):
     for found in findings(four_ranks, "check_mixed_precision"):
         assert found == {"torch.bfloat16": True, "torch.float16": True, "torch.float32": True}

@@ -37,6 +37,7 @@ place, through one :class:`~deepreduce.exchange.GradientExchange` step:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -329,19 +330,25 @@ class ReplicaExchangeState(TorchIntegration):
             raise named from exc
 
     def _exchange(self, unit, flat) -> None:
-        """One GradientExchange step of ``unit``'s parameter pieces in ``flat``: views of
-        the shard on the CPU (or on the device path), else of a host copy of it."""
+        """One GradientExchange step of ``unit``'s parameter pieces in ``flat``."""
         _wait_for_device(flat)
+        with self._pieces(unit, flat) as (names, pieces):
+            inputs = _small_to_host(self.exchange, pieces) if self.device_path else pieces
+            _, traffic = self.exchange.reduce_async(names, inputs, self._of_unit(unit),
+                                                    "average", out=pieces).result()
+        self.bytes_handed += traffic.sent
+        _wait_for_device(flat, everywhere=True)
+
+    @contextlib.contextmanager
+    def _pieces(self, unit, flat):
+        """``(names, pieces)`` of ``unit`` in ``flat`` as the exchange takes them: torch
+        views on the device path, else numpy views of the shard on the CPU, or of a host
+        copy of it, copied back when the block ends."""
         host_copy = flat.is_cuda and not self.device_path
         work = flat.detach().cpu() if host_copy else flat.detach()
-        names, pieces = unit.pieces(work if self.device_path else host_array(work))
-        inputs = _small_to_host(self.exchange, pieces) if self.device_path else pieces
-        _, traffic = self.exchange.reduce_async(names, inputs, self._of_unit(unit), "average",
-                                                out=pieces).result()
-        self.bytes_handed += traffic.sent
+        yield unit.pieces(work if self.device_path else host_array(work))
         if host_copy:
             flat.copy_(work)
-        _wait_for_device(flat, everywhere=True)
 
     def _of_unit(self, unit) -> "_UnitStages":
         """The transport ``unit``'s exchanges run on: the state's, its stages named after
@@ -357,10 +364,8 @@ class ReplicaExchangeState(TorchIntegration):
         with ``unit``, what error feedback still owes its parameters is added first."""
         memory = self.exchange.selector.memory
         if unit is not None and memory is not None and len(memory):
-            work = flat.detach().cpu() if flat.is_cuda else flat.detach()
-            self.exchange.pay(*unit.pieces(host_array(work)), self.guarded)
-            if flat.is_cuda:
-                flat.copy_(work)
+            with self._pieces(unit, flat) as (names, pieces):
+                self.exchange.pay(names, pieces, self.guarded)
         _wait_for_device(flat)
 
         def average():
