@@ -1,38 +1,41 @@
-"""FSDP2's HSDP across two hosts: bytes between the replicas, and residual memory per rank.
+"""FSDP2's HSDP across two hosts: step time and bytes between the replicas, memory per rank.
 
 Two network namespaces play two nodes (``drfsdp0`` and ``drfsdp1``, joined by a veth
 pair ``drf0`` / ``drf1`` with 10.79.0.1/24 and 10.79.0.2/24, addresses that exist only
-inside them; :class:`benchmarks.hierarchical.TwoHosts`). Four gloo ranks, two in each
-namespace, numbered as torchrun numbers them, form a 2 x 2 device mesh
-``("replicate", "shard")``: each node's two ranks are one replica, its shard group
-talks over the node's own loopback, and only the replicate dimension (and the
+inside them; :class:`benchmarks.hierarchical.TwoHosts`), the veth shaped by tc to each
+rate of ``--rates`` in turn (a token bucket on each end: both directions). Four gloo
+ranks, two in each namespace, numbered as torchrun numbers them, form a 2 x 2 device
+mesh ``("replicate", "shard")``: each node's two ranks are one replica, its shard group
+talks over the node's own unshaped loopback, and only the replicate dimension (and the
 model-wide flags) crosses the veth. Per model (the 8.5M-parameter MLP of the e2e
 benchmarks on scikit-learn's digits, batch 32 per rank; the 3.3M-parameter byte
 transformer of :mod:`benchmarks.outer_model`, batch 8 x 64 bytes per rank) and per
-scheme, in one run:
+scheme, side by side in one run:
 
 - ``FSDP2 HSDP fp32``: ``fully_shard(..., mesh=mesh)``, FSDP2's own all-reduce of each
   gradient shard across the replicas, in float32;
 - ``FSDP2 HSDP bf16 reduction``: the same with ``MixedPrecisionPolicy(reduce_dtype=
   torch.bfloat16)``;
 - ``deepreduce Top-1% + auto + fp16``: ``fully_shard(..., mesh=mesh["shard"])`` and
-  :func:`deepreduce.torch.fsdp.compress_replicas` over ``mesh["replicate"]``.
+  :func:`deepreduce.torch.fsdp.compress_replicas` over ``mesh["replicate"]``;
+- ``FSDP2 shards only (no replica exchange)``: ``fully_shard(..., mesh=mesh["shard"])``
+  alone, the replicas never averaged: the floor of every scheme's step (compute and
+  the shard group's traffic on the loopback).
 
 Every transformer block (or MLP layer) is an FSDP unit, and the root. After warm-up
 steps (deepreduce averages plainly for ``--start-iter`` of them), ``--steps`` steps in
-each of ``--rounds`` rounds; rank 0 reads the veth's interface counters
-(``/sys/class/net/drf0/statistics``, transmitted plus received) after a barrier
-before and after each round: bytes on the link from the kernel, TCP/IP framing, gloo's
-messages and one barrier per round included. The veth is not shaped: bytes do not
-depend on the rate (the step times printed beside them are CPU-bound, not link-bound,
-and are no claim). After the deepreduce run each rank reports its residual bytes
-(error feedback: one per parameter shard of ``min_size`` elements or more) against
-its shard's and the model's bytes.
+each of ``--rounds`` rounds: rank 0 times every step (to its loss) and reads the veth's
+interface counters (``/sys/class/net/drf0/statistics``, transmitted plus received)
+after a barrier before and after each round: bytes on the link from the kernel, TCP/IP
+framing, gloo's messages and one barrier per round included. After the deepreduce run
+each rank reports its residual bytes (error feedback: one per parameter shard of
+``min_size`` elements or more) against its shard's and the model's bytes.
 
 As root, from the repository root::
 
-    python -m benchmarks.fsdp                                  # both models
-    python -m benchmarks.fsdp --models mlp --steps 3 --rounds 2   # quicker
+    python -m benchmarks.fsdp                                  # 100 Mbit/s and 1 Gbit/s
+    python -m benchmarks.fsdp --rates 1gbit --models mlp --steps 3 --rounds 2   # quicker
+    python -m benchmarks.fsdp --from-json                      # the report again
 
 Writes ``benchmarks/results/fsdp.md`` and ``.json``.
 """
@@ -56,8 +59,9 @@ NAMESPACES = ("drfsdp0", "drfsdp1")
 VETH = ("drf0", "drf1")
 ADDRESSES = ("10.79.0.1", "10.79.0.2")
 LOCAL, WORLD = 2, 4
-SCHEMES = ("FSDP2 HSDP fp32", "FSDP2 HSDP bf16 reduction", "deepreduce Top-1% + auto + fp16")
-NATIVE_FP32, OURS = SCHEMES[0], SCHEMES[2]
+SCHEMES = ("FSDP2 HSDP fp32", "FSDP2 HSDP bf16 reduction", "deepreduce Top-1% + auto + fp16",
+           "FSDP2 shards only (no replica exchange)")
+NATIVE_FP32, OURS, FLOOR = SCHEMES[0], SCHEMES[2], SCHEMES[3]
 MODELS = ("mlp", "transformer")
 
 
@@ -76,14 +80,14 @@ def build(model_name: str, mesh, scheme: str, start_iter: int):
         net, units, batch = _mlp()
     else:
         net, units, batch = _transformer()
-    native = scheme != OURS
+    native = scheme in (NATIVE_FP32, SCHEMES[1])
     options = {"mesh": mesh if native else mesh["shard"]}
     if scheme == SCHEMES[1]:
         options["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
     for unit in units:
         fully_shard(unit, **options)
     fully_shard(net, **options)
-    state = None if native else compress_replicas(
+    state = None if scheme != OURS else compress_replicas(
         net, mesh["replicate"], sparsifier=dr.TopK(0.01), index="auto", value="fp16",
         start_iter=start_iter)
     return net, batch, state
@@ -139,8 +143,9 @@ def worker(args) -> None:
         for scheme in SCHEMES:
             results.append(measure(rank, mesh, model_name, scheme, args))
             if rank == 0:
-                print(f"{model_name}, {scheme}: {results[-1]['link_bytes_median']:,.0f} bytes "
-                      "on the veth per step", flush=True)
+                print(f"  {model_name}, {scheme}: {results[-1]['step_ms_median']:.0f} ms, "
+                      f"{results[-1]['link_bytes_median']:,.0f} bytes on the veth per step",
+                      flush=True)
     if rank == 0:
         Path(args.worker_out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -158,26 +163,29 @@ def measure(rank, mesh, model_name, scheme, args) -> dict:
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     step = 0
 
-    def train(steps):
+    def train(steps, times=None):
         nonlocal step
         for _ in range(steps):
+            start = time.perf_counter()
             opt.zero_grad()
             loss = batch(rank, step)(net)
             loss.backward()
             opt.step()
+            loss = loss.item()  # (the step is done when its loss is known)
             step += 1
-        return loss.item()
+            if times is not None:
+                times.append(time.perf_counter() - start)
+        return loss
 
     train(args.start_iter + 1)  # deepreduce's plain steps and its first compressed one
     per_step, seconds, handed = [], [], []
     for _ in range(args.rounds):
         handed_before = state.bytes_handed if state is not None else 0
         dist.barrier()
-        start_bytes, start = veth_bytes(), time.perf_counter()
-        loss = train(args.steps)
+        start_bytes = veth_bytes()
+        loss = train(args.steps, seconds)
         dist.barrier()
         end_bytes = veth_bytes()
-        seconds.append((time.perf_counter() - start) / args.steps)
         if rank == 0 and start_bytes is not None:
             per_step.append((end_bytes - start_bytes) / args.steps)
         if state is not None:
@@ -187,7 +195,7 @@ def measure(rank, mesh, model_name, scheme, args) -> dict:
     memory = state.exchange.selector.memory if state is not None else None
     residual = 0 if memory is None else sum(memory.residual(n).nbytes for n in memory.names())
     # what each rank hands to the replicate group per step: FSDP2 its padded flat shards
-    dense = 0 if state is not None else _padded_shard_bytes(
+    dense = 0 if scheme in (OURS, FLOOR) else _padded_shard_bytes(
         net, 2 if scheme == SCHEMES[1] else 4)
     ranks = [None] * WORLD
     dist.all_gather_object(ranks, {"shard_bytes": shard, "residual_bytes": residual,
@@ -197,7 +205,8 @@ def measure(rank, mesh, model_name, scheme, args) -> dict:
             "model_bytes": model, "final_loss": loss, "ranks": ranks,
             "link_bytes_per_step": per_step,
             "link_bytes_median": statistics.median(per_step) if per_step else 0,
-            "step_seconds_median": statistics.median(seconds)}
+            "step_seconds": seconds, "step_ms_median": 1e3 * statistics.median(seconds),
+            "step_ms_quartiles": [1e3 * q for q in statistics.quantiles(seconds, n=4)[::2]]}
 
 
 def _padded_shard_bytes(net, itemsize: int) -> int:
@@ -228,57 +237,89 @@ def run_ranks(args, out: Path, port: int) -> None:
 
 # -- the report ---------------------------------------------------------------------------
 
-def report(results, args, command) -> str:
-    lines = ["# FSDP2's HSDP across two hosts: bytes between the replicas, residual memory",
+#: The issue's targets at each rate: a step this many times shorter than FSDP2's HSDP in
+#: float32 and with bf16 reduction.
+STEP_TARGETS = {"100mbit": (8.0, 4.0), "1gbit": (2.0, 1.5)}
+BYTES_TARGET = 50.0
+
+
+def report(runs, args, command) -> str:
+    lines = ["# FSDP2's HSDP across two hosts: step time, bytes between the replicas, memory",
              "",
-             f"Two network namespaces joined by a veth pair play two nodes; {WORLD} gloo ranks, "
-             f"{LOCAL} in each, form a 2 x 2 mesh (replicate, shard): each node one replica, "
-             "its shard group on the node's loopback, so only the replicate dimension and the "
-             "model-wide flags cross the veth. Bytes on the link: the veth's interface "
-             "counters (transmitted + received, both directions: TCP/IP framing, gloo's "
-             "messages and one barrier per round included), per step, median of "
-             f"{args.rounds} rounds of {args.steps} steps after the warm-up, with the "
-             "rounds' range. Handed: what each rank hands to the replicate group's "
-             "collectives per step (FSDP2: its padded gradient shards, in the reduce "
-             "dtype; deepreduce: `state.bytes_handed`, frames with their padding and length "
-             "headers). "
-             f"deepreduce: Top-1%, `auto` indices, fp16 values, plain for {args.start_iter} "
-             "steps first. The veth is not shaped: these are byte counts, not timings. Loss: "
-             f"rank 0's after the last of {args.start_iter + 1 + args.rounds * args.steps} "
-             "steps, a check that each scheme trains, not a comparison of quality.", "",
+             f"Two network namespaces joined by a veth pair, shaped by tc to each rate, play "
+             f"two nodes; {WORLD} gloo ranks, {LOCAL} in each, form a 2 x 2 mesh (replicate, "
+             "shard): each node one replica, its shard group on the node's unshaped loopback, "
+             "so only the replicate dimension and the model-wide flags cross the veth "
+             f"({os.cpu_count()} cores shared by the four ranks, one intra-op thread each). "
+             "Step: rank 0's, from its start to its loss, median and quartiles of "
+             f"{args.rounds} rounds of {args.steps} steps after the warm-up. Bytes on the veth: "
+             "its interface counters (transmitted + received, both directions: TCP/IP "
+             "framing, gloo's messages and one barrier per round included), per step, median "
+             "of the rounds. Handed: what each rank hands to the replicate group's "
+             "collectives per step (FSDP2: its padded gradient shards, in the reduce dtype; "
+             "deepreduce: `state.bytes_handed`, frames with their padding and length "
+             f"headers). deepreduce: Top-1%, `auto` indices, fp16 values, plain for "
+             f"{args.start_iter} steps first. Loss: rank 0's after the last of "
+             f"{args.start_iter + 1 + args.rounds * args.steps} steps, a check that each "
+             "scheme trains, not a comparison of quality. The four ranks share the "
+             "cores with whatever else runs (the load average is given per rate): a step "
+             "of the floor scheme, without any replica exchange, bounds how short the "
+             "others can get.", "",
              "Made with (as root, from the repository root):", "", f"    {command}", ""]
-    for model in dict.fromkeys(r["model"] for r in results):
-        runs = {r["scheme"]: r for r in results if r["model"] == model}
-        fp32 = runs[NATIVE_FP32]["link_bytes_median"]
-        first = next(iter(runs.values()))
-        lines += [f"## {model} ({first['params']:,} parameters)", ""]
-        rows = []
-        for scheme, r in runs.items():
-            spread = r["link_bytes_per_step"]
-            handed = [rank["handed_per_step"] for rank in r["ranks"]]
-            rows.append([scheme, f"{r['link_bytes_median']:,.0f}",
-                         f"{min(spread):,.0f}-{max(spread):,.0f}",
-                         f"{fp32 / r['link_bytes_median']:.1f}x",
-                         f"{min(handed):,.0f}-{max(handed):,.0f}", f"{r['final_loss']:.3f}"])
-        lines += table(["scheme", "bytes on the veth per step (median)", "range",
-                        "fewer than fp32", "handed per rank per step", "loss"], rows)
-        ours = runs[OURS]
-        ratio = fp32 / ours["link_bytes_median"]
-        lines += ["", f"Bytes on the veth, deepreduce against FSDP2's fp32 HSDP: {ratio:.1f}x "
-                  f"fewer (target at least 50x: {'PASS' if ratio >= 50 else 'FAIL'}).", "",
-                  "Memory per rank (deepreduce's error feedback):", ""]
+    for run in runs:
+        lines += [f"## {run['rate']} (load average {run['load']:.1f})", ""]
+        for model in dict.fromkeys(r["model"] for r in run["results"]):
+            lines += _model_section(run, model)
+    first = runs[0]["results"]
+    lines += ["## Memory per rank (deepreduce's error feedback)", ""]
+    for model in dict.fromkeys(r["model"] for r in first):
+        ours = next(r for r in first if r["model"] == model and r["scheme"] == OURS)
         rows = [[rank, f"{ours['model_bytes']:,}", f"{r['shard_bytes']:,}",
                  f"{r['residual_bytes']:,}", f"{r['residual_bytes'] / r['shard_bytes']:.2f}",
                  f"{r['residual_bytes'] / ours['model_bytes']:.2f}"]
                 for rank, r in enumerate(ours["ranks"])]
+        lines += [f"{model}:", ""]
         lines += table(["rank", "model bytes (fp32)", "shard bytes", "residual bytes",
                         "residual / shard", "residual / model"], rows)
         lines += [""]
     return "\n".join(lines)
 
 
+def _model_section(run, model) -> list:
+    runs = {r["scheme"]: r for r in run["results"] if r["model"] == model}
+    fp32, ours = runs[NATIVE_FP32], runs[OURS]
+    lines = [f"### {model} ({fp32['params']:,} parameters)", ""]
+    rows = []
+    for scheme, r in runs.items():
+        handed = [rank["handed_per_step"] for rank in r["ranks"]]
+        q1, q3 = r["step_ms_quartiles"]
+        rows.append([scheme, f"{r['step_ms_median']:.0f}", f"{q1:.0f}-{q3:.0f}",
+                     f"{r['link_bytes_median']:,.0f}",
+                     "-" if scheme == FLOOR or not r["link_bytes_median"] else
+                     f"{fp32['link_bytes_median'] / r['link_bytes_median']:.1f}x",
+                     f"{min(handed):,.0f}-{max(handed):,.0f}", f"{r['final_loss']:.3f}"])
+    lines += table(["scheme", "step ms (median)", "quartiles ms", "bytes on the veth per step",
+                    "fewer than fp32", "handed per rank per step", "loss"], rows)
+    fewer = fp32["link_bytes_median"] / ours["link_bytes_median"]
+    verdicts = [f"bytes on the veth {fewer:.1f}x fewer than FSDP2's fp32 HSDP (target "
+                f"{BYTES_TARGET:g}x: {'PASS' if fewer >= BYTES_TARGET else 'FAIL'})"]
+    for native, target in zip((NATIVE_FP32, SCHEMES[1]), STEP_TARGETS.get(run["rate"], ())):
+        shorter = runs[native]["step_ms_median"] / ours["step_ms_median"]
+        verdicts.append(f"a step {shorter:.2f}x shorter than {native} (target {target:g}x: "
+                        f"{'PASS' if shorter >= target else 'FAIL'})")
+    floor = runs[FLOOR]["step_ms_median"]
+    beyond = "; ".join(f"{scheme} {runs[scheme]['step_ms_median'] - floor:+.0f} ms"
+                       for scheme in (NATIVE_FP32, SCHEMES[1], OURS))
+    return lines + ["", "deepreduce: " + "; ".join(verdicts) + ".", "",
+                    f"The replica exchange's own cost, each step beyond the floor ({FLOOR}, "
+                    f"{floor:.0f} ms: compute and the shard group; no replica exchange can make "
+                    f"a step shorter): {beyond}.", ""]
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit"],
+                        help="what tc shapes the veth to, one run each")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--steps", type=int, default=4, help="steps per round")
     parser.add_argument("--rounds", type=int, default=3)
@@ -302,18 +343,23 @@ def main(argv=None):
         return 0
     if args.from_json:
         saved = json.loads(Path(args.out).with_suffix(".json").read_text())
-        text = report(saved["results"], argparse.Namespace(**saved["args"]), saved["command"])
+        text = report(saved["runs"], argparse.Namespace(**saved["args"]), saved["command"])
         write_report(args.out, text, saved)
         print(text)
         return 0
     command = " ".join(["python -m benchmarks.fsdp", *(sys.argv[1:] if argv is None else argv)])
-    with TwoHosts(NAMESPACES, VETH, ADDRESSES) as _, tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "worker.json"
-        run_ranks(args, out, args.port)
-        results = json.loads(out.read_text())
-    record = {"results": results, "args": vars(args), "command": command,
-              "load": os.getloadavg()[0], "cores": os.cpu_count()}
-    text = report(results, args, command)
+    runs = []
+    with TwoHosts(NAMESPACES, VETH, ADDRESSES) as net:
+        for i, rate in enumerate(args.rates):
+            net.shape(rate)
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "worker.json"
+                print(f"{rate}:", flush=True)
+                run_ranks(args, out, args.port + i)
+                runs.append({"rate": rate, "results": json.loads(out.read_text()),
+                             "load": os.getloadavg()[0]})
+    record = {"runs": runs, "args": vars(args), "command": command, "cores": os.cpu_count()}
+    text = report(runs, args, command)
     write_report(args.out, text, record)
     print(text)
     return 0
