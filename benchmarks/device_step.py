@@ -506,8 +506,9 @@ def report(record) -> str:
                 "dense bytes)")
              + ". PowerSGD and fp16 stay on the device. `copies`: the copies a step makes "
              "to the host and to the device (the device path's `HostLink` counts: per "
-             "bucket, its selections and its tensors below `min_size` to the host, the "
-             "decoded positions and values back; the numpy/C path's bucket, one each way). "
+             "bucket, its all-finite answer with its tensors below `min_size`, then its "
+             "selections, to the host, the decoded positions and values back; the "
+             "numpy/C path's bucket, one each way). "
              "On a GPU each copy to the host waits for the device; the device path's "
              "copies to the device start from pinned memory and do not.", ""]
     header = ["scheme", "P", "ms", "CPU ms", "x PowerSGD r1", "sent MB", "host<->device MB",

@@ -34,10 +34,11 @@ def test_device_step_benchmark_reports_every_scheme(tmp_path):
     assert numpy_path["sent_bytes"] == device_path["sent_bytes"] < dense / 50
     assert numpy_path["host_device_bytes"] == 2 * dense
     assert 0 < device_path["host_device_bytes"] < dense / 5
-    # the MLP's 2 buckets: on the device path to the host a copy of each one's
-    # selections, and one of the small tensors of the bucket that has one (the last
-    # layer's 10 biases); back, each bucket's decoded positions and values
-    assert device_path["copies"] == [3, 4] and numpy_path["copies"] == [2, 2]
+    # the MLP's 2 buckets: on the device path to the host, per bucket, a copy of its
+    # all-finite answer (with the small tensors of the bucket that has one, the last
+    # layer's 10 biases) and one of its selections; back, each bucket's decoded
+    # positions and values
+    assert device_path["copies"] == [4, 4] and numpy_path["copies"] == [2, 2]
     # the Top-k comparison: both ways timed (and checked to agree) at every size
     topk = json.loads(out.with_suffix(".json").read_text())["topk"]
     assert [r["n"] for r in topk] == [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22]

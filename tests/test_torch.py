@@ -65,7 +65,8 @@ def test_device_path_trains_as_the_numpy_path_and_moves_only_pairs(two_ranks):
 def test_resume_from_checkpoint_equals_uninterrupted_run(two_ranks):
     for found in findings(two_ranks, "check_resume"):
         assert found == {"identical": True, "iter": 10, "pickled_group": True,
-                         "pickled_residuals": 3}
+                         "pickled_residuals": 3, "device_identical": True,
+                         "device_residuals": 3}
 
 
 def test_allreduce_dense_and_sparse_coo_every_communicator(two_ranks):
@@ -332,3 +333,41 @@ def test_text_demo_runs_end_to_end(tmp_path):
     assert "| bytes fewer than dense | 1x |" in table and "Targets:" in table
     # the hook's step, broken down (issue 31 item 10)
     assert "hook's own work" in table and "| encode:" in table and "| the rest:" in table
+
+
+def test_a_compressed_bucket_reaches_its_first_codec_in_few_frames(world_of_one):
+    """The way down from the hook (issue 51: 14 project frames before; at most 9): the
+    hook's steps, the exchange's entry, the strategy, the encoder, the pipeline, the
+    codec; no layer that only forwards."""
+    import inspect
+    import threading
+    from pathlib import Path
+
+    root = Path(dr.__file__).resolve().parent.parent
+    chains = []
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and not chains and code.co_name == "encode" \
+                and "/codecs/" in code.co_filename:
+            stack = [f.frame for f in inspect.getouterframes(frame)][::-1]
+            names = [f.f_code.co_name for f in stack]
+            if "_estimate" not in names and "deepreduce_hook" in names:
+                chains.append([f for f in stack[names.index("deepreduce_hook"):]
+                               if Path(f.f_code.co_filename).resolve().is_relative_to(root)])
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 256))
+    state = drt.DeepReduceState(sparsifier=dr.TopK(0.01), index="varint", value="fp16",
+                                start_iter=0, device_path=False)
+    model.register_comm_hook(state, drt.deepreduce_hook)
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    try:
+        model(torch.randn(2, 256)).square().sum().backward()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    (chain,) = chains
+    where = [f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}" for f in chain]
+    assert where[0] == "ddp.py:deepreduce_hook" and where[-1] == "varint.py:encode"
+    assert len(chain) <= 9, where

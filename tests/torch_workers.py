@@ -96,9 +96,14 @@ def check_resume(rank):
                 "min_compression_rate": 0}
     uninterrupted, ddp, state, _ = resumed(settings, data, 5, params)
     restored = pickle.loads(pickle.dumps(state))
+    # the device path (forced on the CPU): its residuals are torch tensors in the checkpoint
+    device_uninterrupted, device_ddp, _, device_checkpoint = resumed(
+        {**settings, "device_path": True}, data, 5, params)
     return {"identical": same(params(ddp), uninterrupted), "iter": state.iter,
             "pickled_group": restored.process_group is None,
-            "pickled_residuals": len(restored.exchange.selector.memory)}
+            "pickled_residuals": len(restored.exchange.selector.memory),
+            "device_identical": same(params(device_ddp), device_uninterrupted),
+            "device_residuals": len(device_checkpoint["hook"]["residuals"])}
 
 
 def check_gradient_layouts(rank):

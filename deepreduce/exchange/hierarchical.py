@@ -299,6 +299,12 @@ class HierarchicalExchange(Strategy):
             return groups.topology
         return Topology(transport.size, resolve_local_size(self.local_size), transport.rank)
 
+    def prepare(self, transport) -> None:
+        """Agree on the topology and make the sub-groups of ``transport`` now (on its
+        communication thread, every rank), not at its first step: an integration that
+        binds its process groups at one moment makes these then too."""
+        self._groups_of(transport)
+
     def _groups_of(self, transport) -> _Groups:
         """The :class:`_Groups` of ``transport``: agreed on and split at its first step, on
         its communication thread, by every rank."""

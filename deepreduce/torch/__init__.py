@@ -25,6 +25,7 @@ import torch
 from deepreduce.sparse import SparseTensor
 from deepreduce.torch.ddp import DeepReduceState, deepreduce_hook, from_host, host_array
 from deepreduce.torch.outer import OuterOptimizer as OuterOptimizer  # (docs/diloco.md)
+from deepreduce.torch.streams import lane_of
 from deepreduce.torch.transport import CollectiveError, transport_of
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "allreduce", "allreduce_async",
@@ -63,11 +64,20 @@ def allreduce_async(tensor, state: DeepReduceState, name: str | None = None,
     """
     if not tensor.dtype.is_floating_point:
         raise TypeError(f"allreduce reduces floating-point tensors, got {tensor.dtype}")
+    state.bind(tensor.device)
     sparse = tensor.is_sparse
     x = _sparse_to_numpy(tensor) if sparse else host_array(tensor.detach().cpu())
-    result = torch.futures.Future()
+    # (a result on a GPU: made with the transport's lane current, which set_result
+    # records, so that the consumer's stream waits for it: deepreduce.torch.streams)
+    result = torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda \
+        else torch.futures.Future()
+    lane = lane_of(state.transport)
 
     def deliver(future):
+        with lane.current():
+            _deliver(future)
+
+    def _deliver(future):
         try:
             (output,), _ = future.result()
             if sparse:

@@ -36,6 +36,7 @@ from deepreduce.exchange.stats import StepStats
 from deepreduce.registry import get_codec
 from deepreduce.torch.device import DeviceSelector, from_host, host_array, tensor_finite
 from deepreduce.torch.integration import TorchIntegration
+from deepreduce.torch.streams import lane_of
 from deepreduce.torch.transport import CollectiveError, TorchTransport
 
 __all__ = ["DeepReduceState", "deepreduce_hook", "host_array", "from_host"]
@@ -175,6 +176,17 @@ class DeepReduceState(TorchIntegration):
         self._warned_scale = False   # (see grad_scaler)
         self.__dict__.setdefault("grad_scaler", None)
 
+    def _bound(self) -> None:
+        # the sub-groups a communicator needs (the hierarchical one's), now, on the
+        # transport's thread while this one waits: never from two threads at once
+        prepare = getattr(self.exchange.strategy, "prepare", None)
+        if prepare is not None:
+            self.agree(self.guarded, wait=False)  # (first: differing settings are named)
+            try:
+                self.guarded.submit(prepare, self.guarded).result()
+            except Exception:  # noqa: BLE001, S110 - every later task raises it again
+                pass  # (through the hook's futures, named: see _fail)
+
     # -- checkpoints: the frame's, with the counters and the loss scale ------------------
     def _own_state(self) -> dict:
         return {"iter": self.iter, "nonfinite_iters": self.nonfinite_iters,
@@ -215,24 +227,41 @@ class DeepReduceState(TorchIntegration):
     def finite_everywhere(self, tensors, transport=None, bucket=None) -> bool:
         """Whether every rank's ``tensors`` (of bucket ``bucket``) are finite (see
         ``check_finite``): checked on their device, the answers allreduced on the
-        state's flag group, from the autograd thread (the group of the hook's other
-        collectives may be busy with earlier buckets); over another transport, in
-        an allgather of a byte after the collectives started there."""
+        state's flag group (from the host where it is a gloo one), from the autograd
+        thread (the group of the hook's other collectives may be busy with earlier
+        buckets); over another transport, in an allgather of a byte after the
+        collectives started there."""
         if not self.check_finite:
             return True
-        finite = torch.stack([tensor_finite(t) for t in tensors]).all()
-        transport = self.transport if transport is None else transport
-        if not isinstance(transport, TorchTransport):
-            return self.exchange.agree_finite(tensors, self.guarded, mine=bool(finite.item()))
-        if transport.size > 1:
-            flag = finite.to(device=transport.device, dtype=torch.int32).reshape(1)
-            try:
-                with transport.failing_as("allreduce of the all-finite flag"):
-                    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flag_group)
-            except CollectiveError as exc:  # raised from the hook: named as its futures'
-                raise _named(exc, self, bucket) from exc
-            finite = flag
-        return bool(finite.item())
+        return self._agree_answer(torch.stack([tensor_finite(t) for t in tensors]).all(),
+                                  bucket)
+
+    def bucket_finite(self, layout, buffer, bucket) -> tuple:
+        """``(finite, small)``: :meth:`finite_everywhere` of ``buffer``, and on the device
+        path the host arrays of its gradients below ``min_size`` (which travel from the
+        host), brought over in the same copy as this rank's answer: one wait for the
+        device for both (None off the device path)."""
+        if not self.device_path:
+            return self.finite_everywhere([buffer], bucket=bucket), None
+        finite = tensor_finite(buffer) if self.check_finite else None
+        mine, small = _with_answer(self.exchange.selector.link, layout.small(buffer), finite)
+        return (True if mine is None else self._agree_answer(mine, bucket)), small
+
+    def _agree_answer(self, mine, bucket) -> bool:
+        """Every rank's answer from this one's (a bool or a 0-d bool tensor)."""
+        transport = self.transport
+        if not isinstance(transport, TorchTransport):  # (another transport: on its own)
+            return self.exchange.agree_finite([], self.guarded, mine=bool(mine))
+        if transport.size == 1:
+            return bool(mine)
+        flag = (torch.tensor([int(mine)], dtype=torch.int32) if isinstance(mine, bool)
+                else mine.to(dtype=torch.int32).reshape(1)).to(transport.flag_device)
+        try:
+            with transport.failing_as("allreduce of the all-finite flag"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flag_group)
+        except CollectiveError as exc:  # raised from the hook: named as its futures'
+            raise _named(exc, self, bucket) from exc
+        return bool(flag.item())
 
     def follow_loss_scale(self) -> None:
         """At the first bucket of a backward pass: follow ``grad_scaler``'s scale."""
@@ -283,7 +312,8 @@ class DeepReduceState(TorchIntegration):
             keys = [self._keys.setdefault(id(p), f"{index}.{position}")
                     for position, p in enumerate(params)]
             layout = self._layouts[index] = _BucketLayout(index, buffer, params, keys,
-                                                          self.device_path)
+                                                          self.device_path,
+                                                          self.config.min_size)
         return layout
 
     def compresses(self, layout) -> bool:
@@ -308,38 +338,28 @@ class DeepReduceState(TorchIntegration):
             host = buffer if self.device_path or layout.on_host else buffer.detach().cpu()
             self.exchange.pay(layout.keys, layout.gradients(host), self.guarded)
         return _BucketReduction(self.guarded.submit(
-            lambda: self._allreduce(buffer, host, nonfinite)), buffer,
-            on_device=host is buffer)
+            lambda: self._allreduce(buffer, host, nonfinite)), buffer)
 
-    def targets(self, layout, buffer) -> "_Targets":
+    def targets(self, layout, buffer, small=None) -> "_Targets":
         """Where a compressed bucket's reduction reads and writes: torch views of the
-        buffer on the device path (those below ``min_size`` on the host); else, as the
-        codecs work on host memory, numpy views of a CPU buffer, or of a host copy of
-        another (decoded into the copy, which is copied back before DDP reads it)."""
+        buffer on the device path (those below ``min_size`` on the host: ``small``, from
+        :meth:`bucket_finite`); else, as the codecs work on host memory, numpy views of
+        a CPU buffer, or of a host copy of another (decoded into the copy, which is
+        copied back before DDP reads it)."""
         if self.device_path:
             # (encoding copies what it needs before it returns: the sums may overwrite)
             grads = layout.gradients(buffer)
-            return _Targets(self._small_to_host(grads), grads, False, buffer)
+            return _Targets(layout.with_small(grads, small), grads, False, buffer)
         if not layout.on_host:
             host = buffer.detach().cpu()
             grads = layout.gradients(host)
-            return _Targets(grads, grads, False, buffer, lambda: buffer.copy_(host), False)
+            return _Targets(grads, grads, False, buffer, lambda: buffer.copy_(host))
         grads = layout.gradients(buffer)
         reduced, reuse = self._result_tensor(layout, buffer)
         return _Targets(grads, grads if reduced is buffer else layout.views_of(reduced),
                         reuse, reduced)
 
     # -- helpers of the above -----------------------------------------------------------
-    def _small_to_host(self, grads) -> list:
-        """The device path's ``grads`` with those below ``min_size`` on the host: they
-        travel losslessly from there, and are small enough to cross in one copy."""
-        inputs = list(grads)
-        small = [i for i, grad in enumerate(grads) if grad.numel() < self.config.min_size]
-        link = self.exchange.selector.link
-        for i, array in zip(small, link.to_host([grads[i] for i in small])):
-            inputs[i] = array
-        return inputs
-
     def _allreduce(self, buffer, host, nonfinite=False) -> None:
         """DDP's allreduce of ``buffer`` (of ``host`` first, when that is its host copy),
         averaged, on the transport's thread; recorded in :attr:`stats`."""
@@ -399,8 +419,9 @@ def deepreduce_hook(state: DeepReduceState,
     returned future completes there, so communication overlaps the rest of
     the backward pass. The steps:
 
-    1. The first call compares every rank's settings; the first bucket of a
-       backward pass follows ``grad_scaler``'s scale.
+    1. The first call binds the state's group (for the bucket's device) and compares
+       every rank's settings; the first bucket of a backward pass follows
+       ``grad_scaler``'s scale.
     2. A bucket that is not finite on every rank (``check_finite``) goes as DDP's
        allreduce of the gradients as they are.
     3. Before ``start_iter``, and for a bucket below ``min_compression_rate``, the
@@ -442,19 +463,20 @@ def deepreduce_hook(state: DeepReduceState,
     if not buffer.dtype.is_floating_point:
         raise TypeError(f"deepreduce_hook reduces floating-point gradients; bucket "
                         f"{index} holds {buffer.dtype}")
-    state.agree(state.guarded, wait=False)                                       # 1.
+    state.bind(buffer.device)                                                    # 1.
+    state.agree(state.guarded, wait=False)
     state.follow_loss_scale()
     layout = state.bucket_layout(bucket, buffer)
-    finite = state.finite_everywhere([buffer], bucket=index)
+    finite, small = state.bucket_finite(layout, buffer, index)
     if not finite:                                                               # 2.
         reduction = state.allreduce(layout, buffer, nonfinite=True)
     elif not state.compresses(layout):                                           # 3.
         reduction = state.allreduce(layout, buffer)
     else:                                                                        # 4.
-        to = state.targets(layout, buffer)
+        to = state.targets(layout, buffer, small)
         reduction = _BucketReduction(state.exchange.reduce_async(
             layout.keys, to.inputs, state.guarded, "average", out=to.out,
-            reuse_out=to.reuse_out), to.result, to.copy_back, to.on_device)
+            reuse_out=to.reuse_out), to.result, to.copy_back)
     state.count_bucket(last, finite)                                             # 5.
     return reduction.future(state, index)
 
@@ -468,7 +490,6 @@ class _Targets(NamedTuple):
     reuse_out: bool
     result: torch.Tensor
     copy_back: Optional[Callable[[], object]] = None
-    on_device: bool = True
 
 
 class _BucketLayout:
@@ -476,7 +497,7 @@ class _BucketLayout:
     the parameters' keys and shapes, where each lies in the buffer, views of it, and
     whether the bucket is worth compressing (see :meth:`DeepReduceState.bucket_layout`)."""
 
-    def __init__(self, index, buffer, params, keys, device_path):
+    def __init__(self, index, buffer, params, keys, device_path, min_size=0):
         self.buffer = buffer  # (held: its memory is not handed to another buffer)
         self.index = index
         self.storage = buffer.untyped_storage().data_ptr()
@@ -493,6 +514,7 @@ class _BucketLayout:
         self.device_path = device_path
         self.views = self.per_parameter(host_array(buffer.detach())) \
             if self.on_host and not device_path else None
+        self.small_at = [i for i, n in enumerate(sizes) if n < min_size]
         self._kept = None  # (tensor, its views): the last result tensor other than buffer
 
     def serves(self, buffer) -> bool:
@@ -510,6 +532,20 @@ class _BucketLayout:
             return self.per_parameter(tensor)
         return self.views if self.on_host else self.per_parameter(host_array(tensor))
 
+    def small(self, buffer) -> list:
+        """The gradients in ``buffer`` below ``min_size`` (torch views): the device path
+        sends them from the host, losslessly."""
+        views = self.per_parameter(buffer)
+        return [views[i] for i in self.small_at]
+
+    def with_small(self, grads, small) -> list:
+        """``grads`` with the gradients below ``min_size`` replaced by ``small``, their
+        host arrays (:meth:`small`'s, brought over)."""
+        inputs = list(grads)
+        for i, array in zip(self.small_at, small or ()):
+            inputs[i] = array
+        return inputs
+
     def per_parameter(self, flat) -> list:
         """Each parameter's slice of ``flat`` (the buffer's elements), shaped."""
         return [flat[end - n:end].reshape(shape)
@@ -524,32 +560,37 @@ class _BucketLayout:
 
 class _BucketReduction(NamedTuple):
     """A bucket's reduction under way: ``tensor`` holds the result once the concurrent
-    future ``done`` is and ``copy_back`` (when given) has run. ``on_device``: a result
-    on a GPU has DDP's streams wait for what was recorded on the device when it is set
-    (one copied back from the host is there by then)."""
+    future ``done`` is and ``copy_back`` (when given) has run."""
 
     done: Future
     tensor: torch.Tensor
     # (Optional, not "| None": Python 3.9 would evaluate it, as this module cannot
     # postpone its annotations: DDP checks the hook's against dist.GradBucket)
     copy_back: Optional[Callable[[], object]] = None
-    on_device: bool = True
 
     def future(self, state, index) -> torch.futures.Future[torch.Tensor]:
         """The hook's one ending: the torch Future DDP waits for, which gets ``tensor``,
-        or the failure of ``state``'s bucket ``index`` (see :func:`_fail`)."""
+        or the failure of ``state``'s bucket ``index`` (see :func:`_fail`).
+
+        A result on a GPU goes in a ``Future(devices=[its device])``, completed with the
+        transport's lane current (:mod:`deepreduce.torch.streams`) on whichever thread
+        completes it: ``set_result`` records its event on the lane's stream, after the
+        reduction's work there (``copy_back`` included), and DDP's ``wait()`` in
+        ``finalize_backward`` makes the consumer's stream wait for that event only."""
         tensor = self.tensor
         result = torch.futures.Future(devices=[tensor.device]) \
-            if self.on_device and tensor.is_cuda else torch.futures.Future()
+            if tensor.is_cuda else torch.futures.Future()
+        lane = lane_of(state.transport)
 
         def deliver(done):
-            try:
-                done.result()
-                if self.copy_back is not None:
-                    self.copy_back()
-                result.set_result(tensor)
-            except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
-                _fail(result, exc, state, index)
+            with lane.current():
+                try:
+                    done.result()
+                    if self.copy_back is not None:
+                        self.copy_back()
+                    result.set_result(tensor)
+                except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
+                    _fail(result, exc, state, index)
         self.done.add_done_callback(deliver)
         return result
 
@@ -614,6 +655,22 @@ def _raise_failure(value):
     if isinstance(value, _Failed):
         raise value.exc
     return value
+
+
+def _with_answer(link, tensors, finite):
+    """``(answer, arrays)``: ``finite`` (a 0-d bool tensor, or None) as a bool (None
+    stays None) and ``tensors`` (of one dtype) as host arrays, in one copy."""
+    if not tensors and finite is None:
+        return None, []
+    values = torch.cat([t.reshape(-1) for t in tensors]) if tensors else \
+        torch.zeros(0, device=finite.device)
+    positions = values.new_zeros(0, dtype=torch.int64)
+    (_, flat, answer), = link.pairs_to_host([(positions, values, finite)])
+    arrays, start = [], 0
+    for tensor in tensors:
+        arrays.append(flat[start:start + tensor.numel()].reshape(tuple(tensor.shape)))
+        start += tensor.numel()
+    return (None if finite is None else answer), arrays
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:

@@ -28,6 +28,7 @@ from deepreduce.exchange.memory import ResidualMemory
 from deepreduce.exchange.selection import Selection, Selector
 from deepreduce.sparse import BFLOAT16, SparseTensor
 from deepreduce.sparsifiers import BlockTopK, NonZero, RandomK, Threshold, TopK, _count
+from deepreduce.torch.streams import used_on_current_stream
 
 #: Value codecs whose loss is a cast, which the device repeats to know what the
 #: receivers decode without a copy back from the host.
@@ -307,6 +308,11 @@ class DeviceSelector(Selector):
         every such tensor in one copy per dtype."""
         fetched = []
         for selection, received in settles:
+            if isinstance(selection, DeviceSelection):
+                # made on the producer's stream, used here on the communication thread's
+                # (deepreduce.torch.streams): not to be reallocated before that use is done
+                used_on_current_stream(selection.positions, selection.values,
+                                       selection.corrected)
             if not isinstance(selection, DeviceSelection):
                 super().settle(selection, received)
             elif selection.corrected is None:

@@ -37,8 +37,33 @@ class TorchIntegration(Integration):
         super().__init__(config, settings, check_finite=check_finite, selector=selector)
         self.process_group = check_process_group(process_group)
 
+    def bind(self, device=None):
+        """Bind to the group now, if not bound yet: :func:`transport_of
+        <deepreduce.torch.transport.transport_of>` the group for tensors on ``device``,
+        which makes deepreduce's own process groups (collective: every rank of the
+        group binds, in the same order with respect to its other process-group
+        creations), then what the integration needs once bound (:meth:`_bound`). Bound
+        already, the transport serves ``device`` too (:meth:`TorchTransport.serve
+        <deepreduce.torch.transport.TorchTransport.serve>`). Returns the transport."""
+        if self._transport is None:
+            self._transport = transport_of(self.process_group, device)
+            self._bound()
+        else:
+            serve = getattr(self._transport, "serve", None)  # (a torch transport)
+            if serve is not None:
+                serve(device)
+        return self._transport
+
     def _bind(self):
-        return transport_of(self.process_group)
+        return self.bind(self._data_device())
+
+    def _data_device(self):
+        """The device of the tensors served, where it is known before the first step
+        (None: the first step binds with its tensors')."""
+        return None
+
+    def _bound(self) -> None:
+        """What the integration makes once its transport is bound."""
 
     def _saved(self, residual) -> torch.Tensor:
         # (the device path's residuals are tensors on the device already)

@@ -295,8 +295,11 @@ class OuterOptimizer(TorchIntegration):
         traffic, nbytes = Traffic(), 0
         averaged = [None] * len(self.params)
         with torch.no_grad():
-            pseudo = [(s - p.detach().to(s.device)).to(transport.device)
-                      for p, s in zip(self.params, self._synced)]
+            # where the parameters are, when the group takes tensors there (NCCL, gloo,
+            # "cpu:gloo,cuda:nccl"), else where its frames travel
+            pseudo = [(s - p.detach().to(s.device)) for p, s in zip(self.params, self._synced)]
+            pseudo = [t if transport.serves(t.device) else t.to(transport.device)
+                      for t in pseudo]
             for dtype in dict.fromkeys(t.dtype for t in pseudo):
                 members = [i for i, t in enumerate(pseudo) if t.dtype == dtype]
                 flat = torch.cat([pseudo[i].reshape(-1) for i in members])
@@ -327,6 +330,9 @@ class OuterOptimizer(TorchIntegration):
     def __repr__(self):
         shown = ", ".join(f"{k}={v!r}" for k, v in self.settings.items() if k != "parameters")
         return f"{type(self).__name__}({shown}, synced_on_host={self.synced_on_host})"
+
+    def _data_device(self):
+        return self.params[0].device  # (frames where the parameters are, for NCCL)
 
     # -- checkpoints: the frame's, with the counters, the synced copy and the momentum --
     def _own_state(self) -> dict:

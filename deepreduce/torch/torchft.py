@@ -68,22 +68,29 @@ class ReplicaGroupTransport(Transport):
     process_group : torchft.process_group.ProcessGroup
         The replica groups' process group (the one given to ``torchft.Manager(pg=...)``).
     device : torch.device or str, optional
-        Where the byte tensors live: the CPU (default) for gloo, a CUDA device for NCCL.
+        Where the byte tensors live. By default (None) they follow the tensors the
+        transport serves, read at each :meth:`bind`: the CPU where those are on the
+        CPU or the group has a backend for CPU tensors (gloo), else their device (an
+        NCCL group moves only GPU memory). Never the calling thread's current device.
     """
 
     def __init__(self, process_group, device=None):
         super().__init__()
         self.process_group = process_group
-        self.device = torch.device("cpu" if device is None else device)
+        self._asked = None if device is None else torch.device(device)
+        self.device = torch.device("cpu") if self._asked is None else self._asked
         self.rank, self.size = 0, 1
         self._configured = None  # weakly: the group of the configuration bound last
 
-    def bind(self) -> bool:
-        """Take the rank and size of the group's current configuration; whether it is
-        another one than at the last call (a new quorum: its members should compare
-        their settings)."""
+    def bind(self, device=None) -> bool:
+        """Take the rank and size of the group's current configuration, and the device
+        of the tensors it serves now (``device``; see the class's ``device``); whether
+        it is another configuration than at the last call (a new quorum: its members
+        should compare their settings)."""
         group = configured_group(self.process_group)
         self.rank, self.size = group.rank(), group.size()
+        if self._asked is None and device is not None:
+            self.device = _frame_device_of(group, torch.device(device))
         changed = self._configured is None or self._configured() is not group
         self._configured = weakref.ref(group)
         return changed
@@ -115,6 +122,16 @@ class ReplicaGroupTransport(Transport):
     def alltoall(self, frames, traffic, stage):
         raise NotImplementedError("deepreduce over torchft sends bundles by allgather: use "
                                   "communicator='allgather'")
+
+
+def _frame_device_of(group, device: torch.device) -> torch.device:
+    """Where frames travel on torchft's configured ``group`` for tensors on ``device``: the
+    CPU for CPU tensors or a group with a CPU backend (``ProcessGroup._device_types``,
+    where torch tells), else ``device``."""
+    if device.type == "cpu":
+        return device
+    served = {d.type for d in getattr(group, "_device_types", ())}
+    return torch.device("cpu") if "cpu" in served else device
 
 
 def configured_group(process_group):
@@ -356,8 +373,8 @@ class DeepReduceManager(TorchIntegration):
         transport = self.transport
         if not self._bound:
             self._bound = True
-            if transport.bind():  # a new quorum: its members compare their settings
-                self.agree(transport, again=True)
+            if transport.bind(queued[0].tensor.device):  # a new quorum: its members
+                self.agree(transport, again=True)            # compare their settings
         if self._snapshot is None:  # what a discarded outer step gives back
             self._snapshot = self.exchange.selector.state_dict()
         participating = self.manager.is_participating()

@@ -2,8 +2,10 @@
 
 :class:`TorchTransport` moves the byte frames of :mod:`deepreduce.collectives`'
 communicators and of :class:`~deepreduce.exchange.GradientExchange` between the
-ranks of a process group; :func:`deepreduce.torch.transport_of` gives the shared
-one of a group, over process groups of its own (:meth:`TorchTransport.private`).
+ranks of a process group; :func:`transport_of` gives the shared one of a group,
+over process groups of its own (:meth:`TorchTransport.private`). Where its byte
+frames travel follows the group's backends and the tensors it serves
+(:func:`frame_device`), never the calling thread's current CUDA device.
 A collective that fails raises :class:`CollectiveError`, naming it.
 """
 
@@ -20,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from deepreduce.collectives.transport import Transport, members_of, split_frames
+from deepreduce.torch.streams import Lane
 
-__all__ = ["TorchTransport", "CollectiveError", "transport_of"]
+__all__ = ["TorchTransport", "CollectiveError", "transport_of", "frame_device", "backends_of"]
 
 
 class CollectiveError(RuntimeError):
@@ -45,26 +48,28 @@ class CollectiveError(RuntimeError):
 class TorchTransport(Transport):
     """``torch.distributed`` collectives on uint8 tensors of one process group.
 
-    Frames travel as byte tensors on ``device``: the CPU for gloo, the current
-    CUDA device for NCCL (NCCL moves only GPU memory), so the same code serves
-    both. gloo and NCCL move equal-sized tensors only, so an allgather of
-    variable-length frames sends each in a slot of ``8 + capacity`` bytes,
-    its length first: one collective when every frame fits (the capacity
-    follows the longest frames of the same stage lately, which every rank
-    saw alike, so every rank picks the same), and a second one for what
-    overflows when one does not. ``Traffic`` counts the bytes that really
-    cross, padding included.
+    Frames travel as byte tensors on :attr:`device` (:func:`frame_device`): the CPU
+    where the group has a backend for CPU tensors (gloo, or a mixed
+    ``"cpu:gloo,cuda:nccl"`` group), else the device of the tensors the transport serves
+    (NCCL moves only GPU memory), so the same code serves both. gloo and NCCL move
+    equal-sized tensors only, so an allgather of variable-length frames sends each in a
+    slot of ``8 + capacity`` bytes, its length first: one collective when every frame
+    fits (the capacity follows the longest frames of the same stage lately, which every
+    rank saw alike, so every rank picks the same), and a second one for what overflows
+    when one does not. ``Traffic`` counts the bytes that really cross, padding included.
 
     Parameters
     ----------
     process_group : torch.distributed.ProcessGroup, optional
         The group to communicate in; the default (world) group when None.
-        Its backend must be gloo or NCCL. The transport holds it weakly, so
-        ``destroy_process_group`` really destroys it; the transport's
-        collectives then raise RuntimeError.
+        Its backends must be gloo or NCCL (one, or ``"cpu:gloo,cuda:nccl"``). The
+        transport holds it weakly, so ``destroy_process_group`` really destroys it;
+        the transport's collectives then raise RuntimeError.
     device : torch.device or str, optional
-        Where the byte tensors live; by default the CPU for gloo and
-        ``cuda:<current device>`` for NCCL.
+        The device of the tensors the transport serves (a DDP bucket's, the
+        parameters'): where the frames travel when the group has no backend for the
+        CPU. Needed for an NCCL group, unless the default group is bound to a device
+        (``init_process_group(device_id=...)``).
     """
 
     BACKENDS = ("gloo", "nccl")
@@ -85,10 +90,11 @@ class TorchTransport(Transport):
         if self.rank < 0:
             raise ValueError("this process is not a member of the given process group")
         self.size = dist.get_world_size(group)
-        if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                      else torch.device("cpu"))
-        self.device, self.backend = torch.device(device), backend
+        self.device, self.backend = frame_device(group, device), backend
+        # the communication thread's stream, on the device of the tensors served (see
+        # submit and deepreduce.torch.streams)
+        self.lane = Lane(self.device if device is None else device)
+        self._served = {self.lane.device}  # devices whose tensors it was asked to serve
         # The tensors of the last collective, kept until the next one starts (and, at
         # exit, until gloo lets go of them: _release_at_exit). A gloo thread drops its
         # references just after a collective completes; if it dropped the last one it
@@ -101,11 +107,39 @@ class TorchTransport(Transport):
 
     @classmethod
     def _backend_of(cls, group) -> str:
+        """The backend of ``group`` as torch.distributed names it ("gloo", "nccl",
+        "cpu:gloo,cuda:nccl"), once each of its backends is one deepreduce runs over."""
         backend = str(dist.get_backend(group)).lower()
-        if backend not in cls.BACKENDS:
-            raise ValueError(f"process group backend {backend!r} is not supported; deepreduce "
-                             f"runs over {' or '.join(cls.BACKENDS)}")
+        backends = backends_of(group)
+        unknown = {device: name for device, name in backends.items() if name not in cls.BACKENDS}
+        if unknown:
+            named = ", ".join(f"{name} for {device}" for device, name in unknown.items())
+            raise ValueError(f"process group backend {backend!r} ({named}) is not supported; "
+                             f"deepreduce "
+                             f"runs over {' or '.join(cls.BACKENDS)} (one of them, or one per "
+                             "device type: 'cpu:gloo,cuda:nccl')")
         return backend
+
+    def serves(self, device) -> bool:
+        """Whether a collective of this transport's group takes tensors on ``device``
+        where they are (its group has a backend for their device type)."""
+        return torch.device(device).type in backends_of(self.group)
+
+    def serve(self, device) -> None:
+        """Serve tensors on ``device`` too: ValueError unless their frames travel on this
+        transport's :attr:`device` (every user of a shared transport agrees on it); a
+        transport whose lane has no stream yet gets one on ``device`` when it is a GPU
+        (a first user with CPU tensors, a later one with CUDA buckets)."""
+        if device is None or device in self._served:
+            return
+        device = torch.device(device)
+        if frame_device(self.group, device) != self.device:
+            raise ValueError(f"this transport's frames travel on {self.device}, as the first "
+                             f"tensors it served asked; tensors on {device} need a "
+                             "transport over another process group")
+        if self.lane.stream is None and device.type == "cuda":
+            self.lane = Lane(device)
+        self._served.add(device)
 
     @classmethod
     def private(cls, process_group=None, device=None) -> "TorchTransport":
@@ -121,11 +155,14 @@ class TorchTransport(Transport):
         the transport's collectives run on its communication thread; on groups of
         their own they cannot meet.
 
-        Collective: every member of ``process_group`` calls it (its members alone:
-        ``new_group(..., use_local_synchronization=True)``), in the same order with
-        respect to their other ``new_group`` calls. The groups take
-        ``process_group``'s backend and timeout; torch.distributed holds them until
-        ``destroy_process_group()``, this transport only weakly.
+        Collective: every member of ``process_group`` calls it, in the same order
+        with respect to their other process-group creations (see
+        :func:`new_groups`, which makes both). The transport's group takes
+        ``process_group``'s backend and timeout; the flag group is a gloo one where
+        ``process_group`` has no backend for CPU tensors (NCCL alone): its one-value
+        flags then travel from the host, on no CUDA stream and no second NCCL
+        communicator. torch.distributed holds them until ``destroy_process_group()``,
+        this transport only weakly.
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialised: call "
@@ -134,12 +171,11 @@ class TorchTransport(Transport):
         backend = cls._backend_of(group)
         if dist.get_rank(group) < 0:
             raise ValueError("this process is not a member of the given process group")
-        ranks = dist.get_process_group_ranks(group)  # global ranks, in the group's order
-        options = {} if ranks == sorted(ranks) else {"sort_ranks": False}
-        own, flags = (dist.new_group(ranks, backend=backend, timeout=_timeout_of(group),
-                                     use_local_synchronization=True, group_desc=desc,
-                                     **options)
-                      for desc in ("deepreduce", "deepreduce_flags"))
+        flags_backend = backend if "cpu" in backends_of(group) or not dist.is_gloo_available() \
+            else "gloo"
+        own, = new_groups(group, [range(dist.get_world_size(group))], "deepreduce")
+        flags, = new_groups(group, [range(dist.get_world_size(group))], "deepreduce_flags",
+                            backend=flags_backend)
         transport = cls(own, device)
         transport._flag_group = weakref.ref(flags)
         if transport.rank != dist.get_rank(group):  # (new_group ignored the order)
@@ -170,6 +206,22 @@ class TorchTransport(Transport):
             raise RuntimeError("the flag group of this transport has been destroyed "
                                "(torch.distributed.destroy_process_group)")
         return group
+
+    def submit(self, fn, *args):
+        """Run ``fn(*args)`` on the communication thread, with the :attr:`lane`'s stream
+        current there, ordered after the caller's current stream now (the hand-over:
+        see :mod:`deepreduce.torch.streams`)."""
+        return super().submit(self._run_on_lane, self.lane.hand_over(), fn, args)
+
+    def _run_on_lane(self, event, fn, args):
+        with self.lane.running(event):
+            return fn(*args)
+
+    @property
+    def flag_device(self) -> torch.device:
+        """Where the flags of :attr:`flag_group` travel: the host where it has a backend for
+        CPU tensors (always, when gloo is built), else this transport's device."""
+        return torch.device("cpu") if "cpu" in backends_of(self.flag_group) else self.device
 
     @contextlib.contextmanager
     def failing_as(self, what: str):
@@ -293,13 +345,9 @@ class TorchTransport(Transport):
         """The members of this member's ``color`` as a transport over a process group
         of their own (see :meth:`deepreduce.collectives.Transport.split`).
 
-        torch.distributed creates groups collectively: in a group of the whole
-        world, every rank creates every sub-group, in the order of their colors
-        (``new_group``, which NCCL needs); in a smaller group, the members of each
-        sub-group create theirs alone (``use_local_synchronization``). Members are
-        ranked by ``key`` (``sort_ranks=False`` where that differs from their
-        global ranks' order). The sub-groups take this transport's backend and
-        timeout.
+        The sub-groups are made by :func:`new_groups`, by every member of this
+        transport's group, in the order of their colors. Members are ranked by
+        ``key``. The sub-groups take this transport's backend and timeout.
         """
         with self.failing_as(f"split into sub-groups (color {color})"):
             return self._split(color, key)
@@ -309,24 +357,168 @@ class TorchTransport(Transport):
         mine = np.array([color, key, dist.get_rank()], dtype=np.int64)
         table = self._lengths(mine)  # every member's (color, key, global rank)
         members = members_of(table[:, :2], self.rank)
-        whole_world = self.size == dist.get_world_size()
-        settings = {"backend": self.backend, "timeout": _timeout_of(self.group)}
-        created = None
-        for each in sorted(set(table[:, 0].tolist())):
-            if each != color and not whole_world:
-                continue
-            ranks = table[members_of(table[:, :2], int(np.flatnonzero(table[:, 0] == each)[0])),
-                          2].tolist()
-            ordered = ranks == sorted(ranks)
-            group = dist.new_group(ranks, use_local_synchronization=not whole_world,
-                                   **settings, **({} if ordered else {"sort_ranks": False}))
-            if each == color:
-                created = group
-        transport = TorchTransport(created, self.device)
+        colors = sorted(set(table[:, 0].tolist()))
+        # each color's members (ranks of this group), ordered by their keys
+        splits = [members_of(table[:, :2], int(np.flatnonzero(table[:, 0] == each)[0]))
+                  for each in colors]
+        created = new_groups(self.group, splits, f"deepreduce_split_{len(colors)}")
+        transport = TorchTransport(created[colors.index(color)], self.lane.device)
         if transport.rank != members.index(self.rank):  # (new_group ignored the order)
             raise RuntimeError("torch.distributed ranked the new group's members otherwise "
                                "than their keys")
         return transport
+
+
+def new_groups(parent, splits, desc: str, backend=None) -> list:
+    """Process groups of disjoint subsets of ``parent``'s members, made by every member
+    of ``parent`` in one call: ``splits`` lists each subset's members as ranks of
+    ``parent``, in the order they are to be ranked. Returns, for each subset, its group
+    on its members and None elsewhere (the caller keeps its own).
+
+    How, follows what torch.distributed needs (``distributed_c10d.py``,
+    ``_new_group_with_tag`` and ``_new_process_group_helper``):
+
+    - The default group bound to a GPU (``init_process_group(device_id=...)``) with
+      NCCL makes NCCL sub-groups by ``ncclCommSplit``, collective over every rank of
+      the group split from: ``new_group`` there has non-members split with
+      ``NCCL_SPLIT_NOCOLOR``, so ``use_local_synchronization=True`` (non-members
+      return at once) would leave the members waiting. Then ``split_group`` splits
+      ``parent`` itself, every member of ``parent`` taking part, and no rank outside
+      it. (``split_group`` ranks each subset in ``parent``'s order.)
+    - ``parent`` of the whole world: ``new_group`` by every rank, for every subset in
+      turn (names from torch's group counter, alike on every rank that makes the
+      same calls in the same order).
+    - A smaller ``parent``, no device-bound split: ``new_group(...,
+      use_local_synchronization=True)`` by the members of each subset alone (a rank
+      outside ``parent`` does not know the call is made).
+
+    ``backend`` (default: ``parent``'s) other than ``parent``'s, as a gloo flag group
+    of an NCCL parent, is never split from it (``split_group`` keeps the parent's
+    backends). The groups take ``parent``'s timeout.
+    """
+    backend = str(dist.get_backend(parent)).lower() if backend is None else backend
+    global_ranks = dist.get_process_group_ranks(parent)
+    splits = [[global_ranks[r] for r in members] for members in splits]
+    mine = dist.get_rank()
+    timeout = _timeout_of(parent)
+    if _splits_by_nccl(parent) and backend == str(dist.get_backend(parent)).lower():
+        order = {g: r for r, g in enumerate(global_ranks)}
+        for members in splits:
+            if [order[g] for g in members] != sorted(order[g] for g in members):
+                raise ValueError("a device-bound NCCL group splits its members in the order "
+                                 "of their ranks; asked for another order: "
+                                 f"{[order[g] for g in members]}")
+        made = dist.split_group(parent_pg=parent, timeout=timeout, group_desc=desc,
+                                split_ranks=[sorted(order[g] for g in m) for m in splits])
+        return [made if mine in members else None for members in splits]
+    whole_world = len(global_ranks) == dist.get_world_size()
+    groups = []
+    for members in splits:
+        if not whole_world and mine not in members:
+            groups.append(None)
+            continue
+        options = {} if members == sorted(members) else {"sort_ranks": False}
+        made = dist.new_group(members, backend=backend, timeout=timeout, group_desc=desc,
+                              use_local_synchronization=not whole_world, **options)
+        groups.append(made if mine in members else None)
+    return groups
+
+
+def _splits_by_nccl(parent) -> bool:
+    """Whether torch.distributed makes sub-groups of ``parent`` by splitting an NCCL
+    communicator: the default group is bound to a device whose backend in ``parent``
+    is NCCL (see :func:`new_groups`)."""
+    default = dist.distributed_c10d._get_default_group()
+    bound = getattr(default, "bound_device_id", None)
+    return bound is not None and backends_of(parent).get(bound.type) == "nccl"
+
+
+# weak keys: a destroyed process group must not be kept alive (see TorchTransport)
+_TRANSPORTS = weakref.WeakKeyDictionary()
+_TRANSPORTS_LOCK = threading.Lock()
+
+
+def transport_of(process_group=None, device=None) -> TorchTransport:
+    """The shared :class:`TorchTransport` of ``process_group`` (the default group when
+    None), made at the first call for the group.
+
+    One per group and process, so every deepreduce collective of that group
+    (the DDP hook's, :func:`deepreduce.torch.allreduce`'s, an
+    :class:`~deepreduce.torch.outer.OuterOptimizer`'s) runs on one thread, in
+    the order it was started, which is the same on every rank. It runs them on
+    a process group of its own with the same members, and has a second one,
+    ``flag_group`` (:meth:`TorchTransport.private`), both created by the first
+    call for ``process_group``, which every member must make: collectives of
+    DDP's own on ``process_group`` (``find_unused_parameters=True``'s
+    bookkeeping, from the autograd thread) then never meet deepreduce's.
+
+    ``device`` is that of the tensors the caller serves (see :func:`frame_device`);
+    a later caller whose tensors would need their frames elsewhere gets a
+    ValueError.
+    """
+    group = dist.group.WORLD if process_group is None else process_group
+    if group is None:  # torch.distributed is not initialised: TorchTransport says so
+        return TorchTransport()
+    with _TRANSPORTS_LOCK:
+        transport = _TRANSPORTS.get(group)
+        if transport is None:
+            transport = _TRANSPORTS[group] = TorchTransport.private(group, device)
+        else:
+            transport.serve(device)
+        return transport
+
+
+def backends_of(group) -> dict:
+    """``{device type: backend}`` of ``group``: ``{"cpu": "gloo", "cuda": "gloo"}`` for
+    gloo, ``{"cuda": "nccl"}`` for NCCL, ``{"cpu": "gloo", "cuda": "nccl"}`` for
+    ``"cpu:gloo,cuda:nccl"`` (``torch.distributed.get_backend_config``)."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except (AttributeError, ValueError, RuntimeError):  # (a group torch did not register)
+        config = str(dist.get_backend(group))
+    backends = {}
+    for part in config.lower().split(","):
+        device, _, backend = part.strip().rpartition(":")
+        if device:
+            backends[device] = backend
+        else:  # a bare name: the device types torch says it serves
+            capability = getattr(dist.Backend, "backend_capability", {})
+            backends.update(dict.fromkeys(capability.get(backend, ["cpu"]), backend))
+    return backends
+
+
+def frame_device(group, device=None) -> torch.device:
+    """Where a transport over ``group`` moves its byte frames, for tensors on ``device``.
+
+    The frames are bytes in host memory, made and read by the host codecs. Where the
+    group has a backend for CPU tensors (gloo, or a mixed ``"cpu:gloo,cuda:nccl"``
+    group), they travel from there: no copy to a device, no CUDA stream involved.
+    Otherwise (NCCL alone) they must travel on a GPU: that of the tensors the
+    transport serves (``device``: the bucket's, the parameters'), else the device the
+    default group is bound to (``init_process_group(device_id=...)``). Never the
+    calling thread's current device, which is cuda:0 on a thread that never called
+    ``torch.cuda.set_device`` (the main thread of a script that only moved its model).
+    """
+    backends = backends_of(group)
+    if "cpu" in backends:
+        return torch.device("cpu")
+    if device is not None:
+        device = torch.device(device)
+        if device.type not in backends:
+            raise ValueError(f"a {dist.get_backend(group)} process group moves tensors on "
+                             f"{' or '.join(sorted(backends))} only; the tensors to serve are "
+                             f"on {device}: move them, or use a group with a backend for "
+                             f"{device.type} (say 'cpu:gloo,cuda:nccl')")
+        if device.index is None and device.type == "cuda":
+            raise ValueError(f"device={device} names no GPU: give the tensors' own device "
+                             "(tensor.device), say cuda:0")
+        return device
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    if bound is not None and bound.type in backends:
+        return bound
+    raise ValueError(f"a {dist.get_backend(group)} process group moves GPU memory only: pass "
+                     "device= (the device of the tensors it serves), or bind the default group "
+                     "to one (init_process_group(device_id=...))")
 
 
 #: One collective into one output tensor (torch 2.13 renamed all_gather_into_tensor).
@@ -366,32 +558,3 @@ def _release_at_exit(timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
     for transport in list(_WITH_HELD_TENSORS):
         transport._wait_until_released(deadline)
-
-
-# the shared transport of each process group (weak keys: a destroyed process group must not
-# be kept alive, see TorchTransport)
-_TRANSPORTS = weakref.WeakKeyDictionary()
-_TRANSPORTS_LOCK = threading.Lock()
-
-
-def transport_of(process_group=None) -> TorchTransport:
-    """The shared :class:`TorchTransport` of ``process_group``.
-
-    One per group and process, so every deepreduce collective of that group
-    (the hook's, :func:`deepreduce.torch.allreduce`'s) runs on one thread, in
-    the order it was started, which is the same on every rank. It runs them on
-    a process group of its own with the same members, and has a second one,
-    ``flag_group`` (:meth:`TorchTransport.private
-    <deepreduce.torch.transport.TorchTransport.private>`), both created by the
-    first call for ``process_group``, which every member must make: collectives
-    of DDP's own on ``process_group`` (``find_unused_parameters=True``'s
-    bookkeeping, from the autograd thread) then never meet deepreduce's.
-    """
-    group = dist.group.WORLD if process_group is None else process_group
-    if group is None:  # torch.distributed is not initialised: TorchTransport says so
-        return TorchTransport()
-    with _TRANSPORTS_LOCK:
-        transport = _TRANSPORTS.get(group)
-        if transport is None:
-            transport = _TRANSPORTS[group] = TorchTransport.private(group)
-        return transport
