@@ -55,6 +55,7 @@ from deepreduce.exchange.stats import StepStats
 from deepreduce.torch.ddp import _device_path
 from deepreduce.torch.device import DeviceSelector, host_array, tensor_finite
 from deepreduce.torch.integration import TorchIntegration
+from deepreduce.torch.streams import lane_of
 from deepreduce.torch.transport import CollectiveError, transport_of
 
 __all__ = ["compress_replicas", "ReplicaExchangeState", "HookError"]
@@ -253,10 +254,25 @@ class ReplicaExchangeState(TorchIntegration):
     def everyone(self):
         """The transport of all the model's ranks (every shard of every replica), for the
         settings' agreement and the all-finite flags; bound with :attr:`transport` (the
-        replicate group's, :func:`~deepreduce.torch.transport.transport_of` it)."""
+        replicate group's, :func:`~deepreduce.torch.transport.transport_of` it) at the
+        first hook call, for the shard's device."""
         if self._everyone is None:
-            self._everyone = transport_of(_union_group(self.transport, self.units[0].shard_group))
+            self._bind_all(None)
         return self._everyone
+
+    def _bind_all(self, device) -> None:
+        """Bind the replicate group's transport and the model's, for tensors on
+        ``device`` (collective: every rank of the model, at its first hook call); bound
+        already, they serve ``device`` too."""
+        self.bind(device)
+        if self._everyone is None:
+            ranks = self.guarded.submit(_model_ranks, self.transport,
+                                        self.units[0].shard_group).result()
+            group = None if len(ranks) == dist.get_world_size() else \
+                dist.new_group(ranks, use_local_synchronization=True)
+            self._everyone = transport_of(group, device)
+        else:
+            self._everyone.serve(device)
 
     def _replicate_group(self):
         return dist.group.WORLD if self.process_group is None else self.process_group
@@ -311,6 +327,7 @@ class ReplicaExchangeState(TorchIntegration):
             if not flat.dtype.is_floating_point:
                 raise TypeError(f"the replica exchange averages floating-point gradients; "
                                 f"the shard holds {flat.dtype}")
+            self._bind_all(flat.device)
             self._agree()
             ends_here = self._begin_backward()
             finite = self.finite_everywhere([flat])
@@ -331,13 +348,12 @@ class ReplicaExchangeState(TorchIntegration):
 
     def _exchange(self, unit, flat) -> None:
         """One GradientExchange step of ``unit``'s parameter pieces in ``flat``."""
-        _wait_for_device(flat)
         with self._pieces(unit, flat) as (names, pieces):
             inputs = _small_to_host(self.exchange, pieces) if self.device_path else pieces
             _, traffic = self.exchange.reduce_async(names, inputs, self._of_unit(unit),
                                                     "average", out=pieces).result()
         self.bytes_handed += traffic.sent
-        _wait_for_device(flat, everywhere=True)
+        _after_lane(self.transport, flat)
 
     @contextlib.contextmanager
     def _pieces(self, unit, flat):
@@ -366,7 +382,6 @@ class ReplicaExchangeState(TorchIntegration):
         if unit is not None and memory is not None and len(memory):
             with self._pieces(unit, flat) as (names, pieces):
                 self.exchange.pay(names, pieces, self.guarded)
-        _wait_for_device(flat)
 
         def average():
             transport = self.transport
@@ -379,7 +394,7 @@ class ReplicaExchangeState(TorchIntegration):
                                              bytes_received=nbytes, dense_bytes=nbytes,
                                              nonfinite_steps=int(nonfinite)))
         self.guarded.submit(average).result()
-        _wait_for_device(flat, everywhere=True)
+        _after_lane(self.transport, flat)
 
     def finite_everywhere(self, tensors, transport=None) -> bool:
         """Whether every rank's ``tensors`` (this unit's shard) are finite (see
@@ -604,18 +619,15 @@ def _group_of(replicate):
     return replicate
 
 
-def _union_group(transport, shard_group):
-    """The group of every rank of the model: the shard groups of the replicate group's
-    members, gathered over it; None (the default group) when that is every rank."""
+def _model_ranks(transport, shard_group) -> list:
+    """Every rank of the model (global, sorted): the shard groups of the replicate group's
+    members, gathered over ``transport`` (the replicate group's)."""
     mine = np.full(dist.get_world_size(), -1, np.int64)
     ranks = dist.get_process_group_ranks(shard_group)
     mine[:len(ranks)] = ranks
     gathered = transport.allgather(mine.tobytes(), Traffic(), "shard groups")
-    everyone = sorted({int(r) for frame in gathered
-                       for r in np.frombuffer(frame, np.int64) if r >= 0})
-    if len(everyone) == dist.get_world_size():
-        return None
-    return dist.new_group(everyone, use_local_synchronization=True)
+    return sorted({int(r) for frame in gathered for r in np.frombuffer(frame, np.int64)
+                   if r >= 0})
 
 
 def _small_to_host(exchange, pieces) -> list:
@@ -627,11 +639,10 @@ def _small_to_host(exchange, pieces) -> list:
     return inputs
 
 
-def _wait_for_device(flat, everywhere=False) -> None:
-    """On a GPU: before the transport's thread reads ``flat``, wait for the stream FSDP
-    runs the hook on; after it wrote, for the whole device (the thread's streams)."""
-    if flat.is_cuda:
-        if everywhere:
-            torch.cuda.synchronize(flat.device)
-        else:
-            torch.cuda.current_stream(flat.device).synchronize()
+def _after_lane(transport, flat) -> None:
+    """On a GPU: the hook's stream (FSDP's, which reads ``flat`` next) waits for what the
+    transport's lane wrote into it (its work waited for the hook's stream when handed
+    over: :class:`deepreduce.torch.streams.Lane`). On the CPU, nothing to order."""
+    stream = lane_of(transport).stream
+    if flat.is_cuda and stream is not None:
+        torch.cuda.current_stream(flat.device).wait_stream(stream)
