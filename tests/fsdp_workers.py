@@ -77,7 +77,8 @@ def close(a, b, tol=1e-5) -> bool:
 
 def check_lossless(rank, mesh):
     """Lossless settings give the mean of all four ranks: against FSDP2's own 2-D HSDP
-    and an unsharded model under DDP, trained on the same batches."""
+    and an unsharded model under DDP, trained on the same batches; over the reducing
+    communicators too."""
     data = batches(rank, 5)
     reference = DDP(model())
     opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -93,11 +94,20 @@ def check_lossless(rank, mesh):
     for x, y in data:
         step(ours, opt, x, y)
     total = state.stats.total
-    return {"equals_native_hsdp": same(full(ours), full(native)),
-            "close_to_unsharded": close(full(ours), full(reference.module)),
-            "native_close_to_unsharded": close(full(native), full(reference.module)),
-            "iter": state.iter, "compressed": total.compressed_tensors,
-            "units": [unit.module for unit in state.units]}
+    out = {"equals_native_hsdp": same(full(ours), full(native)),
+           "close_to_unsharded": close(full(ours), full(reference.module)),
+           "native_close_to_unsharded": close(full(native), full(reference.module)),
+           "iter": state.iter, "compressed": total.compressed_tensors,
+           "units": [unit.module for unit in state.units]}
+    for communicator in ("sparse_allreduce", "block"):   # SparCML's, OmniReduce's
+        net = sharded(mesh["shard"])
+        compress_replicas(net, mesh["replicate"], **LOSSLESS, start_iter=2,
+                          communicator=communicator)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        for x, y in data:
+            step(net, opt, x, y)
+        out[communicator] = same(full(net), full(native))
+    return out
 
 
 class Skipping(torch.nn.Module):

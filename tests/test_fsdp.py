@@ -35,6 +35,7 @@ def test_lossless_settings_give_the_mean_of_all_ranks(four_ranks):
         # 5 steps, 2 before start_iter; per step the two weight shards >= min_size
         assert found["iter"] == 5 and found["compressed"] == 6
         assert found["units"] == ["0", "2", "4"]
+        assert found["sparse_allreduce"] is True and found["block"] is True
 
 
 def test_a_unit_with_parameters_left_out_goes_as_one_piece(four_ranks):
