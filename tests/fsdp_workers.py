@@ -8,6 +8,7 @@ A check that continues a checkpoint in new processes is named alone in a launch 
 its own, after the one that wrote it.
 """
 
+import datetime
 import os
 import sys
 
@@ -363,6 +364,25 @@ def _raised_in_backward(net, rank):
     return {"raised": False, "message": ""}
 
 
+def check_peer_dies(rank, mesh):
+    """Rank 2 leaves after two steps, as a killed process does; rank 0, its peer in the
+    replicate group, fails in the hook's allgather, naming the rank, the FSDP module and
+    the collective (run alone, with a short timeout: ranks 1 and 3 fail in FSDP's own
+    collectives, which say what they say)."""
+    net = sharded(mesh["shard"])
+    compress_replicas(net, mesh["replicate"], sparsifier=dr.TopK(0.1), start_iter=0,
+                      check_finite=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(batches(rank, 3, seed=12)):
+        if i == 2 and rank == 2:
+            exit_now()
+        try:
+            step(net, opt, x, y)
+        except Exception as exc:  # noqa: BLE001 - what it says is the finding
+            return {"step": i, "type": type(exc).__name__, "message": str(exc)}
+    return {"step": None}
+
+
 def check_refusals(rank, mesh):
     """What compress_replicas refuses, saying why: a model FSDP2 shards on the 2-D mesh
     (it all-reduces across replicas itself), a model without FSDP modules."""
@@ -383,7 +403,9 @@ CHECKS = [check_lossless, check_unused_parameters, check_compressed_trains,
 
 def main(rank, out_dir, port, *only):
     prepare(port)
-    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    # (a short timeout: check_peer_dies waits for a rank that is gone)
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS,
+                            timeout=datetime.timedelta(seconds=30))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     checks = [globals()[name] for name in only] if only else CHECKS
     run_checks(rank, out_dir, [_with_mesh(check, mesh) for check in checks])

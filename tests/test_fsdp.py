@@ -126,6 +126,17 @@ def test_dcp_checkpoint_continues_bit_for_bit_in_new_processes(tmp_path):
         assert f"'{rank % 2} of 2' there, '{rank} of 4' here" in layout
 
 
+def test_a_replica_that_dies_fails_the_hook_naming_rank_module_and_collective(tmp_path):
+    # rank 2 leaves mid-run; the launch's exit status says so, rank 0's file what it saw
+    subprocess.run([sys.executable, os.path.join(HERE, "fsdp_workers.py"), str(tmp_path),
+                    str(free_port()), "check_peer_dies"], timeout=300, check=False,
+                   capture_output=True)
+    found = json.loads((tmp_path / "rank0.json").read_text())["check_peer_dies"]
+    assert found["step"] == 2 and found["type"] == "HookError", found
+    assert found["message"].startswith("deepreduce FSDP hook, rank 0, module '4', allgather "
+                                       "of 'bundles of module 4 (state 0)' failed: ")
+
+
 def test_example_trains_on_four_ranks_under_torchrun():
     # as docs/fsdp.md launches it: torchrun --nproc-per-node=4 examples/fsdp_hsdp.py
     script = os.path.join(HERE, os.pardir, "examples", "fsdp_hsdp.py")
