@@ -292,6 +292,120 @@ def check_other_layout(rank, mesh):
     return _raised_in_backward(net, rank)
 
 
+# ---- DiLoCo workers that are FSDP2 groups ---------------------------------------------
+def outer_net(seed=0):
+    """Weights of 128 rows: 64 per shard, whole 64 x 64 tiles of SparseLoCo's chunks."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(128, 128, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(128, 128, bias=False))
+
+
+def _workers(mesh, seed=0):
+    """``outer_net`` sharded over each worker's two ranks (the shard group)."""
+    net = outer_net(seed)
+    for layer in (net[0], net[2]):
+        fully_shard(layer, mesh=mesh["shard"])
+    return fully_shard(net, mesh=mesh["shard"])
+
+
+def _inner(net, opt, rank, step):
+    """One inner step on this worker's batch (its two ranks draw different halves)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    opt.zero_grad()
+    net(torch.randn(8, 128, generator=g)).square().mean().backward()
+    opt.step()
+
+
+#: SparseLoCo's chunk-wise Top-k (64 of each 64 x 64 tile) with values that travel as
+#: they are: the tiles of a shard are tiles of the whole tensor.
+OUTER = {"mode": "sparseloco", "sync_every": 2, "value": "raw"}
+
+
+def check_outer_over_shards(rank, mesh):
+    """OuterOptimizer over FSDP2 workers (2 workers of 2 ranks): each rank exchanges its
+    local shards over the replicate group; the outer steps equal those of an unsharded
+    OuterOptimizer over the same parameters bit for bit, and each rank sends about half
+    of the unsharded bundle."""
+    from deepreduce.torch.outer import OuterOptimizer
+    replicate = mesh["replicate"].get_group()
+    net, whole = _workers(mesh), outer_net()
+    outer = OuterOptimizer(net.named_parameters(), process_group=replicate, **OUTER)
+    reference = OuterOptimizer(whole.named_parameters(), process_group=replicate, **OUTER)
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    identical, sent = [], [0, 0]
+    for i in range(6):
+        _inner(net, inner, rank, i)
+        with torch.no_grad():   # the unsharded worker: the same parameters, whole
+            for p, q in zip(net.parameters(), whole.parameters()):
+                q.copy_(p.full_tensor())
+        if outer.step() & reference.step():   # (both count every inner step)
+            sent[0] += outer.stats.last.bytes_sent
+            sent[1] += reference.stats.last.bytes_sent
+            identical.append(same(full(net), list(whole.parameters())))
+    return {"identical": identical, "outer_steps": outer.outer_steps,
+            "sent_share": sent[0] / sent[1],
+            "local_shapes": [list(p.shape) for p in outer.params]}
+
+
+def _outer_workers(mesh):
+    from deepreduce.torch.outer import OuterOptimizer
+    net = sharded(mesh["shard"], seed=3)
+    outer = OuterOptimizer(net.named_parameters(), process_group=mesh["replicate"].get_group(),
+                           mode="sparseloco", sync_every=2)
+    return net, outer, torch.optim.Adam(net.parameters(), lr=1e-2)
+
+
+def _outer_checkpoint(net, outer, inner):
+    from deepreduce.torch.fsdp import per_rank
+    model_sd, optim_sd = get_state_dict(net, inner)
+    return {"model": model_sd, "optim": optim_sd, "outer": per_rank(outer)}
+
+
+def _worker_checkpoint(mesh, out_dir) -> dict:
+    """Where this worker's checkpoint goes, and its group: one checkpoint per worker (the
+    workers' models and inner optimizers differ between outer steps, and DCP would keep
+    one copy of the shards they have at the same offsets)."""
+    worker = mesh["replicate"].get_local_rank()
+    return {"checkpoint_id": os.path.join(out_dir, f"outer{worker}"),
+            "process_group": mesh["shard"].get_group()}
+
+
+def check_outer_checkpoint_save(rank, mesh):
+    """The sharded OuterOptimizer (SparseLoCo's defaults) 8 inner steps straight through
+    (kept for the next launch); again, stopped after 4 and saved with DCP beside the
+    model and the inner optimizer (deepreduce.torch.fsdp.per_rank: every rank's shards).
+    One DCP checkpoint per worker, over the worker's own ranks."""
+    out_dir = os.environ["FSDP_CHECKPOINT"]
+    net, outer, inner = _outer_workers(mesh)
+    for x, y in batches(rank, 8, seed=13):
+        step(net, inner, x, y)
+        outer.step()
+    torch.save(full(net), os.path.join(out_dir, f"outer_uninterrupted{rank}.pt"))
+    net, outer, inner = _outer_workers(mesh)
+    for x, y in batches(rank, 8, seed=13)[:4]:
+        step(net, inner, x, y)
+        outer.step()
+    dcp.save(_outer_checkpoint(net, outer, inner), **_worker_checkpoint(mesh, out_dir))
+    return {"outer_steps": outer.outer_steps}
+
+
+def check_outer_checkpoint_load(rank, mesh):
+    """In new processes: the rest of the 8 inner steps from the checkpoint; the same bits."""
+    out_dir = os.environ["FSDP_CHECKPOINT"]
+    net, outer, inner = _outer_workers(mesh)
+    loaded = _outer_checkpoint(net, outer, inner)
+    dcp.load(loaded, **_worker_checkpoint(mesh, out_dir))
+    set_state_dict(net, inner, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"])
+    resumed_at = outer.outer_steps
+    for x, y in batches(rank, 8, seed=13)[4:]:
+        step(net, inner, x, y)
+        outer.step()
+    uninterrupted = torch.load(os.path.join(out_dir, f"outer_uninterrupted{rank}.pt"))
+    return {"outer_identical": same(full(net), uninterrupted), "outer_resumed_at": resumed_at,
+            "outer_residuals": len(outer.exchange.selector.memory)}
+
+
 # ---- checkpoints: written by one launch, continued by new processes ----------------
 RESUME = {"sparsifier": dr.TopK(0.05), "value": "qsgd:bits=8", "start_iter": 2}
 STOP, STEPS = 4, 8
@@ -398,7 +512,7 @@ def check_refusals(rank, mesh):
 
 CHECKS = [check_lossless, check_unused_parameters, check_compressed_trains,
           check_device_path, check_mixed_precision, check_nonfinite, check_misconfigured,
-          check_other_layout, check_refusals]
+          check_other_layout, check_refusals, check_outer_over_shards]
 
 
 def main(rank, out_dir, port, *only):

@@ -61,6 +61,14 @@ def test_device_path_trains_as_the_numpy_path_and_moves_only_pairs(four_ranks):
         assert 0 < found["crossed"] <= found["bound"] < found["dense"]
 
 
+def test_outer_steps_over_fsdp2_workers_equal_unsharded_ones_sending_half(four_ranks):
+    for found in findings(four_ranks, "check_outer_over_shards"):
+        # 128 x 128 weights on 2 shards: 64 rows each, SparseLoCo's 64 x 64 tiles whole
+        assert found["local_shapes"] == [[64, 128], [64, 128]]
+        assert found["outer_steps"] == 3 and found["identical"] == [True, True, True]
+        assert 0.5 <= found["sent_share"] < 0.55     # 1/L of the bundle, and its header
+
+
 def test_mixed_precision_bf16_parameters_any_reduce_dtype(four_ranks):
     for found in findings(four_ranks, "check_mixed_precision"):
         assert found == {"torch.bfloat16": True, "torch.float16": True, "torch.float32": True}
@@ -109,11 +117,11 @@ def launch(out, *checks, env=None):
 
 def test_dcp_checkpoint_continues_bit_for_bit_in_new_processes(tmp_path):
     env = {"FSDP_CHECKPOINT": str(tmp_path)}
-    saved = launch(tmp_path, "check_checkpoint_save", env=env)
+    saved = launch(tmp_path, "check_checkpoint_save", "check_outer_checkpoint_save", env=env)
     for found in findings(saved, "check_checkpoint_save"):
         # 4 steps, 2 of them compressed; residuals of the two weight shards
         assert found == {"iter": 4, "residuals": 2}
-    loaded = launch(tmp_path, "check_checkpoint_load", env=env)
+    loaded = launch(tmp_path, "check_checkpoint_load", "check_outer_checkpoint_load", env=env)
     for rank, found in enumerate(findings(loaded, "check_checkpoint_load")):
         assert found["iter"] == 4 and found["residuals"] == 2
         assert found["identical"] is True
@@ -124,6 +132,11 @@ def test_dcp_checkpoint_continues_bit_for_bit_in_new_processes(tmp_path):
         assert layout.startswith("the checkpoint was written with another layout: "
                                  "replicas '2' there, '1' here; shard ")
         assert f"'{rank % 2} of 2' there, '{rank} of 4' here" in layout
+    # DiLoCo over FSDP2 workers: one checkpoint per worker, its outer state per rank
+    for found in findings(saved, "check_outer_checkpoint_save"):
+        assert found == {"outer_steps": 2}
+    for found in findings(loaded, "check_outer_checkpoint_load"):
+        assert found == {"outer_identical": True, "outer_resumed_at": 2, "outer_residuals": 6}
 
 
 def test_a_replica_that_dies_fails_the_hook_naming_rank_module_and_collective(tmp_path):

@@ -58,7 +58,7 @@ from deepreduce.torch.integration import TorchIntegration
 from deepreduce.torch.streams import lane_of
 from deepreduce.torch.transport import CollectiveError, transport_of
 
-__all__ = ["compress_replicas", "ReplicaExchangeState", "HookError"]
+__all__ = ["compress_replicas", "ReplicaExchangeState", "HookError", "per_rank"]
 
 #: What the replicas' layouts travel behind when they are compared (once).
 LAYOUT_SIGNATURE = "fsdp=layout"
@@ -442,17 +442,12 @@ class ReplicaExchangeState(TorchIntegration):
         ``torch.distributed.checkpoint.save`` keeps every rank's: the frame's (settings,
         residuals of this rank's parameter shards as tensors, random state) with the
         counters, the loss scale and the layout."""
-        return {f"rank{dist.get_rank()}": RankCheckpoint(super().state_dict())}
+        return {_rank_key(): RankCheckpoint(super().state_dict())}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Continue from :meth:`state_dict`, refusing one of other settings or another
         layout, with a message that names each difference."""
-        key = f"rank{dist.get_rank()}"
-        mine = state_dict.get(key)
-        if mine is None:
-            raise ValueError(f"the checkpoint holds no deepreduce state for {key} (it holds "
-                             f"{', '.join(sorted(state_dict)) or 'none'}): written by "
-                             "another number of ranks")
+        mine = _own_part(state_dict)
         self.check_settings(mine.state.get("settings"))
         theirs, ours = mine.state["layout"], self.layout()
         differ = [k for k in dict.fromkeys([*ours, *theirs]) if theirs.get(k) != ours.get(k)]
@@ -479,6 +474,50 @@ class RankCheckpoint:
     which names the difference, instead of failing on a tensor's size in DCP."""
 
     state: dict
+
+
+def per_rank(obj) -> "PerRank":
+    """``obj`` (anything with ``state_dict`` / ``load_state_dict``) as a DCP ``Stateful``
+    that keeps every rank's state: for state that differs between ranks in plain tensors,
+    such as an :class:`~deepreduce.torch.outer.OuterOptimizer` over a sharded model's
+    local shards (its synced copy and residuals are this rank's shards).
+    ``torch.distributed.checkpoint`` would save a plain tensor under one key once, from
+    one rank.
+
+    ::
+
+        dcp.save({"model": model_sd, "optim": optim_sd, "outer": per_rank(outer)}, ...)
+    """
+    return PerRank(obj)
+
+
+class PerRank:
+    """See :func:`per_rank`: ``state_dict()`` is ``{"rank<global rank>": RankCheckpoint(
+    obj.state_dict())}``; ``load_state_dict`` hands this rank's part to ``obj``."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def state_dict(self) -> dict:
+        return {_rank_key(): RankCheckpoint(self.obj.state_dict())}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.obj.load_state_dict(_own_part(state_dict).state)
+
+
+def _rank_key() -> str:
+    return f"rank{dist.get_rank()}"
+
+
+def _own_part(state_dict: dict) -> "RankCheckpoint":
+    """This rank's :class:`RankCheckpoint` in ``state_dict``; ValueError when it has none."""
+    key = _rank_key()
+    mine = state_dict.get(key)
+    if mine is None:
+        raise ValueError(f"the checkpoint holds no deepreduce state for {key} (it holds "
+                         f"{', '.join(sorted(state_dict)) or 'none'}): written by another "
+                         "number of ranks")
+    return mine
 
 
 class _Hook:
