@@ -316,6 +316,120 @@ def _model_section(run, model) -> list:
                     f"a step shorter): {beyond}.", ""]
 
 
+# -- OuterOptimizer over FSDP2 workers: per rank and outer step, sharded against whole ------
+
+def outer_worker(rank, port, out_dir, rounds) -> None:
+    """One of four local ranks (2 workers of 2): the byte transformer sharded over each
+    worker's ranks, SparseLoCo's OuterOptimizer over the replicate group, against an
+    unsharded OuterOptimizer over the same (whole) parameters; per outer step: bundle
+    bytes, bytes handed to the transport, encode and decode seconds of this rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from benchmarks.outer_model import build_model, next_byte_loss, text_splits, training_batch
+    from deepreduce.torch.outer import OuterOptimizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD // LOCAL, LOCAL), mesh_dim_names=("replicate", "shard"))
+    replicate = mesh["replicate"].get_group()
+    train, _ = text_splits()
+    net, whole = build_model(seed=0), build_model(seed=0)
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(net, mesh=mesh["shard"])
+    # the whole model's outer step on a group of its own with the same ranks: a shared
+    # transport would size the sharded step's allgather slots by the whole one's frames
+    pairs = [list(range(w, WORLD, LOCAL)) for w in range(LOCAL)]
+    own = [dist.new_group(ranks) for ranks in pairs][rank % LOCAL]
+    outers = {"sharded": OuterOptimizer(net.named_parameters(), sync_every=1,
+                                        process_group=replicate),
+              "whole": OuterOptimizer(whole.named_parameters(), sync_every=1,
+                                      process_group=own)}
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    records = {name: [] for name in outers}
+    for step in range(rounds + 1):   # (the first outer step agrees and warms up)
+        inner.zero_grad()
+        x, y = training_batch(train, step, rank)
+        next_byte_loss(net, x, y).backward()
+        inner.step()
+        with torch.no_grad():   # the whole model: the same parameters, unsharded
+            for p, q in zip(net.parameters(), whole.parameters()):
+                q.copy_(p.full_tensor())
+        for name, outer in outers.items():
+            outer.step()
+            last = outer.stats.last
+            if step:
+                records[name].append({"bundle": last.bytes_sent,
+                                      "wire": outer.last_traffic.sent,
+                                      "encode": last.encode_seconds,
+                                      "decode": last.decode_seconds})
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, records)
+    if rank == 0:
+        Path(out_dir, "outer.json").write_text(json.dumps(everyone))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def outer_part(args) -> dict:
+    import torch.multiprocessing as mp
+
+    from benchmarks.common import free_port
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(outer_worker, args=(free_port(), tmp, args.outer_rounds),
+                           nprocs=WORLD, start_method="spawn")
+        ranks = json.loads(Path(tmp, "outer.json").read_text())
+    summary = []
+    for rank, records in enumerate(ranks):
+        row = {"rank": rank}
+        for name, steps in records.items():
+            for key in ("bundle", "wire", "encode", "decode"):
+                row[f"{name}_{key}"] = statistics.median(s[key] for s in steps)
+            row[f"{name}_coding"] = statistics.median(s["encode"] + s["decode"] for s in steps)
+        summary.append(row)
+    return {"ranks": summary, "rounds": args.outer_rounds, "load": os.getloadavg()[0]}
+
+
+def outer_report(record, command) -> str:
+    lines = ["# OuterOptimizer over FSDP2 workers: per rank and outer step", "",
+             f"Four local gloo ranks as {WORLD // LOCAL} workers of {LOCAL} (a 2 x 2 mesh): "
+             "the 3.3M-parameter byte transformer sharded with FSDP2 over each worker's "
+             "ranks, SparseLoCo's OuterOptimizer (its defaults) over the replicate group, "
+             "each rank exchanging its local shards; against an unsharded OuterOptimizer "
+             "over the same parameters, whole, in the same run. Per rank, the median of "
+             f"{record['rounds']} outer steps (one AdamW inner step before each; the first "
+             "outer step left out): the bundle it sent, what it handed to the transport "
+             "(wire), and its encode + decode seconds. Target: 1/L of each (L = "
+             f"{LOCAL}), within 10%. Load average {record['load']:.1f}.", "",
+             "Made with:", "", f"    {command}", ""]
+    rows = []
+    for r in record["ranks"]:
+        rows.append([r["rank"], f"{r['sharded_bundle']:,.0f}", f"{r['whole_bundle']:,.0f}",
+                     f"{r['sharded_bundle'] / r['whole_bundle']:.3f}",
+                     f"{r['sharded_wire']:,.0f}", f"{r['whole_wire']:,.0f}",
+                     f"{r['sharded_wire'] / r['whole_wire']:.3f}",
+                     f"{1e3 * r['sharded_coding']:.1f}", f"{1e3 * r['whole_coding']:.1f}",
+                     f"{r['sharded_coding'] / r['whole_coding']:.3f}"])
+    lines += table(["rank", "bundle sharded", "bundle whole", "ratio", "wire sharded",
+                    "wire whole", "ratio", "encode+decode ms sharded", "whole", "ratio"], rows)
+    wire = statistics.median(r["sharded_wire"] / r["whole_wire"] for r in record["ranks"])
+    coding = statistics.median(r["sharded_coding"] / r["whole_coding"]
+                               for r in record["ranks"])
+    target = 1 / LOCAL
+
+    def verdict(x):
+        return "PASS" if abs(x - target) <= 0.1 * target else "FAIL"
+    lines += ["", f"Median over the ranks: wire {wire:.3f} of the unsharded step's (target "
+              f"{target:.2f} +-10%: {verdict(wire)}), encode + decode {coding:.3f} "
+              f"({verdict(coding)}).", ""]
+    return "\n".join(lines)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit"],
@@ -328,6 +442,10 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--port", type=int, default=29750)
     parser.add_argument("--out", default=str(RESULTS / "fsdp.md"))
+    parser.add_argument("--outer", action="store_true",
+                        help="only the OuterOptimizer part (4 local ranks, no root needed): "
+                             "writes fsdp_outer.md beside --out")
+    parser.add_argument("--outer-rounds", type=int, default=8)
     parser.add_argument("--from-json", action="store_true",
                         help="write the report again from the .json beside --out, running "
                              "nothing")
@@ -348,6 +466,12 @@ def main(argv=None):
         print(text)
         return 0
     command = " ".join(["python -m benchmarks.fsdp", *(sys.argv[1:] if argv is None else argv)])
+    if args.outer:
+        record = outer_part(args)
+        text = outer_report(record, command)
+        write_report(Path(args.out).with_name("fsdp_outer.md"), text, record)
+        print(text)
+        return 0
     runs = []
     with TwoHosts(NAMESPACES, VETH, ADDRESSES) as net:
         for i, rate in enumerate(args.rates):
