@@ -37,7 +37,12 @@ As root, from the repository root::
     python -m benchmarks.fsdp --rates 1gbit --models mlp --steps 3 --rounds 2   # quicker
     python -m benchmarks.fsdp --from-json                      # the report again
 
-Writes ``benchmarks/results/fsdp.md`` and ``.json``.
+Writes ``benchmarks/results/fsdp.md`` and ``.json``. Two parts run on four local ranks
+instead (no root, no namespaces), each writing a report of its own beside it:
+
+    python -m benchmarks.fsdp --outer      # OuterOptimizer over FSDP2 workers: fsdp_outer.md
+    python -m benchmarks.fsdp --quality    # 600 steps, native HSDP against deepreduce:
+                                           # fsdp_quality.md (--quality-optimizer sgd: _sgd)
 """
 
 from __future__ import annotations
@@ -316,6 +321,46 @@ def _model_section(run, model) -> list:
                     f"a step shorter): {beyond}.", ""]
 
 
+# -- the parts on four local ranks (no network namespaces) ----------------------------------
+
+def _on_local_ranks(worker, *args):
+    """Run ``worker(rank, port, out_dir, *args)`` on four spawned local ranks; returns what
+    rank 0 left in ``out_dir`` (:func:`_leave`)."""
+    import torch.multiprocessing as mp
+
+    from benchmarks.common import free_port
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(worker, args=(free_port(), tmp, *args), nprocs=WORLD,
+                           start_method="spawn")
+        return json.loads(Path(tmp, "rank0.json").read_text())
+
+
+def _local_rank(rank: int, port: int):
+    """A local rank's start: the gloo group on 127.0.0.1:``port``, one thread, subnormals
+    flushed, the 2 x 2 mesh ("replicate", "shard")."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    return init_device_mesh("cpu", (WORLD // LOCAL, LOCAL), mesh_dim_names=("replicate", "shard"))
+
+
+def _leave(rank: int, out_dir, found) -> None:
+    """Rank 0 leaves ``found`` in ``out_dir``; every rank leaves the group and the process
+    (before the interpreter finalises: pytorch#179291)."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        Path(out_dir, "rank0.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 # -- OuterOptimizer over FSDP2 workers: per rank and outer step, sharded against whole ------
 
 def outer_worker(rank, port, out_dir, rounds) -> None:
@@ -325,16 +370,12 @@ def outer_worker(rank, port, out_dir, rounds) -> None:
     bytes, bytes handed to the transport, encode and decode seconds of this rank."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from benchmarks.outer_model import build_model, next_byte_loss, text_splits, training_batch
     from deepreduce.torch.outer import OuterOptimizer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    mesh = init_device_mesh("cpu", (WORLD // LOCAL, LOCAL), mesh_dim_names=("replicate", "shard"))
+    mesh = _local_rank(rank, port)
     replicate = mesh["replicate"].get_group()
     train, _ = text_splits()
     net, whole = build_model(seed=0), build_model(seed=0)
@@ -369,21 +410,11 @@ def outer_worker(rank, port, out_dir, rounds) -> None:
                                       "decode": last.decode_seconds})
     everyone = [None] * WORLD
     dist.all_gather_object(everyone, records)
-    if rank == 0:
-        Path(out_dir, "outer.json").write_text(json.dumps(everyone))
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    _leave(rank, out_dir, everyone)
 
 
 def outer_part(args) -> dict:
-    import torch.multiprocessing as mp
-
-    from benchmarks.common import free_port
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(outer_worker, args=(free_port(), tmp, args.outer_rounds),
-                           nprocs=WORLD, start_method="spawn")
-        ranks = json.loads(Path(tmp, "outer.json").read_text())
+    ranks = _on_local_ranks(outer_worker, args.outer_rounds)
     summary = []
     for rank, records in enumerate(ranks):
         row = {"rank": rank}
@@ -430,6 +461,109 @@ def outer_report(record, command) -> str:
     return "\n".join(lines)
 
 
+# -- quality: the byte transformer under FSDP2's HSDP, native against deepreduce ------------
+
+QUALITY_SCHEMES = ("FSDP2 HSDP fp32", "deepreduce Top-1% + auto + fp16")
+OPTIMIZERS = {"adamw": "AdamW lr 1e-3, betas 0.9/0.95", "sgd": "SGD lr 0.05, momentum 0.9"}
+
+
+def quality_worker(rank, port, out_dir, args) -> None:
+    """One of four local ranks (2 replicas of 2 shards): each scheme trains the byte
+    transformer on the same tokens from the same seed; every rank takes part in the
+    validation passes (FSDP2's forward is collective), rank 0 keeps them."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    import deepreduce as dr
+    from benchmarks.outer_model import build_model, next_byte_loss, text_splits, training_batch
+    from benchmarks.outer_model import validation_loss
+    from deepreduce.torch.fsdp import compress_replicas
+
+    mesh = _local_rank(rank, port)
+    train, validation = text_splits()
+    results = {}
+    for scheme in QUALITY_SCHEMES:
+        net = build_model(seed=0)
+        shard_mesh = mesh if scheme == NATIVE_FP32 else mesh["shard"]
+        for block in net.blocks:
+            fully_shard(block, mesh=shard_mesh)
+        fully_shard(net, mesh=shard_mesh)
+        state = None if scheme == NATIVE_FP32 else compress_replicas(
+            net, mesh["replicate"], sparsifier=dr.TopK(0.01), index="auto", value="fp16",
+            start_iter=args.start_iter)
+        inner = torch.optim.AdamW(net.parameters(), lr=1e-3, betas=(0.9, 0.95),
+                                  weight_decay=0.0) if args.quality_optimizer == "adamw" else \
+            torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        warmup = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: min(1.0, (step + 1) / 30))
+        curve, start = [(0, validation_loss(net, validation, 64, 16))], time.perf_counter()
+        for step in range(args.quality_steps):
+            x, y = training_batch(train, step, rank)
+            next_byte_loss(net, x, y).backward()
+            inner.step()
+            inner.zero_grad()
+            warmup.step()
+            if (step + 1) % 50 == 0:
+                curve.append((step + 1, validation_loss(net, validation, 64, 16)))
+        results[scheme] = {"curve": curve, "val_loss": validation_loss(net, validation, 64, 64),
+                           "seconds": time.perf_counter() - start,
+                           "ratio": None if state is None else state.stats.total.ratio}
+        if rank == 0:
+            print(f"{scheme}: validation loss {results[scheme]['val_loss']:.4f}", flush=True)
+    _leave(rank, out_dir, results)
+
+
+def quality_part(args) -> dict:
+    results = _on_local_ranks(quality_worker, args)
+    return {"results": results, "steps": args.quality_steps, "start_iter": args.start_iter,
+            "optimizer": args.quality_optimizer, "load": os.getloadavg()[0]}
+
+
+def quality_report(record, command, image) -> str:
+    native, ours = (record["results"][s] for s in QUALITY_SCHEMES)
+    gap = ours["val_loss"] / native["val_loss"] - 1
+    lines = ["# FSDP2's HSDP: validation loss, native against deepreduce", "",
+             f"Four local gloo ranks as 2 replicas x 2 shards train the 3.3M-parameter byte "
+             f"transformer for {record['steps']} steps on the same tokens from the same seed "
+             f"({OPTIMIZERS[record.get('optimizer', 'adamw')]}, 30 steps of warm-up, 8 "
+             "windows of 64 bytes per rank and step): FSDP2's own HSDP in float32 against 1-D FSDP2 with "
+             "deepreduce's replica exchange (Top-1%, `auto` indices, fp16 values, error "
+             f"feedback, plain for {record['start_iter']} steps). Validation: 64 windows of "
+             "64 bytes of held-out standard-library source, nats per byte (the curve: 16 "
+             f"windows every 50 steps). Load average {record['load']:.1f}.", "",
+             "Made with:", "", f"    {command}", ""]
+    lines += table(["scheme", "validation loss", "seconds", "dense / payload bytes"],
+                   [[s, f"{record['results'][s]['val_loss']:.4f}",
+                     f"{record['results'][s]['seconds']:.0f}",
+                     "-" if record["results"][s]["ratio"] is None
+                     else f"{record['results'][s]['ratio']:.1f}x"] for s in QUALITY_SCHEMES])
+    lines += ["", f"deepreduce against native: {100 * gap:+.2f}% (target within 1.5%: "
+              f"{'PASS' if abs(gap) <= 0.015 else 'FAIL'}).", ""]
+    lines += [f"![validation loss]({image})", ""] if image else \
+        ["(No plot: matplotlib is not installed.)", ""]
+    return "\n".join(lines)
+
+
+def quality_plot(record, path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for scheme in QUALITY_SCHEMES:
+        steps, losses = zip(*record["results"][scheme]["curve"])
+        axes.plot(steps, losses, marker=".", label=scheme)
+    axes.set_xlabel("steps")
+    axes.set_ylabel("validation loss (nats per byte)")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit"],
@@ -446,6 +580,11 @@ def parse_args(argv=None):
                         help="only the OuterOptimizer part (4 local ranks, no root needed): "
                              "writes fsdp_outer.md beside --out")
     parser.add_argument("--outer-rounds", type=int, default=8)
+    parser.add_argument("--quality", action="store_true",
+                        help="only the quality part (4 local ranks, no root needed): writes "
+                             "fsdp_quality.md and .png beside --out")
+    parser.add_argument("--quality-steps", type=int, default=600)
+    parser.add_argument("--quality-optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--from-json", action="store_true",
                         help="write the report again from the .json beside --out, running "
                              "nothing")
@@ -466,6 +605,17 @@ def main(argv=None):
         print(text)
         return 0
     command = " ".join(["python -m benchmarks.fsdp", *(sys.argv[1:] if argv is None else argv)])
+    if args.quality:
+        record = quality_part(args)
+        out = Path(args.out).with_name("fsdp_quality.md" if args.quality_optimizer == "adamw"
+                                       else f"fsdp_quality_{args.quality_optimizer}.md")
+        image = out.with_suffix(".png")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        plotted = quality_plot(record, image)
+        text = quality_report(record, command, image.name if plotted else None)
+        write_report(out, text, record)
+        print(text)
+        return 0
     if args.outer:
         record = outer_part(args)
         text = outer_report(record, command)
