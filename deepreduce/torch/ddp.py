@@ -224,13 +224,13 @@ class DeepReduceState(TorchIntegration):
         return self.exchange.reduce_async(names, tensors, self.guarded, op, as_rows=as_rows,
                                           out=out, reuse_out=reuse_out, finite=finite)
 
-    def finite_everywhere(self, tensors, transport=None, bucket=None) -> bool:
+    def finite_everywhere(self, tensors, bucket=None) -> bool:
         """Whether every rank's ``tensors`` (of bucket ``bucket``) are finite (see
         ``check_finite``): checked on their device, the answers allreduced on the
         state's flag group (from the host where it is a gloo one), from the autograd
         thread (the group of the hook's other collectives may be busy with earlier
-        buckets); over another transport, in an allgather of a byte after the
-        collectives started there."""
+        buckets); over a transport that is not torch.distributed's, in an allgather of
+        a byte after the collectives started there."""
         if not self.check_finite:
             return True
         return self._agree_answer(torch.stack([tensor_finite(t) for t in tensors]).all(),
