@@ -98,7 +98,7 @@ def measure(shapes, ranks: int, steps: int, warmup: int, seed: int) -> dict:
                  "q1_ms": 1e3 * float(np.percentile(v, 25)),
                  "q3_ms": 1e3 * float(np.percentile(v, 75))} for key, v in times.items()}
     out.update(tensors=len(shapes), parameters=int(sum(math.prod(s) for s in shapes)),
-               compressed_tensors=int(sum(math.prod(s) >= own.min_size for s in shapes)),
+               compressed_tensors=int(sum(math.prod(s) >= own.config.min_size for s in shapes)),
                bytes_per_rank=len(bundles[0]))
     return out
 

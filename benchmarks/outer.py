@@ -1,6 +1,6 @@
 """Outer steps of the DiLoCo family (issue 43): bytes, time and scale of SparseLoCo's exchange.
 
-Four parts (``--parts``, default all):
+Seven parts (``--parts``, default all):
 
 * **bytes**: bits per kept element on SparseLoCo's settings (chunk-wise Top-k in 64 x 64
   tiles, ``C = 4096``, ``k = 32, 64, 128``; four bins over +- 6 sigma), side by side on
@@ -18,6 +18,11 @@ Four parts (``--parts``, default all):
 * **scale**: seconds of communication per outer step for 1B, 8B and 70B parameters
   among 20 peers at 500 Mbit/s (:mod:`deepreduce.collectives.cost`).
 * **quality**: :mod:`benchmarks.outer_quality`'s section, when that module exists.
+* **streaming** (issue 49): the quality of Streaming DiLoCo's overlap (both merge rules)
+  and fragments against blocking SparseLoCo (``outer_streaming.md``).
+* **loop**, **framing** (issue 49): the outer step in a training loop across the veth,
+  blocking against overlapped and in fragments; and the allgather's framing under the
+  DDP hook, side by side (:mod:`benchmarks.outer_loop`).
 
 From the repository root (the time part as root)::
 
@@ -47,7 +52,7 @@ from benchmarks.common import HERE, RESULTS, table, write_report
 from deepreduce.codecs.index.chunked import layout_bits
 from deepreduce.collectives import cost
 
-PARTS = ("bytes", "time", "scale", "quality")
+PARTS = ("bytes", "time", "scale", "quality", "streaming", "loop", "framing")
 KS = (32, 64, 128)
 STATQ = f"statq:bits=2,sigmas={formats.SIGMAS:g}"
 QSGD = "qsgd:bits=2"
@@ -439,6 +444,25 @@ def quality_part(args):
     return section, record
 
 
+def streaming_part(args):
+    """Quality of Streaming DiLoCo's overlap and fragments (issue 49): blocking SparseLoCo
+    and each :data:`benchmarks.outer_quality.STREAMING` scheme, on the same tokens and
+    seeds (:func:`benchmarks.outer_quality.run`), its report beside ``args.out`` as
+    ``outer_streaming.md``; ``(markdown section, record)``."""
+    from benchmarks import outer_quality
+
+    schemes = ["sparseloco", *outer_quality.STREAMING]
+    quick = QUICK_QUALITY + ["--steps", "40", "--sync-every", "20"] if args.quick else []
+    quality_args = outer_quality.parse_args(quick + ["--schemes", *schemes])
+    quality_args.out = str(Path(args.out).with_name("outer_streaming.md"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    section, record = outer_quality.run(quality_args)
+    section = section.replace("## Quality: DDP, DiLoCo and SparseLoCo on a byte-level "
+                              "transformer", "## Quality of overlap and fragments")
+    outer_quality.write(quality_args.out, section, record)
+    return section, record
+
+
 # -- the report ----------------------------------------------------------------------------
 
 def machine() -> str:
@@ -466,6 +490,14 @@ def report(record) -> str:
         lines += outer_time.section(record["time"])
     if "scale" in record:
         lines += scale_section(record["scale"])
+    if "loop" in record:
+        from benchmarks import outer_loop
+        lines += outer_loop.loop_section(record["loop"])
+    if "framing" in record:
+        from benchmarks import outer_loop
+        lines += outer_loop.framing_section(record["framing"])
+    if "streaming" in record["parts"] and "streaming_section" in record:
+        lines += [record["streaming_section"].rstrip(), ""]
     if "quality" in record["parts"]:
         if "quality_section" in record:
             lines += [record["quality_section"].rstrip(), ""]
@@ -480,7 +512,7 @@ def carried_over(record: dict, earlier_json: Path) -> dict:
     earlier = json.loads(earlier_json.read_text())
     kept = [part for part in earlier["parts"] if part not in record["parts"]]
     for part in kept:
-        for key in (part, f"{part}_section"):
+        for key in (part, f"{part}_section"):  # (loop, framing: their records)
             if key in earlier:
                 record[key] = earlier[key]
     if kept:
@@ -516,7 +548,12 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=str(RESULTS / "outer.md"))
     parser.add_argument("--cache", default=str(CACHE),
                         help="folder of the captured pseudo-gradients (reused when there)")
+    parser.add_argument("--loop-periods", type=int, default=3,
+                        help="loop: timed periods of H inner steps per scheme")
+    parser.add_argument("--framing-steps", type=int, default=40,
+                        help="framing: timed DDP steps per framing")
     parser.add_argument("--time-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--loop-worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--gradients", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -539,6 +576,11 @@ def main(argv=None):
         from benchmarks import outer_time
         outer_time.worker(args)
         return 0
+    if args.loop_worker:
+        from benchmarks import outer_loop
+        args.part = args.loop_worker
+        outer_loop.worker(args)
+        return 0
     command = "python -m benchmarks.outer " + " ".join(sys.argv[1:] if argv is None else argv)
     record = dict(parts=args.parts, command=command.strip(), machine=machine(),
                   args={k: v for k, v in vars(args).items()})
@@ -551,6 +593,12 @@ def main(argv=None):
         record["scale"] = scale_part(args, record.get("bytes"))
     if "quality" in args.parts and quality_available():
         record["quality_section"], record["quality"] = quality_part(args)
+    if "streaming" in args.parts:
+        record["streaming_section"], record["streaming"] = streaming_part(args)
+    for part in ("loop", "framing"):
+        if part in args.parts:
+            from benchmarks import outer_loop
+            record[part] = outer_loop.run(args, part)
     if args.update:
         record = carried_over(record, Path(args.out).with_suffix(".json"))
     text = report(record)

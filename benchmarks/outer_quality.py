@@ -50,10 +50,24 @@ from benchmarks.outer_model import (build_model, next_byte_loss, parameter_count
 
 SCHEMES = ("ddp", "diloco", "diloco_deepreduce", "sparseloco")
 
+#: SparseLoCo with Streaming DiLoCo's overlap and fragments (issue 49): each is compared
+#: with the blocking ``sparseloco`` run (``--schemes sparseloco sparseloco_overlap1 ...``).
+STREAMING = {"sparseloco_overlap1": {"overlap": 1, "merge": "carry"},
+             "sparseloco_overlap5": {"overlap": 5, "merge": "carry"},
+             "sparseloco_overlap1_mix": {"overlap": 1, "merge": "mix"},
+             "sparseloco_overlap5_mix": {"overlap": 5, "merge": "mix"},
+             "sparseloco_fragments2": {"fragments": 2},
+             "sparseloco_fragments4": {"fragments": 4},
+             "sparseloco_fragments4_overlap5": {"fragments": 4, "overlap": 5, "merge": "mix"},
+             "sparseloco_fragments4_overlap5_carry": {"fragments": 4, "overlap": 5,
+                                                      "merge": "carry"}}
+
 #: What the report calls each scheme.
 TITLES = {"ddp": "DDP (AdamW, allreduce every step)", "diloco": "dense DiLoCo (float32)",
           "diloco_deepreduce": "DiLoCo with deepreduce (chunk Top-k, 2-bit, EF)",
-          "sparseloco": "SparseLoCo with deepreduce"}
+          "sparseloco": "SparseLoCo with deepreduce",
+          **{name: "SparseLoCo, " + ", ".join(f"{k} {v}" for k, v in extra.items())
+             for name, extra in STREAMING.items()}}
 
 #: The targets of issue 43.
 TARGET_RATIO, TARGET_GAP = 5000, 0.01
@@ -82,7 +96,8 @@ def parse_args(argv=None):
     parser.add_argument("--windows", type=int, default=512,
                         help="validation windows of the final loss")
     parser.add_argument("--text-bytes", type=int, default=2_000_000)
-    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES),
+                        choices=SCHEMES + tuple(STREAMING))
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "outer_quality.md"))
@@ -99,7 +114,7 @@ def outer_settings(scheme: str, args) -> dict:
     if scheme == "diloco_deepreduce":
         return {"mode": "diloco", **compressed(args.diloco_k)}
     return {"mode": "sparseloco", **compressed(args.k), "lr": args.sparseloco_lr,
-            "error_feedback": args.sparseloco_beta}
+            "error_feedback": args.sparseloco_beta, **STREAMING.get(scheme, {})}
 
 
 def train_scheme(scheme: str, rank: int, args, train, validation) -> dict:
@@ -112,12 +127,15 @@ def train_scheme(scheme: str, rank: int, args, train, validation) -> dict:
                               weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(
         inner, lambda step: min(1.0, (step + 1) / max(1, args.warmup)))
+    # a group of its own per scheme, as in a run of one scheme: the transport's slots
+    # follow the bundles it carried lately, which another scheme's would mislead
     outer = None if scheme == "ddp" else OuterOptimizer(
-        model.named_parameters(), sync_every=args.sync_every, **outer_settings(scheme, args))
+        model.named_parameters(), sync_every=args.sync_every,
+        process_group=dist.new_group(list(range(args.ranks))), **outer_settings(scheme, args))
     H = args.sync_every
     curve = [(0, validation_loss(model, validation, args.sequence, args.curve_windows))] \
         if rank == 0 else []
-    losses, wire, outer_seconds = [], 0, []
+    losses, outer_seconds = [], []
     start = time.perf_counter()
     for step in range(args.steps):
         x, y = training_batch(train, step, rank, args.seed, args.batch_size, args.sequence)
@@ -127,15 +145,16 @@ def train_scheme(scheme: str, rank: int, args, train, validation) -> dict:
         inner.zero_grad()
         warmup.step()
         losses.append(loss.item())
-        if outer is not None:
+        if outer is not None:  # (the loop's wait: every call, the merges of overlap too)
             began = time.perf_counter()
-            if outer.step():
-                outer_seconds.append(time.perf_counter() - began)
-                wire += outer.last_traffic.sent
+            outer.step()
+            outer_seconds.append(time.perf_counter() - began)
         if (step + 1) % H == 0 and rank == 0:
             curve.append((step + 1, validation_loss(model, validation, args.sequence,
                                                     args.curve_windows)))
-    if outer is not None and outer.inner_steps % H:
+    if outer is not None and outer.in_flight:
+        outer.drain()  # the last exchange, merged as the blocking run's step is taken
+    elif outer is not None and outer.inner_steps % H:
         outer.sync()  # the steps since the last outer step
     seconds = time.perf_counter() - start
     found = {"seconds": seconds, "curve": curve, "params": parameter_count(model),
@@ -147,11 +166,14 @@ def train_scheme(scheme: str, rank: int, args, train, validation) -> dict:
         found["bytes_per_outer_step"] = dense * H
     else:
         total = outer.stats.total
+        # bytes_sent: what the transport handed the outer group (slots, lengths, flags);
+        # bundle_bytes: the bundles' own
         found.update(bytes_per_outer_step=total.bytes_sent / total.steps,
+                     bundle_per_outer_step=total.bundle_bytes / total.steps,
                      bytes_per_inner_step=total.bytes_sent / args.steps,
-                     wire_per_outer_step=wire / max(1, len(outer_seconds)),
-                     dense_per_outer_step=outer.dense_bytes, outer_steps=outer.outer_steps,
-                     outer_step_seconds=float(np.median(outer_seconds)),
+                     dense_per_outer_step=total.dense_bytes / total.steps,
+                     outer_steps=outer.outer_steps,
+                     outer_step_seconds=float(np.sum(outer_seconds)) / outer.outer_steps,
                      settings=repr(outer))
     return found
 
@@ -211,18 +233,24 @@ def plot(results, schemes, path) -> bool:
 
 def report(args, results, load, plotted, image) -> tuple[str, dict]:
     """``(markdown section, record)`` of the measured ``results``."""
-    schemes = [s for s in SCHEMES if s in results]
+    schemes = [s for s in SCHEMES + tuple(STREAMING) if s in results]
     params = results[schemes[0]]["params"]
     ddp = 4 * params
     reference = results.get("diloco", {}).get("val_loss")
+    blocking = results.get("sparseloco", {}).get("val_loss")
     rows = []
     for scheme in schemes:
         found = results[scheme]
         gap = "" if reference is None else f"{found['val_loss'] / reference - 1:+.2%}"
+        versus = "" if blocking is None or scheme not in STREAMING else \
+            f"{found['val_loss'] / blocking - 1:+.2%}"
         outer_ms = (f"{1e3 * found['outer_step_seconds']:.0f}" if "outer_step_seconds" in found
                     else "")
-        rows.append(f"| {TITLES[scheme]} | {found['val_loss']:.4f} | {gap} | "
-                    f"{found['bytes_per_outer_step']:,.0f} | {found['bytes_per_inner_step']:,.0f} | "
+        bundle = found.get("bundle_per_outer_step", found["bytes_per_outer_step"])
+        rows.append(f"| {TITLES[scheme]} | {found['val_loss']:.4f} | {gap} | {versus} | "
+                    f"{found['bytes_per_outer_step']:,.0f} | {bundle:,.0f} | "
+                    f"{found['bytes_per_outer_step'] / bundle - 1:.2%} | "
+                    f"{found['bytes_per_inner_step']:,.0f} | "
                     f"{ddp / found['bytes_per_inner_step']:,.0f}x | {outer_ms} | "
                     f"{found['seconds']:.0f} |")
     record = {"args": vars(args), "params": params, "ddp_bytes_per_inner_step": ddp,
@@ -233,8 +261,9 @@ def report(args, results, load, plotted, image) -> tuple[str, dict]:
         ratio = ddp / sparse["bytes_per_inner_step"]
         kept = kept_per_outer_step(args)
         bits = 8 * sparse["bytes_per_outer_step"] / kept
+        bundle_bits = 8 * sparse["bundle_per_outer_step"] / kept
         record.update(sparseloco_ratio=ratio, kept_per_outer_step=kept,
-                      bits_per_kept_element=bits)
+                      bits_per_kept_element=bits, bundle_bits_per_kept_element=bundle_bits)
         met.append((f"SparseLoCo at least {TARGET_RATIO:,}x fewer bytes per inner step "
                     f"than DDP ({ratio:,.0f}x)", ratio >= TARGET_RATIO))
         if reference is not None:
@@ -242,6 +271,11 @@ def report(args, results, load, plotted, image) -> tuple[str, dict]:
             record["sparseloco_gap"] = gap
             met.append((f"SparseLoCo's validation loss within {TARGET_GAP:.0%} of dense "
                         f"DiLoCo's ({gap:+.2%})", gap <= TARGET_GAP))
+    for scheme in schemes:
+        if scheme in STREAMING and blocking is not None:
+            gap = results[scheme]["val_loss"] / blocking - 1
+            met.append((f"{TITLES[scheme]} at most {TARGET_GAP:.0%} above blocking "
+                        f"SparseLoCo's validation loss ({gap:+.2%})", gap <= TARGET_GAP))
     record["targets"] = {what: ok for what, ok in met}
     tokens = args.ranks * args.batch_size * args.sequence
     lines = [
@@ -265,17 +299,26 @@ def report(args, results, load, plotted, image) -> tuple[str, dict]:
         f"({args.diloco_k / 4096:.2%}). Validation loss: nats per byte over {args.windows} windows "
         f"spread over the held-out text, after the last step (the plot: {args.curve_windows} "
         "windows after every outer step).", "",
-        "Bytes are what each rank sends: DDP's 4 bytes per parameter at every inner step "
-        "(what each rank contributes to the allreduce, and what a ring allreduce sends per "
-        "rank with 2 ranks); for the outer steps, the bundle of each outer step (the "
-        "allgather's slots add a length and padding), per inner step over H.", "",
-        "| scheme | validation loss | vs dense DiLoCo | bytes per outer step | "
-        "bytes per inner step | fewer than DDP | outer step (ms) | wall (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
+        "Bytes are what each rank hands to the process group: DDP's 4 bytes per parameter "
+        "at every inner step (what each rank contributes to the allreduce, and what a ring "
+        "allreduce sends per rank with 2 ranks); for the outer steps, `stats.bytes_sent`: "
+        "each outer step's bundle in the transport's frame (its length, the slot's padding, "
+        "the signature) and the all-finite flag, per inner step over the inner steps; the "
+        "bundle's own bytes (`stats.bundle_bytes`) beside them, and what the frame adds. "
+        "With fragments an outer step syncs one fragment. Outer step (ms): the loop's wait "
+        "in `outer.step()` per outer step (with overlap, the start and the merge), a mean "
+        "that includes the first outer step's agreement and group creation, on two "
+        "ranks sharing this machine's loaded cores (`benchmarks.outer`'s loop part "
+        "times the loop between two hosts).", "",
+        "| scheme | validation loss | vs dense DiLoCo | vs blocking SparseLoCo | "
+        "bytes per outer step | bundle bytes | framing | bytes per inner step | "
+        "fewer than DDP | outer step (ms) | wall (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
     if "sparseloco" in results:
         lines += [f"SparseLoCo sends {record['kept_per_outer_step']:,} kept elements per outer "
-                  f"step at {record['bits_per_kept_element']:.2f} bits each, headers "
-                  "included.", ""]
+                  f"step at {record['bits_per_kept_element']:.2f} bits each on the wire "
+                  f"({record['bundle_bits_per_kept_element']:.2f} in the bundle, headers "
+                  "included).", ""]
     if met:
         lines += ["Targets: " + "; ".join(f"{what}: {'met' if ok else 'NOT met'}"
                                           for what, ok in met) + ".", ""]
@@ -297,7 +340,7 @@ def run(args=None) -> tuple[str, dict]:
         results = dict(shared)
     load = (load_start, os.getloadavg()[0])
     image = os.path.splitext(os.path.basename(args.out))[0] + ".png"
-    plotted = plot(results, [s for s in SCHEMES if s in results],
+    plotted = plot(results, [s for s in SCHEMES + tuple(STREAMING) if s in results],
                    os.path.join(os.path.dirname(os.path.abspath(args.out)), image))
     return report(args, results, load, plotted, image)
 

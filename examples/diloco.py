@@ -99,7 +99,8 @@ def main():
             last = outer.stats.last
             print(f"outer step {outer.outer_steps:3d}  inner step {outer.inner_steps:4d}  "
                   f"loss {sum(losses[-args.sync_every:]) / args.sync_every:.4f}  "
-                  f"sent {last.bytes_sent:,} bytes against {last.dense_bytes:,} dense "
+                  f"sent {last.bytes_sent:,} bytes (bundle {last.bundle_bytes:,}) against "
+                  f"{last.dense_bytes:,} dense "
                   f"({last.ratio:.0f}x fewer)", flush=True)
     if outer.inner_steps % args.sync_every:
         outer.sync()                           # the steps since the last outer step
@@ -111,7 +112,8 @@ def main():
         total = outer.stats.total
         print(f"{args.mode}: validation loss {validation:.4f} after {outer.inner_steps} inner "
               f"and {outer.outer_steps} outer steps; {total.bytes_sent / total.steps:,.0f} bytes "
-              f"per outer step against {outer.dense_bytes:,} dense ({total.ratio:.0f}x fewer)",
+              f"per outer step on the wire (bundles {total.bundle_bytes / total.steps:,.0f}) "
+              f"against {outer.dense_bytes:,} dense ({total.ratio:.0f}x fewer)",
               flush=True)
     dist.destroy_process_group()
 

@@ -69,7 +69,8 @@ def check_different_sizes(rank):
     result = drh.allreduce(tf.constant(x), compression, op=hvd.Sum, name="x")
     expected = hvd.allreduce(tf.constant(x), op=hvd.Sum)
     return {"equal": equal(result, expected), "bytes_sent": compression.stats.last.bytes_sent,
-            "bytes_received": compression.stats.last.bytes_received}
+            "bytes_received": compression.stats.last.bytes_received,
+            "bundle_bytes": compression.stats.last.bundle_bytes}
 
 
 def check_held_results_survive(rank):

@@ -156,7 +156,12 @@ def check_sparseloco_reference(rank):
 
 RESUMED = {"sparseloco": {"mode": "sparseloco", **SPARSE},
            "diloco_compressed": {"mode": "diloco", **SPARSE, "value": "statq:bits=2,sigmas=6",
-                                 "min_size": 0}}
+                                 "min_size": 0},
+           # fragment 0 at inner steps 1, 4, 7, fragment 1 at 3, 6: the checkpoint at
+           # step 4 holds fragment 0's exchange in flight
+           "streaming": {"mode": "sparseloco", **SPARSE, "fragments": 2, "overlap": 1},
+           "streaming_diloco": {"mode": "diloco", "fragments": 2, "overlap": 1,
+                                "merge": "carry"}}
 STEPS, STOP = 8, 4
 
 
@@ -183,8 +188,10 @@ def check_resume_first(rank):
         found[name] = digest(model.parameters())
         model, outer, inner = _fresh(settings)
         _run(model, outer, inner, data(rank, STEPS)[:STOP])
+        in_flight = outer.in_flight
         torch.save({"model": model.state_dict(), "inner": inner.state_dict(),
                     "outer": outer.state_dict()}, os.path.join(out, f"{name}{rank}.pt"))
+        found[f"{name} in flight"] = in_flight and outer.in_flight
     return found
 
 
@@ -202,8 +209,152 @@ def check_resume_second(rank):
         _run(model, outer, inner, data(rank, STEPS)[STOP:])
         found[name] = {"digest": digest(model.parameters()), "resumed_at": resumed_at,
                        "ended_at": (outer.inner_steps, outer.outer_steps),
-                       "residuals": len(checkpoint["outer"]["residuals"])}
+                       "residuals": len(checkpoint["outer"]["residuals"]),
+                       "saved_in_flight": "in_flight" in checkpoint["outer"]}
     return found
+
+
+def check_nonfinite(rank):
+    """A NaN, then an inf, in one element of rank 1's parameters before an outer step, in
+    both modes: every rank skips that step (a warning naming rank 1 and the parameter),
+    the synced copy, the momentum and the residuals stay as they were, every rank's
+    parameters go back to the synced copy; the next outer step is an ordinary one."""
+    import warnings
+
+    found = {}
+    for mode, bad in (("sparseloco", float("nan")), ("sparseloco", float("inf")),
+                      ("diloco", float("nan")), ("diloco", float("-inf"))):
+        model = net()
+        settings = SPARSE if mode == "sparseloco" else {"value": "statq:bits=2,sigmas=6",
+                                                        "min_size": 0, **SPARSE}
+        outer = OuterOptimizer(model.named_parameters(), mode=mode, sync_every=H, **settings)
+        batches = data(rank, 3 * H)
+        train(model, outer, batches[:H])     # one ordinary outer step first
+        inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for x, y in batches[H:2 * H]:
+            inner_step(model, inner, x, y)
+        before = {"synced": digest(outer.synced_parameters().values()),
+                  "residuals": digest(torch.from_numpy(outer.exchange.selector.memory.residual(n))
+                                      for n in outer.names),
+                  "momentum": digest(outer._outer.state[s]["momentum_buffer"]
+                                     for s in outer._synced)
+                  if mode == "diloco" else None}
+        if rank == 1:
+            with torch.no_grad():
+                model[2].weight[3, 5] = bad
+        outer.inner_steps += H - 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outer.step()
+        after = {"synced": digest(outer.synced_parameters().values()),
+                 "residuals": digest(torch.from_numpy(outer.exchange.selector.memory.residual(n))
+                                     for n in outer.names),
+                 "momentum": digest(outer._outer.state[s]["momentum_buffer"]
+                                    for s in outer._synced)
+                 if mode == "diloco" else None}
+        at_synced = digest(model.parameters()) == after["synced"]
+        finite_residuals = all(np.isfinite(outer.exchange.selector.memory.residual(n)).all()
+                               for n in outer.names)
+        skipped = outer.stats.last.nonfinite_steps
+        digests, _ = train(model, outer, batches[2 * H:])
+        found[f"{mode} {bad}"] = {
+            "unchanged": {k: before[k] == after[k] for k in before},
+            "at_synced": at_synced, "finite_residuals": finite_residuals,
+            "skipped": skipped, "warnings": [str(w.message) for w in caught],
+            "outer_steps": outer.outer_steps, "next": digests[-1],
+            "finite_after": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+            "later_skipped": outer.stats.total.nonfinite_steps}
+    return found
+
+
+def check_overlap(rank):
+    """Outer steps whose exchange overlaps the next ``overlap`` inner steps: every rank
+    ends each merge with the same synced copy; the parameters are the merge rule applied
+    to what they were just before, bit for bit; sync() drains and ends in one model."""
+    found = {}
+    for tau, rule in ((1, "carry"), (3, "carry"), (2, "mix")):
+        model = net()
+        outer = OuterOptimizer(model.named_parameters(), mode="sparseloco", sync_every=H,
+                               overlap=tau, merge=rule, mixing=0.5, **SPARSE)
+        inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+        synced_digests, equation, in_flight, anchor = [], [], [], None
+        for x, y in data(rank, 3 * H + 1):
+            inner_step(model, inner, x, y)
+            before = [p.detach().clone() for p in model.parameters()]
+            merging = outer.in_flight and outer.inner_steps + 1 == outer._in_flight.merge_at
+            started = outer.step()
+            if merging:
+                synced = list(outer.synced_parameters().values())
+                synced_digests.append(digest(synced))
+                expected = [(b - a) + s if rule == "carry" else b.lerp(s, 0.5)
+                            for b, a, s in zip(before, anchor, synced)]
+                equation.append(all(torch.equal(p, e)
+                                    for p, e in zip(model.parameters(), expected)))
+            if started:
+                anchor = [p.detach().clone() for p in model.parameters()]
+                in_flight.append(outer.in_flight)
+        outer.sync()
+        found[f"{tau} {rule}"] = {"synced": synced_digests, "equation": equation,
+                                  "in_flight": in_flight, "end": digest(model.parameters()),
+                                  "outer_steps": outer.outer_steps,
+                                  "drained": not outer.in_flight,
+                                  "end_is_synced": digest(model.parameters()) == digest(
+                                      outer.synced_parameters().values())}
+    # the first merge's synced copy is the blocking run's first outer step's
+    model = net()
+    outer = OuterOptimizer(model.named_parameters(), mode="sparseloco", sync_every=H, **SPARSE)
+    train(model, outer, data(rank, H))
+    found["blocking first"] = digest(outer.synced_parameters().values())
+    return found
+
+
+def check_overlap_failure(rank):
+    """An exchange that fails in the background (rank 1's encoder raises at the second
+    outer step) raises from the next step() on every rank, and from every call after."""
+    model = net()
+    outer = OuterOptimizer(model.named_parameters(), mode="sparseloco", sync_every=H,
+                           overlap=2, **SPARSE)
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    raised = []
+    for x, y in data(rank, 4 * H):
+        inner_step(model, inner, x, y)
+        if rank == 1 and outer.inner_steps == 2 * H - 1:
+            def broken(names, tensors):
+                raise ValueError("a codec refused the pseudo-gradients")
+            outer.exchange.strategy.encode = broken
+        try:
+            outer.step()
+        except Exception as exc:  # noqa: BLE001 - what is raised is the finding
+            raised.append({"at": outer.inner_steps, "type": type(exc).__name__,
+                           "message": str(exc)})
+    for call in (outer.sync, outer.state_dict):
+        try:
+            call()
+            raised.append({"at": call.__name__, "type": None, "message": ""})
+        except Exception as exc:  # noqa: BLE001
+            raised.append({"at": call.__name__, "type": type(exc).__name__,
+                           "message": str(exc)})
+    return {"raised": raised}
+
+
+def check_fragments(rank):
+    """Two fragments of about equal bytes, each synced at its own offset: after fragment
+    0's outer step its parameters are the same on both ranks while fragment 1's are
+    not, and the other way round; each exchange carries about half the bytes."""
+    model = net()
+    outer = OuterOptimizer(model.named_parameters(), mode="sparseloco", sync_every=4,
+                           fragments=2, **SPARSE)
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    per_fragment, dense = [], []
+    for x, y in data(rank, 8):
+        inner_step(model, inner, x, y)
+        if outer.step():
+            per_fragment.append([digest(outer.params[i] for i in members)
+                                 for members in outer.schedule.members])
+            dense.append(outer.stats.last.dense_bytes)
+    return {"members": outer.schedule.members, "offsets": outer.schedule.offsets,
+            "digests": per_fragment, "dense": dense, "whole": outer.dense_bytes,
+            "outer_steps": outer.outer_steps}
 
 
 def check_mismatch(rank):

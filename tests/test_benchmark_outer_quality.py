@@ -36,3 +36,25 @@ def test_every_scheme_trains_and_is_reported(benchmark, tmp_path):
     assert record["sparseloco_ratio"] > 1000
     assert set(record["targets"]) and "Targets:" in section
     assert (tmp_path / "outer_quality.png").exists() == ("![" in section)
+
+
+def test_overlap_and_fragments_are_reported_against_the_blocking_run(benchmark, tmp_path):
+    schemes = ["sparseloco", "sparseloco_overlap1_mix", "sparseloco_fragments2"]
+    args = benchmark.parse_args(["--steps", "60", "--width", "64", "--depth", "1",
+                                 "--windows", "32", "--curve-windows", "8",
+                                 "--text-bytes", "200000", "--schemes", *schemes, "--out",
+                                 str(tmp_path / "outer_quality.md")])
+    section, record = benchmark.run(args)
+    found = record["schemes"]
+    assert set(found) == set(schemes)
+    # one exchange per outer step of a fragment: two fragments, half the bytes each
+    assert found["sparseloco_fragments2"]["outer_steps"] == 4
+    assert found["sparseloco_overlap1_mix"]["outer_steps"] == 2
+    assert found["sparseloco_fragments2"]["bundle_per_outer_step"] < \
+        0.7 * found["sparseloco"]["bundle_per_outer_step"]
+    for scheme in schemes:  # what the transport adds to the bundles: a few percent here
+        assert found[scheme]["bundle_per_outer_step"] <= found[scheme]["bytes_per_outer_step"]
+        assert "merge='mix" in found[scheme]["settings"] or "overlap=0" in \
+            found[scheme]["settings"]
+    assert "SparseLoCo, overlap 1, merge mix" in section and "vs blocking SparseLoCo" in section
+    assert any("above blocking SparseLoCo" in target for target in record["targets"])

@@ -9,9 +9,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import free_port
+from deepreduce.collectives.cost import slot_capacity
 
 HERE = os.path.abspath(__file__)
 
@@ -66,18 +68,32 @@ def test_allgather_takes_one_collective_when_the_frames_fit(two_ranks):
     found = [rank["check_allgather"] for rank in two_ranks]
     for rank, mine in enumerate(found):
         assert "error" not in mine, f"rank {rank}:\n{mine['error']}"
-    assert found[0] == found[1]
+    # the same frames in the same collectives on both ranks (each sent its own tails)
+    def moved(rank):
+        return [(c["frames"], c["collectives"]) for c in rank["calls"]]
+    assert moved(found[0]) == moved(found[1])
+    assert found[0]["other_collectives"] == found[1]["other_collectives"]
     calls = found[0]["calls"]
     for call, (lengths, got) in enumerate(zip(LENGTHS, calls)):
         assert got["frames"] == [frame(r, call, n).hex() for r, n in enumerate(lengths)], call
-    # a stage's first allgather gathers the lengths first; then frames that fit what
-    # the stage sent lately take one collective, and one that does not, two
-    assert [c["collectives"] for c in calls] == [1, 2, 1, 2, 1, 2, 1, 1, 1]
+    # a stage's first allgather gathers the lengths first; then frames that fit the slot
+    # the cost model picked from what the stage sent lately take one collective, and
+    # those that do not, two (every rank alike)
+    assert [c["collectives"] for c in calls][:6] == [1, 2, 1, 2, 1, 2]
+    assert calls[-1]["collectives"] == calls[-2]["collectives"] == 1
     assert found[0]["other_collectives"] == 2
-    # the slot carries the length and the capacity: the longest recent frame and an
-    # eighth, rounded up to 64 bytes
+    # the slot carries the length and the capacity the cost model picks from the
+    # lengths the stage sent lately (every rank's); what does not fit follows at its
+    # exact size, and both count in what the rank sent
+    recent = []
+    for call, lengths in enumerate(LENGTHS):
+        capacity = slot_capacity(np.concatenate(recent[-8:]), 2) if recent else 0
+        for rank, mine in enumerate(lengths):
+            sent = found[rank]["calls"][call]["sent"]
+            assert sent == 8 + capacity + max(0, mine - capacity), (call, rank)
+        assert calls[call]["collectives"] == 1 + any(n > capacity for n in lengths), call
+        recent.append(np.array(lengths))
     assert calls[2]["sent"] == 8 + 64
-    assert calls[6]["sent"] == 8 + 2304
 
 
 if __name__ == "__main__":

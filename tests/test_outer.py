@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import deepreduce.torch.outer as outer_module  # noqa: E402
+import deepreduce.torch.streaming as streaming_module  # noqa: E402
 from deepreduce.config import ExchangeConfig  # noqa: E402
 from deepreduce.torch.outer import OuterOptimizer  # noqa: E402
 from conftest import findings, free_port  # noqa: E402
@@ -42,12 +43,15 @@ def two_ranks(ranks_folder):
     checkpoints stay in ``ranks_folder``)."""
     return launch(ranks_folder, 2, "check_identical", "check_dense_reference",
                   "check_sparseloco_reference", "check_mismatch", "check_synced_on_host",
+                  "check_nonfinite", "check_overlap", "check_overlap_failure",
+                  "check_fragments",
                   "check_resume_first")
 
 
 def test_docstring_examples():
-    result = doctest.testmod(outer_module, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted and result.failed == 0
+    for module in (outer_module, streaming_module):
+        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.attempted and result.failed == 0, module.__name__
 
 
 def test_ranks_are_identical_after_every_outer_step_and_apart_in_between(two_ranks):
@@ -91,6 +95,23 @@ def test_settings_that_differ_raise_on_every_rank_naming_them(two_ranks):
         assert "on rank 0" in found["value"]["message"] and "on rank 1" in found["value"]["message"]
 
 
+def test_a_nonfinite_pseudo_gradient_skips_the_outer_step_on_every_rank(two_ranks):
+    rank0, rank1 = findings(two_ranks, "check_nonfinite")
+    assert set(rank0) == {"sparseloco nan", "sparseloco inf", "diloco nan", "diloco -inf"}
+    for case in rank0:
+        for found in (rank0[case], rank1[case]):
+            # nothing the next steps read moved; the parameters are the synced copy again
+            assert all(found["unchanged"].values()), (case, found["unchanged"])
+            assert found["at_synced"] and found["finite_residuals"], case
+            assert found["skipped"] == 1 and found["later_skipped"] == 1, case
+            assert len(found["warnings"]) == 1, case
+            assert "rank 1: '2.weight'" in found["warnings"][0], found["warnings"]
+            assert "rank 0" not in found["warnings"][0]
+            # the next outer step is an ordinary one, and trains on from the synced copy
+            assert found["outer_steps"] == 3 and found["finite_after"], case
+        assert rank0[case]["next"] == rank1[case]["next"], case
+
+
 def test_synced_copy_on_the_host_trains_the_same_bits(two_ranks):
     for found in findings(two_ranks, "check_synced_on_host"):
         assert found["True"]["digests"] == found["False"]["digests"]
@@ -105,6 +126,56 @@ def test_resumed_in_new_processes_equals_the_uninterrupted_run(two_ranks, ranks_
             assert after[name]["digest"] == before[name], name
             assert after[name]["resumed_at"] == [4, 1] and after[name]["ended_at"] == [8, 2]
             assert after[name]["residuals"] == 4
+            assert not after[name]["saved_in_flight"]
+        # two fragments, overlap 1: saved while fragment 0's exchange was in flight (the
+        # checkpoint waited for it and holds its update), merged after loading as in the
+        # run that never stopped; merges at steps 2, 4 | 5, 7, 8
+        for name in ("streaming", "streaming_diloco"):
+            assert before[f"{name} in flight"] and after[name]["saved_in_flight"], name
+            assert after[name]["digest"] == before[name], name
+            assert after[name]["resumed_at"] == [4, 2] and after[name]["ended_at"] == [8, 5]
+        assert after["streaming"]["residuals"] == 4
+
+
+def test_overlap_merges_by_its_rule_and_every_rank_shares_the_synced_copy(two_ranks):
+    rank0, rank1 = findings(two_ranks, "check_overlap")
+    for case in ("1 carry", "3 carry", "2 mix"):
+        mine, theirs = rank0[case], rank1[case]
+        # outer steps start at 3, 6, 9 and merge tau steps later; sync() drains the last
+        assert mine["in_flight"] == [True] * 3 and len(mine["synced"]) >= 2, case
+        assert mine["synced"] == theirs["synced"], case            # one synced copy
+        assert mine["equation"] == [True] * len(mine["synced"]), case
+        assert theirs["equation"] == [True] * len(theirs["synced"]), case
+        assert mine["drained"] and mine["end_is_synced"] and mine["end"] == theirs["end"]
+        assert mine["outer_steps"] == 4, case                      # 3 merges and sync()
+    # the pseudo-gradients of the first outer step are the blocking run's
+    assert rank0["1 carry"]["synced"][0] == rank0["blocking first"]
+
+
+def test_a_failed_exchange_in_flight_raises_from_the_next_step_on_every_rank(two_ranks):
+    for rank, found in enumerate(findings(two_ranks, "check_overlap_failure")):
+        raised = found["raised"]
+        # the second outer step starts at inner step 6 and fails in the background: the
+        # next call raises (at the latest the merging one, step 8), and so does every later
+        first = raised[0]
+        assert first["at"] in (7, 8), raised
+        assert first["type"] == ("ValueError" if rank == 1 else "PeerError"), raised
+        assert "a codec refused" in first["message"], raised
+        assert [r["at"] for r in raised[-2:]] == ["sync", "state_dict"], raised
+        assert all(r["type"] == first["type"] for r in raised), raised
+        assert len(raised) == 2 + 12 - first["at"] + 1, raised
+
+
+def test_fragments_sync_at_their_own_offsets(two_ranks):
+    rank0, rank1 = findings(two_ranks, "check_fragments")
+    # 16 x 32 + 32 and 32 x 8 + 8 parameters: the first weight alone, the rest
+    assert rank0["members"] == [[0], [1, 2, 3]] and rank0["offsets"] == [2, 0]
+    assert rank0["outer_steps"] == 4
+    for step, (mine, theirs) in enumerate(zip(rank0["digests"], rank1["digests"])):
+        synced = step % 2                    # fragment 0 at steps 2, 6; fragment 1 at 4, 8
+        assert mine[synced] == theirs[synced], step
+        assert mine[1 - synced] != theirs[1 - synced], step
+    assert sum(rank0["dense"][:2]) == rank0["whole"]
 
 
 def test_four_ranks_as_two_workers_of_two(tmp_path):
@@ -158,6 +229,20 @@ def test_arguments_are_checked():
     with pytest.raises(ValueError, match="no floating-point parameters"):
         OuterOptimizer([torch.nn.Parameter(torch.ones(2, dtype=torch.long),
                                            requires_grad=False)])
+
+
+def test_streaming_arguments_are_checked():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="overlap must be at most 15"):
+        OuterOptimizer(model.parameters(), sync_every=30, fragments=2, overlap=16)
+    with pytest.raises(ValueError, match="fragments must be at most the 2"):
+        OuterOptimizer(model.parameters(), fragments=3)
+    with pytest.raises(ValueError, match="merge must be one of"):
+        OuterOptimizer(model.parameters(), overlap=1, merge="average")
+    with pytest.raises(ValueError, match="overlap must be an integer"):
+        OuterOptimizer(model.parameters(), overlap=-1)
+    outer = OuterOptimizer(model.parameters(), sync_every=30, fragments=2, overlap=5)
+    assert "overlap=5" in repr(outer) and "fragments=2" in repr(outer)
 
 
 def test_load_state_dict_refuses_other_settings():

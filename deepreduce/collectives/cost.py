@@ -125,6 +125,90 @@ def allgather(P: int, n: int, k: float, index_bytes, value_bytes: float,
     return Cost(sent=payload, received=(P - 1) * payload, ops=1, messages=P - 1)
 
 
+#: The network a transport assumes when it weighs a variable-length allgather in one
+#: collective against two (:func:`slot_capacity`): what one more collective costs, and a
+#: 1 Gbit/s link. A second collective costs more than a bare round trip (gloo's 16-byte
+#: allgather took 126 us across a veth at 1 Gbit/s, the lengths-first framing 0.24 ms
+#: more per allgather than one padded collective, in the median, 0.68 ms in the mean:
+#: ``benchmarks/results/outer.md``, framing part).
+ROUND_TRIP, LINK_BYTES_PER_SECOND = 3e-4, 125e6
+
+#: The capacities :func:`slot_capacity` weighs: the mean recent length plus these many
+#: standard deviations of the recent lengths (and 0: the lengths alone first).
+SLACK_DEVIATIONS = (-1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0)
+
+
+def slot_capacity(recent, P: int, round_trip: float = ROUND_TRIP,
+                  seconds_per_byte: float = 1 / LINK_BYTES_PER_SECOND, align: int = 64) -> int:
+    """The bytes of each rank's frame that the first collective of a variable-length
+    allgather carries (its *capacity*), the one with the least expected time.
+
+    Collectives move equal-sized tensors, so each rank sends its frame's length (8 bytes)
+    and its first ``c`` bytes, zero-padded, in one collective; what is longer than ``c``
+    follows in a second one, at its exact size. A large ``c`` pads, a small one pays a
+    second collective more often. ``recent`` holds the lengths of the recent frames of
+    the same kind (every rank's), taken as normally distributed with their mean ``m``
+    and standard deviation ``s``; each candidate ``c`` (0, and ``m + z s`` for ``z`` in
+    :data:`SLACK_DEVIATIONS`, rounded up to ``align``) is weighed by its expected
+    seconds::
+
+        round_trip + (P - 1) (8 + c) beta + q(c) round_trip + (P - 1) tail(c) beta
+
+    with ``beta`` = ``seconds_per_byte``, ``p(c)`` the chance that a frame is longer
+    than ``c``, ``q(c) = 1 - (1 - p)^P`` that one of the P frames is (then every rank
+    takes part in the second collective), and ``tail(c)`` a frame's expected bytes past
+    ``c``. Ties go to the smaller capacity. A pure function of its arguments: ranks that
+    saw the same lengths choose the same.
+
+    Examples
+    --------
+    Frames of about 56 KB that vary by a hundred bytes: one collective, with a few
+    hundred bytes of slack (0.5%) at 1 Gbit/s:
+
+    >>> from deepreduce.collectives.cost import slot_capacity
+    >>> recent = [56_100, 56_350, 56_200, 56_260, 56_180, 56_240]
+    >>> slot_capacity(recent, 2)
+    56512
+
+    Frames that vary by half their size: padding would cost more than a second
+    collective, so the lengths go first and every frame at its exact size:
+
+    >>> slot_capacity([1_000_000, 1_500_000, 2_000_000, 1_200_000], 2)
+    0
+
+    Equal lengths fit exactly; no history, no slot (the lengths travel first):
+
+    >>> slot_capacity([4800] * 6, 2), slot_capacity([], 2)
+    (4800, 0)
+    """
+    # (every allgather of a transport asks, so scalar arithmetic on a few candidates:
+    # numpy's calls on arrays this small cost more than the work)
+    values = np.asarray(recent, dtype=np.float64).reshape(-1).tolist()
+    if not values:
+        return 0
+    mean = sum(values) / len(values)
+    spread = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    best, best_seconds = 0, None
+    for z in (None, *SLACK_DEVIATIONS):
+        c = 0 if z is None else int(-(-max(mean + z * spread, 0.0) // align) * align)
+        if spread > 0:
+            u = (c - mean) / spread
+            p = 0.5 * math.erfc(u / _ROOT_TWO)
+            tail = spread * (math.exp(-0.5 * u * u) / _ROOT_TWO_PI - u * p)  # E[(L - c)+]
+        else:
+            p, tail = float(c < mean), max(mean - c, 0.0)
+        q = 1.0 - (1.0 - p) ** P
+        seconds = (round_trip + (P - 1) * (8 + c) * seconds_per_byte + q * round_trip
+                   + (P - 1) * tail * seconds_per_byte)
+        if best_seconds is None or seconds < best_seconds or \
+                (seconds == best_seconds and c < best):
+            best, best_seconds = c, seconds
+    return best
+
+
+_ROOT_TWO, _ROOT_TWO_PI = math.sqrt(2.0), math.sqrt(2.0 * math.pi)
+
+
 def _range_bytes(P, n, union, index_bytes, value_bytes, overhead):
     sparse = union / P * (_rate(index_bytes, union / n if n else 0.0) + value_bytes)
     return min(sparse, n / P * value_bytes) + overhead

@@ -8,18 +8,22 @@ from deepreduce.collectives import frames
 from deepreduce.collectives.transport import Traffic
 
 
-def fail_collectively(first_collective, transport, signature, error, traffic=None):
+def fail_collectively(first_collective, transport, signature, error, traffic=None,
+                      stage=None):
     """Take part in a reduction's first collective with an ERROR frame, then raise ``error``.
 
-    The other ranks read the frame and raise too, instead of waiting forever.
+    The other ranks read the frame and raise too, instead of waiting forever. ``stage``
+    must be the one the other ranks' collective names (by default "gather" or
+    "scatter"): a transport may frame each stage its own way (TorchTransport's slot
+    follows the stage's recent frames).
     """
     frame = frames.signed(signature, frames.error_frame(f"{type(error).__name__}: {error}"))
     traffic = Traffic() if traffic is None else traffic
     if first_collective == "allgather":
-        transport.allgather(frame, traffic, "gather")
+        transport.allgather(frame, traffic, stage or "gather")
     else:
         transport.alltoall([b"" if r == transport.rank else frame
-                            for r in range(transport.size)], traffic, "scatter")
+                            for r in range(transport.size)], traffic, stage or "scatter")
     raise error
 
 

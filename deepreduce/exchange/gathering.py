@@ -66,6 +66,16 @@ SUMMED_WHOLE_BELOW = 1 << 16
 __all__ = ["GatheringExchange", "BUNDLE_SIGNATURE", "Decoded", "Encoded", "Sent"]
 
 
+def bundle_stage(names) -> str:
+    """The stage of the allgather of a step's bundles over tensors of ``names`` (the same
+    on every rank: every rank names the same tensors in the same order).
+
+    >>> bundle_stage(["0.weight", "0.bias"]), bundle_stage([None]), bundle_stage([])
+    ('bundles (2 tensors from 0.weight)', 'bundles (1 tensors from None)', 'bundles')
+    """
+    return f"bundles ({len(names)} tensors from {names[0]})" if len(names) else "bundles"
+
+
 class GatheringExchange(Strategy):
     """Encode one rank's gradients into a bundle; decode and sum the ranks' bundles.
 
@@ -148,6 +158,11 @@ class GatheringExchange(Strategy):
         out_keys = None if not step.reuse_out else \
             list(step.names) if step.out_keys is None else step.out_keys
 
+        # a stage of its own for the bundles of each set of tensors (a DDP bucket, a
+        # fragment of the model): a transport that frames a stage after its recent
+        # frames (TorchTransport's slots) then follows each set's bundles apart
+        stage = bundle_stage(step.names)
+
         def finish():
             traffic = Traffic()
             bundle = b"" if encoded is None else encoded.bundle
@@ -157,18 +172,24 @@ class GatheringExchange(Strategy):
                     return None, traffic
             elif error is not None:
                 # the other ranks wait in the allgather: they get an ERROR frame and raise
-                fail_collectively("allgather", transport, BUNDLE_SIGNATURE, error)
+                fail_collectively("allgather", transport, BUNDLE_SIGNATURE, error,
+                                  stage=stage)
             else:
                 gathered = signed_allgather(transport, BUNDLE_SIGNATURE, bundle, traffic,
-                                            "bundles")
+                                            stage)
             exchanged = StepStats(exchange_seconds=time.perf_counter() - encode_end)
             # no lock: decoding shares nothing with encoding (the next reduction's,
             # running meanwhile), and the transport thread decodes one at a time
             decoded = self.decode([gathered], transport.size, transport.rank,
                                   step.op == "average", step.as_rows, step.out, [encoded.sent],
                                   out_keys)
-            # one record per exchange: exchanges may overlap, open/close pairs may not
-            step.stats.record_step(encoded.stats + decoded.stats + exchanged)
+            # one record per exchange: exchanges may overlap, open/close pairs may not;
+            # the bytes sent are the transport's (slots, lengths, signature), the
+            # bundle's own beside them
+            recorded = encoded.stats + decoded.stats + exchanged
+            recorded.framing_bytes = traffic.sent - recorded.bytes_sent
+            recorded.bytes_sent, recorded.bytes_received = traffic.sent, traffic.received
+            step.stats.record_step(recorded)
             return decoded.tensors, traffic
         return transport.submit(finish)
 

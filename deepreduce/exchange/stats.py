@@ -29,13 +29,23 @@ class StepStats:
         Of those, the ones large enough (``>= min_size`` elements) to go
         through the configured pipeline; the others travel losslessly.
     bytes_sent : int
-        Bytes this rank contributed to the collectives. Allgather: its bundle
-        of payloads. Sparse allreduce and block: what it handed to the
-        alltoall and the allgather for the other ranks (``Reduction.traffic``).
+        Bytes this rank handed to the collectives for the other ranks, as the
+        transport frames them (:class:`~deepreduce.collectives.Traffic`'s
+        ``sent``). Allgather: its bundle of payloads behind a signature, in the
+        transport's frame: over torch.distributed, a slot of its length and a
+        capacity the bundle is padded to (:class:`~deepreduce.torch.transport.
+        TorchTransport`); over Horovod, the frame itself. Sparse allreduce and
+        block: what it handed to the alltoall and the allgather.
+    framing_bytes : int
+        Of ``bytes_sent``, what the transport and the signature added around this
+        rank's bundle (lengths, padding; 0 where nothing frames it):
+        ``bundle_bytes`` is the bundle's own bytes.
     bytes_received : int
-        Allgather: the bytes of all ranks' bundles that this rank decoded (its
-        own included). Sparse allreduce and block: the bytes the collectives
-        brought from the other ranks.
+        The bytes the collectives brought from the other ranks, as the
+        transport framed them (``Traffic.received``). Where a graph runs the
+        allgather (Horovod's graph path, :meth:`~deepreduce.exchange.
+        GradientExchange.decode_bundles`): the bytes of all ranks' bundles that
+        this rank decoded, its own included.
     dense_bytes : int
         What the same gradients weigh dense (elements times item size): the
         bytes each rank contributes to Horovod's dense allreduce.
@@ -82,6 +92,12 @@ class StepStats:
     exchange_seconds: float = 0.0
     codec_seconds: float = 0.0
     nonfinite_steps: int = 0
+    framing_bytes: int = 0
+
+    @property
+    def bundle_bytes(self) -> int:
+        """The bundle's own bytes (``bytes_sent`` less ``framing_bytes``)."""
+        return self.bytes_sent - self.framing_bytes
 
     @property
     def ratio(self) -> float:
@@ -95,8 +111,8 @@ class StepStats:
         return StepStats(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
 
     def as_dict(self) -> dict:
-        """The counters plus ``ratio``."""
-        return {**asdict(self), "ratio": self.ratio}
+        """The counters plus ``ratio`` and ``bundle_bytes``."""
+        return {**asdict(self), "ratio": self.ratio, "bundle_bytes": self.bundle_bytes}
 
     def per_step(self) -> dict:
         """Means per step: bytes, tensor counts, ``ratio`` and times in milliseconds."""
@@ -104,6 +120,7 @@ class StepStats:
         return {"steps": self.steps, "tensors": self.tensors / steps,
                 "compressed_tensors": self.compressed_tensors / steps,
                 "bytes_sent": self.bytes_sent / steps,
+                "bundle_bytes": self.bundle_bytes / steps,
                 "bytes_received": self.bytes_received / steps,
                 "dense_bytes": self.dense_bytes / steps, "ratio": self.ratio,
                 "encode_ms": 1e3 * self.encode_seconds / steps,
@@ -132,7 +149,7 @@ class CompressionStats:
     >>> stats.last.ratio, stats.total.steps
     (33.333333333333336, 1)
     >>> sorted(stats.as_dict())[:4]
-    ['bytes_received', 'bytes_sent', 'codec_ms', 'compressed_tensors']
+    ['bundle_bytes', 'bytes_received', 'bytes_sent', 'codec_ms']
     """
 
     def __init__(self):
@@ -201,6 +218,14 @@ class CompressionStats:
         with self._lock:
             self.last = step
             self.total = self.total + step
+
+    def amend_last(self, extra: StepStats) -> None:
+        """Add ``extra`` (counters of the same step, ``steps`` 0) to the latest step and to
+        the totals: what an integration sends beside the exchange's own collectives for
+        that step (the outer step's all-finite flags)."""
+        with self._lock:
+            self.last = self.last + extra
+            self.total = self.total + extra
 
     def snapshot(self) -> StepStats:
         """A copy of ``total``, to subtract from a later one."""

@@ -601,8 +601,8 @@ def _fail(result, exc, state, index) -> None:
 
     A collective's failure (:class:`~deepreduce.torch.transport.CollectiveError`)
     becomes one that names this rank, the bucket and the collective: "deepreduce hook,
-    rank 1, bucket 0, allgather of 'bundles' failed: <torch's message>", the same for
-    every later bucket that does not run because of it (the bucket it failed in);
+    rank 1, bucket 0, allgather of 'bundles (2 tensors from 0.0)' failed: <torch's
+    message>", the same for every later bucket that does not run because of it (the bucket it failed in);
     another exception goes as it is, with a note naming the rank and the bucket.
 
     ``Future.set_exception`` would not do: it keeps the exception as the future's

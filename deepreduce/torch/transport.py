@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from deepreduce.collectives import cost
 from deepreduce.collectives.transport import Transport, members_of, split_frames
 from deepreduce.torch.streams import Lane
 
@@ -30,8 +31,8 @@ __all__ = ["TorchTransport", "CollectiveError", "transport_of", "frame_device", 
 class CollectiveError(RuntimeError):
     """A collective of deepreduce's failed: a peer died or left, a timeout, a destroyed
     group. The message names the rank (global, as torchrun's log prefixes do), the
-    collective and the stage (``what``: "allgather of 'bundles'") and the reason; the
-    exception torch.distributed raised is the ``__cause__``. The DDP hook raises one
+    collective and the stage (``what``: "allgather of 'bundles (2 tensors from 0.0)'")
+    and the reason; the exception torch.distributed raised is the ``__cause__``. The DDP hook raises one
     that also names the bucket (``bucket``; None for the transport's own).
     """
 
@@ -54,9 +55,13 @@ class TorchTransport(Transport):
     (NCCL moves only GPU memory), so the same code serves both. gloo and NCCL move
     equal-sized tensors only, so an allgather of variable-length frames sends each in a
     slot of ``8 + capacity`` bytes, its length first: one collective when every frame
-    fits (the capacity follows the longest frames of the same stage lately, which every
-    rank saw alike, so every rank picks the same), and a second one for what overflows
-    when one does not. ``Traffic`` counts the bytes that really cross, padding included.
+    fits, and a second one, an alltoall with uneven splits, for the bytes past the
+    capacity, at their exact sizes. The capacity of a stage is the cost model's choice
+    (:func:`deepreduce.collectives.cost.slot_capacity`) from the lengths of its recent
+    frames, which every rank saw alike, so every rank picks the same: frames that vary
+    little travel in one collective with a little slack, frames that vary much in two
+    with little padding. ``Traffic`` counts the bytes that really cross, lengths and
+    padding included.
 
     Parameters
     ----------
@@ -103,7 +108,7 @@ class TorchTransport(Transport):
         # called without an active exception", pytorch/pytorch#179291).
         self._held = []
         _WITH_HELD_TENSORS.add(self)
-        self._longest = {}  # stage -> the longest frames of its last allgathers
+        self._recent = {}  # stage -> the frame lengths of its last allgathers
 
     @classmethod
     def _backend_of(cls, group) -> str:
@@ -226,7 +231,8 @@ class TorchTransport(Transport):
     @contextlib.contextmanager
     def failing_as(self, what: str):
         """Raise what fails inside as a :class:`CollectiveError` naming ``what`` (say
-        "allgather of 'bundles'") and this rank, the original exception chained."""
+        "allgather of 'bundles (2 tensors from 0.0)'") and this rank, the original
+        exception chained."""
         try:
             yield
         except CollectiveError:
@@ -270,6 +276,18 @@ class TorchTransport(Transport):
         with self.failing_as(f"allgather of {stage!r}"):
             return self._allgather(frame, traffic, stage)
 
+    #: How :meth:`_capacity` picks a stage's slot: ``"model"`` (the cost model's
+    #: choice, :func:`deepreduce.collectives.cost.slot_capacity`), ``"padded"`` (the
+    #: longest recent frame and an eighth, rounded up to 64 bytes: what this transport
+    #: did before the cost model) or ``"exact"`` (no slot: the lengths, then every frame
+    #: at its exact size). Every rank must use the same (benchmarks compare them).
+    FRAMING = "model"
+    #: The network the cost model assumes: the round trip of a small collective, in
+    #: seconds, and the bytes per second of the link (the defaults of
+    #: :data:`deepreduce.collectives.cost.ROUND_TRIP` and ``LINK_BYTES_PER_SECOND``).
+    #: Set them alike on every rank (a class attribute, or on every rank's transport).
+    ROUND_TRIP_SECONDS, BYTES_PER_SECOND = cost.ROUND_TRIP, cost.LINK_BYTES_PER_SECOND
+
     def _allgather(self, frame, traffic, stage):
         data = np.frombuffer(frame, dtype=np.uint8)
         capacity = self._capacity(stage)
@@ -281,42 +299,51 @@ class TorchTransport(Transport):
         slot[8:8 + head] = data[:head]
         slots = self._gather_rows(self._to_device(slot))
         lengths = slots[:, :8].copy().view(np.int64)[:, 0]
-        longest = int(lengths.max())
         traffic.add(stage, 8 + capacity, (self.size - 1) * (8 + capacity))
-        self._remember(stage, longest)
-        if longest <= capacity:
+        self._remember(stage, lengths)
+        tails = np.maximum(lengths - capacity, 0)
+        if self.size == 1 or not tails.any():
             view = memoryview(slots.reshape(-1)).cast("B")
-            return [view[r * (8 + capacity) + 8:r * (8 + capacity) + 8 + int(n)]
+            return [memoryview(data) if r == self.rank else
+                    view[r * (8 + capacity) + 8:r * (8 + capacity) + 8 + int(n)]
                     for r, n in enumerate(lengths)]
-        # a frame did not fit: the bytes past the capacity, padded to the longest overflow
-        extra = longest - capacity
-        padded = np.zeros(extra, dtype=np.uint8)
-        padded[:data.size - head] = data[head:]
-        tails = self._gather_rows(self._to_device(padded))
-        traffic.add(stage, extra, (self.size - 1) * extra)
-        return [memoryview(np.concatenate((slots[r, 8:8 + min(int(n), capacity)],
-                                           tails[r, :max(int(n) - capacity, 0)]))).cast("B")
+        # the bytes past the capacity, at their exact sizes: an alltoall with uneven
+        # splits, this rank's tail to every other rank (counted once in ``sent``, as the
+        # slot is: what this rank contributes)
+        incoming = [0 if r == self.rank else int(n) for r, n in enumerate(tails)]
+        mine = int(tails[self.rank])
+        outgoing = self._to_device(np.tile(data[head:], self.size - 1))
+        received = torch.empty(sum(incoming), dtype=torch.uint8, device=self.device)
+        dist.all_to_all_single(received, outgoing, incoming,
+                               [0 if r == self.rank else mine for r in range(self.size)],
+                               group=self.group)
+        self._held += [received, outgoing]
+        traffic.add(stage, mine, sum(incoming))
+        pieces = split_frames(self._to_host(received), incoming)
+        return [memoryview(data) if r == self.rank else
+                memoryview(np.concatenate((slots[r, 8:8 + min(int(n), capacity)], pieces[r])))
                 for r, n in enumerate(lengths)]
 
-    #: Frames of the allgathers of one stage that :meth:`_capacity` looks back on, and
-    #: the largest capacity it picks: longer frames go in two collectives, as then the
-    #: second costs little beside moving them.
-    RECENT, MAX_CAPACITY = 8, 1 << 20
+    #: Allgathers of one stage whose frame lengths :meth:`_capacity` looks back on.
+    RECENT = 8
 
     def _capacity(self, stage) -> int:
-        """The bytes of a frame the first collective of an allgather of ``stage`` carries:
-        the longest of the stage's recent frames and an eighth (every rank computes the
-        same from the lengths it gathered), rounded up to 64; 0 for a new stage."""
-        recent = self._longest.get(stage)
-        if not recent:
+        """The bytes of a frame the first collective of an allgather of ``stage`` carries,
+        from the lengths of the stage's recent frames (every rank's, so every rank
+        computes the same; 0 for a new stage), as :attr:`FRAMING` says."""
+        recent = self._recent.get(stage)
+        if not recent or self.FRAMING == "exact":
             return 0
-        longest = max(recent)
-        capacity = -(-(longest + longest // 8) // 64) * 64
-        return capacity if capacity <= self.MAX_CAPACITY else 0
+        lengths = np.concatenate(recent)
+        if self.FRAMING == "padded":
+            longest = int(lengths.max())
+            return -(-(longest + longest // 8) // 64) * 64
+        return cost.slot_capacity(lengths, self.size, self.ROUND_TRIP_SECONDS,
+                                  1.0 / self.BYTES_PER_SECOND)
 
-    def _remember(self, stage, longest: int) -> None:
-        recent = self._longest.setdefault(stage, [])
-        recent.append(longest)
+    def _remember(self, stage, lengths) -> None:
+        recent = self._recent.setdefault(stage, [])
+        recent.append(np.array(lengths, dtype=np.int64))
         del recent[:-self.RECENT]
 
     def alltoall(self, frames, traffic, stage):
