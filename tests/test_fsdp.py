@@ -49,9 +49,11 @@ def test_compressed_settings_train_and_error_feedback_loses_nothing(four_ranks):
         assert found["last"] < 0.3 * found["first"]
         assert found["last"] < 2 * found["native_last"]
         assert found["ratio"] > 4 and found["iter"] == 30
-        # frames' length headers and slots at most an eighth above the longest recent
-        # frame of the same unit (slots sized by the largest unit doubled the bytes)
-        assert 1 < found["handed_over_payloads"] < 1.2
+        # the stats count what the transport was handed; the frames' length headers and
+        # slots at most an eighth above the longest recent bundle of the same unit
+        # (slots sized by the largest unit doubled the bytes)
+        assert found["handed_over_stats"] == 1.0
+        assert 1 < found["handed_over_bundles"] < 1.2
         assert found["conserved"] is True
 
 
@@ -147,7 +149,8 @@ def test_a_replica_that_dies_fails_the_hook_naming_rank_module_and_collective(tm
     found = json.loads((tmp_path / "rank0.json").read_text())["check_peer_dies"]
     assert found["step"] == 2 and found["type"] == "HookError", found
     assert found["message"].startswith("deepreduce FSDP hook, rank 0, module '4', allgather "
-                                       "of 'bundles of module 4 (state 0)' failed: ")
+                                       "of 'bundles (2 tensors from 4.weight) of module 4 "
+                                       "(state 0)' failed: ")
 
 
 def test_example_trains_on_four_ranks_under_torchrun():

@@ -165,8 +165,9 @@ class ReplicaExchangeState(TorchIntegration):
     exchange : deepreduce.exchange.GradientExchange
         The framework-neutral core.
     stats : deepreduce.exchange.stats.CompressionStats
-        One record per unit and backward pass: payload bytes against the shard's dense
-        bytes (a plain average's: the dense bytes).
+        One record per unit and backward pass: the bytes handed to the collectives (the
+        bundle and its framing apart) against the shard's dense bytes (a plain
+        average's: the dense bytes).
     bytes_handed : int
         Bytes this rank handed to the replicate group's collectives so far: the
         frames with the transport's padding and length headers, and the dense shards
