@@ -82,7 +82,8 @@ class OuterOptimizer(TorchIntegration):
         floating-point parameter is synced, whether or not it has a gradient (a frozen
         parameter's pseudo-gradient is zero, and costs a few bytes); parameters of other
         dtypes (integers, booleans) have no average and are left as each rank has
-        them, listed in :attr:`skipped`.
+        them, listed in :attr:`skipped`. A DTensor parameter (a model sharded with
+        FSDP2's ``fully_shard``) is synced as this rank's local shard (docs/fsdp.md).
     mode : {"sparseloco", "diloco"}, default "sparseloco"
         The defaults of the outer update (:data:`OUTER_UPDATE`) and of the exchange
         (the preset of the same name of :class:`~deepreduce.config.ExchangeConfig`;
@@ -191,8 +192,9 @@ class OuterOptimizer(TorchIntegration):
 
     The ranks of a worker hold the same parameters, so the L outer groups exchange the
     same pseudo-gradients and reach the same result: the worker's ranks stay identical.
-    (Each rank sends a whole bundle; sharding the parameters among a worker's ranks
-    would send 1/L of it each, not done here.)
+    (Each rank sends a whole bundle. A worker whose ranks shard the model with FSDP2
+    sends 1/L of it from each: give this object the sharded model's parameters, each
+    rank's local shards, and the replicate group; see docs/fsdp.md.)
 
     **Agreement.** At the first outer step every rank of the group compares its
     settings, its parameters' names, shapes and dtypes, and a checksum of the
@@ -655,6 +657,9 @@ def _floating_parameters(params):
         if id(p) in seen:
             continue
         seen.add(id(p))
+        if hasattr(p, "to_local"):  # a DTensor (FSDP2): this rank's shard, in place
+            with torch.no_grad():
+                p = p.to_local()
         if p.dtype.is_floating_point:
             names.append(name)
             kept.append(p)
