@@ -165,7 +165,59 @@ def check_compressed_trains(rank, mesh):
             # bundles' own bytes (plain averages alike)
             "handed_over_stats": state.bytes_handed / total.bytes_sent,
             "handed_over_bundles": state.bytes_handed / (total.bytes_sent - total.framing_bytes),
-            "conserved": _conserved(mesh)}
+            "conserved": _conserved(mesh), **_conserved_over_steps(rank, mesh),
+            "top100_equals_native_hsdp": _top100_equals_native(rank, mesh)}
+
+
+def _conserved_over_steps(rank, mesh, steps=5):
+    """Top-10% with error feedback over several SGD steps (the first plain): for every
+    parameter shard, what reached the hook in all the steps, summed over the replicas,
+    equals the replicas times the averages delivered plus the replicas' last residuals
+    (to float32 rounding: the exchange sums in the shard's dtype). Residuals carry from
+    step to step under one key per parameter shard (a new key per step or
+    call, or a residual lost or paid twice, breaks the sum)."""
+    replicate = mesh["replicate"].get_group()
+    net = sharded(mesh["shard"])
+    state = compress_replicas(net, replicate, sparsifier=dr.TopK(0.1), value="raw",
+                              start_iter=1, min_size=0)
+    came, went, reduce_shard = {}, {}, state.reduce_shard
+
+    def recording(unit, flat):  # around the installed hook's work: its input and output
+        names, before = unit.pieces(flat.detach().clone().double())
+        reduce_shard(unit, flat)
+        _, after = unit.pieces(flat.detach().double())
+        for name, given, delivered in zip(names, before, after):
+            came[name] = came.get(name, 0) + given
+            went[name] = went.get(name, 0) + delivered
+
+    state.reduce_shard = recording
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for x, y in batches(rank, steps, seed=6):
+        step(net, opt, x, y)
+    memory, good = state.exchange.selector.memory, []
+    for name, given in came.items():
+        residual = torch.from_numpy(memory.residual(name).copy()).double()
+        dist.all_reduce(residual, group=replicate)
+        dist.all_reduce(given, group=replicate)
+        good.append(torch.allclose(went[name] * 2 + residual, given, rtol=0, atol=1e-6))
+    return {"conserved_over_steps": all(good) and len(good) == 6,
+            "residual_keys": sorted(memory.names()) == sorted(came), "ef_iter": state.iter}
+
+
+def _top100_equals_native(rank, mesh, steps=3):
+    """Top-100% with raw values through the whole compressed path (error feedback,
+    selection, codecs) is the mean: AdamW steps bit for bit FSDP2's own 2-D HSDP."""
+    results = []
+    for ours in (False, True):
+        net = sharded(mesh["shard"] if ours else mesh)
+        if ours:
+            compress_replicas(net, mesh["replicate"], sparsifier="topk:1.0", value="raw",
+                              start_iter=0, min_size=0)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        for x, y in batches(rank, steps, seed=8):
+            step(net, opt, x, y)
+        results.append(full(net))
+    return same(*results)
 
 
 def _conserved(mesh):

@@ -55,6 +55,11 @@ def test_compressed_settings_train_and_error_feedback_loses_nothing(four_ranks):
         assert found["handed_over_stats"] == 1.0
         assert 1 < found["handed_over_bundles"] < 1.2
         assert found["conserved"] is True
+        # over five steps too: one residual per parameter shard, kept from step to step
+        assert found["conserved_over_steps"] is True and found["residual_keys"] is True
+        assert found["ef_iter"] == 5
+        # Top-100% + raw values through the compressed path: FSDP2's HSDP bit for bit
+        assert found["top100_equals_native_hsdp"] is True
 
 
 def test_device_path_trains_as_the_numpy_path_and_moves_only_pairs(four_ranks):
