@@ -274,12 +274,21 @@ def test_settings_are_the_exchange_configs():
     assert compressed.stats.total.compressed_tensors == 2   # the biases travel exact
     # the same as OuterOptimizer's mode="sparseloco"
     assert drft.DeepReduceManager(compressed.manager).config == ExchangeConfig.sparseloco()
-    assert drft.DeepReduceManager(compressed.manager, error_feedback=0.5).exchange.selector.memory.beta \
-        == 0.5
-    with pytest.raises(ValueError, match="allgather"):
-        drft.DeepReduceManager(compressed.manager, communicator="sparse_allreduce")
-    with pytest.raises(ValueError, match="fragments"):
-        drft.DeepReduceManager(compressed.manager, fragments=0)
+    halved = drft.DeepReduceManager(compressed.manager, error_feedback=0.5)
+    assert halved.exchange.selector.memory.beta == 0.5
+    # the decay is a setting every replica compares and every checkpoint carries
+    assert compressed.settings["error_feedback"] == 0.9 and halved.settings["error_feedback"] == 0.5
+    with pytest.raises(ValueError, match="error_feedback 0.9 there, 0.5 here"):
+        halved.load_state_dict(compressed.state_dict())
+    assert drft.DeepReduceManager(compressed.manager, timeout=30).timeout == timedelta(seconds=30)
+    for wrong, message in [({"communicator": "sparse_allreduce"}, "allgather"),
+                           ({"fragments": 0}, "fragments must be an integer >= 1"),
+                           ({"timeout": "30s"}, "timeout must be a datetime.timedelta"),
+                           ({"process_group": "gloo"}, "process_group must be a torch"),
+                           ({"check_finite": "no"}, "check_finite must be True or False"),
+                           ({"error_feedback": 1.5}, "error_feedback must be a decay")]:
+        with pytest.raises(ValueError, match=message):
+            drft.DeepReduceManager(compressed.manager, **wrong)
 
 
 def test_docstring_examples():
