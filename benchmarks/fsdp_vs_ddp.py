@@ -61,7 +61,7 @@ def worker(rank, port, out_dir, args) -> None:
     replicas = dist.new_group([0, 2])  # every rank makes it; ranks 1 and 3 sit DDP out
     train, validation = text_splits()
     settings = dict(sparsifier=dr.TopK(args.ratio), index="auto", value="fp16",
-                    start_iter=args.start_iter)
+                    start_iter=args.start_iter, error_feedback=args.error_feedback)
 
     def sharded(one_d):
         net = build_model(seed=0)
@@ -108,11 +108,12 @@ def worker(rank, port, out_dir, args) -> None:
             keep = corrected.abs().topk(k).indices
             sent = torch.zeros_like(corrected)
             sent[keep] = corrected[keep].half().float()
-            residuals[name] = corrected - sent
+            if args.error_feedback is not None:
+                residuals[name] = (corrected - sent) * args.error_feedback
             dist.all_reduce(sent, group=replicas)
             grad.copy_(sent.view_as(grad) / 2)
 
-    for scheme in SCHEMES:
+    for scheme in SCHEMES[:args.schemes]:
         ddp = scheme.startswith("DDP") or scheme == SCHEMES[4]
         state = None
         if ddp:
@@ -161,7 +162,8 @@ def report(found, args, command) -> str:
              f"Four local gloo ranks (2 replicas x 2 shards), the byte transformer, {args.steps} "
              f"steps of {OPTIMIZERS[args.optimizer]} (30 steps of warm-up) as "
              f"`benchmarks.fsdp --quality`; Top-{100 * args.ratio:g}% + auto + "
-             f"fp16 with error feedback, plain for {args.start_iter} steps. The DDP runs: ranks "
+             f"fp16 {'with' if args.error_feedback else 'WITHOUT'} error feedback, plain for "
+             f"{args.start_iter} steps. The DDP runs: ranks "
              "0 and 2, one per replica, unsharded, each on its replica's two batches together. "
              "Validation: 64 windows of 64 bytes of held-out text, nats per byte. Load average "
              f"{os.getloadavg()[0]:.1f}.", "", "Made with:", "", f"    {command}", "",
@@ -172,7 +174,7 @@ def report(found, args, command) -> str:
                    [[s, f"{found[s]['val_loss']:.4f}", f"{100 * (found[s]['val_loss'] / dense - 1):+.1f}%",
                      f"{found[s]['train_last20']:.4f}",
                      "-" if found[s]["ratio"] is None else f"{found[s]['ratio']:.1f}x"]
-                    for s in SCHEMES])
+                    for s in SCHEMES if s in found])
     return "\n".join(lines) + "\n"
 
 
@@ -182,12 +184,17 @@ def main(argv=None):
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--start-iter", type=int, default=2)
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw")
+    parser.add_argument("--no-error-feedback", dest="error_feedback", action="store_const",
+                        const=None, default=1.0, help="Top-k alone: what is not sent is lost")
+    parser.add_argument("--schemes", type=int, default=len(SCHEMES),
+                        help="only the first this many schemes (2: native and FSDP's hook)")
     args = parser.parse_args(argv)
     command = " ".join(["python -m benchmarks.fsdp_vs_ddp", *(sys.argv[1:] if argv is None else argv)])
     found = _on_local_ranks(worker, args)
     text = report(found, args, command)
     name = "fsdp_vs_ddp" + ("" if args.ratio == 0.01 else f"_{args.ratio:g}") + \
-        ("" if args.optimizer == "adamw" else f"_{args.optimizer}")
+        ("" if args.optimizer == "adamw" else f"_{args.optimizer}") + \
+        ("" if args.error_feedback else "_no_error_feedback")
     write_report(Path(RESULTS) / f"{name}.md", text, {"args": vars(args), "found": found})
     print(text)
     return 0
