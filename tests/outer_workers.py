@@ -277,11 +277,16 @@ def check_overlap(rank):
         outer = OuterOptimizer(model.named_parameters(), mode="sparseloco", sync_every=H,
                                overlap=tau, merge=rule, mixing=0.5, **SPARSE)
         inner = torch.optim.Adam(model.parameters(), lr=1e-2)
-        synced_digests, equation, in_flight, anchor = [], [], [], None
+        synced_digests, equation, in_flight, stepped, anchor = [], [], [], [], None
         for x, y in data(rank, 3 * H + 1):
             inner_step(model, inner, x, y)
             before = [p.detach().clone() for p in model.parameters()]
             merging = outer.in_flight and outer.inner_steps + 1 == outer._in_flight.merge_at
+            if merging:  # the synced copy (in host memory) stepped off the loop's thread
+                before_step = digest(outer.synced_parameters().values())
+                outer._in_flight.future.result()
+                stepped.append(outer._in_flight.stepped and before_step != digest(
+                    outer.synced_parameters().values()))
             started = outer.step()
             if merging:
                 synced = list(outer.synced_parameters().values())
@@ -295,6 +300,7 @@ def check_overlap(rank):
                 in_flight.append(outer.in_flight)
         outer.sync()
         found[f"{tau} {rule}"] = {"synced": synced_digests, "equation": equation,
+                                  "stepped": stepped,
                                   "in_flight": in_flight, "end": digest(model.parameters()),
                                   "outer_steps": outer.outer_steps,
                                   "drained": not outer.in_flight,

@@ -219,8 +219,13 @@ class OuterOptimizer(TorchIntegration):
     parameter. :meth:`state_dict` during an exchange in flight waits for it (it does not
     merge it): the checkpoint holds its averaged update and what the merge needs, and a
     run loaded from it merges at the same inner step as one that never stopped, bit for
-    bit. Memory: ``merge="carry"`` keeps a copy of the fragment's parameters as they were
-    when its exchange started, while it is in flight (``"mix"`` nothing more).
+    bit. The loop's own time at an overlapped outer step is one pass over the fragment
+    to take its pseudo-gradients (and the finite check) and, at the merge, one to fold
+    the synced copy in: with the synced copy in host memory, the outer SGD step runs on
+    the background thread too. Memory: the pseudo-gradients of overlapped steps live in
+    buffers kept across outer steps (one copy of the synced parameters), and
+    ``merge="carry"`` keeps a copy of the fragment's parameters as they were when its
+    exchange started, while it is in flight (``"mix"`` nothing more).
 
     **Non-finite pseudo-gradients.** Before the exchange, every rank checks its
     pseudo-gradients for inf and NaN (one read pass each) and the ranks allgather the
@@ -331,6 +336,7 @@ class OuterOptimizer(TorchIntegration):
         self.overlap, self.fragments = int(overlap), int(fragments)
         self.merge, self.mixing = merge_rule, float(mixing)
         self._in_flight = self._failure = self._background = None
+        self._buffers = None  # (the pseudo-gradients of overlapped steps, kept across them)
 
     def _streaming_settings(self) -> dict:
         settings = {"overlap": self.overlap, "fragments": self.fragments}
@@ -395,8 +401,7 @@ class OuterOptimizer(TorchIntegration):
         members = list(range(len(self.params))) if fragment is None else \
             self.schedule.members[fragment]
         with torch.no_grad():
-            pseudo = [self._synced[i] - self.params[i].detach().to(self._synced[i].device)
-                      for i in members]
+            pseudo = self._pseudo_gradients(members, kept=bool(overlap))
             anchor = [self.params[i].detach().clone() for i in members] \
                 if overlap and self.merge == "carry" else []
         mine = self._first_nonfinite(pseudo)
@@ -413,16 +418,37 @@ class OuterOptimizer(TorchIntegration):
         if self._background is None:
             self._background = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="deepreduce-outer")
+        # where the synced copy is in host memory, the background thread steps it too,
+        # off the loop's time; on an accelerator the step is a few kernel launches on
+        # the loop's stream, and stays there (another thread's would need ordering)
+        host = all(self._synced[i].device.type == "cpu" for i in members)
         flight.future = self._background.submit(self._exchange, transport, fragment, sent,
-                                                mine)
+                                                mine, flight if host else None)
         self._in_flight = flight
 
-    def _exchange(self, transport, fragment, sent, mine) -> tuple:
+    def _pseudo_gradients(self, members, kept: bool) -> list:
+        """The synced copy less the parameters, of ``members``: new tensors, or (``kept``,
+        for an overlapped step) written into buffers this object keeps across outer
+        steps, one copy of the synced parameters (fresh memory for them would cost the
+        loop page faults at every outer step, more than the subtraction)."""
+        local = [self.params[i].detach().to(self._synced[i].device) for i in members]
+        if not kept:
+            return [self._synced[i] - p for i, p in zip(members, local)]
+        if self._buffers is None:
+            self._buffers = [None] * len(self.params)
+        for i in members:
+            if self._buffers[i] is None:
+                self._buffers[i] = torch.empty_like(self._synced[i])
+        return [torch.sub(self._synced[i], p, out=self._buffers[i])
+                for i, p in zip(members, local)]
+
+    def _exchange(self, transport, fragment, sent, mine, stepping=None) -> tuple:
         """``(averaged, nonfinite)``: every rank's first non-finite parameter of
         ``fragment`` (None: of them all; ``{rank: name}``, empty when all are finite),
         and, when all are, the ranks' average of ``sent`` as tensors (None otherwise).
         Runs where the outer step waits for it, or on the background thread;
-        :attr:`last_traffic` and :attr:`stats` record it."""
+        :attr:`last_traffic` and :attr:`stats` record it. ``stepping``: the flight
+        whose outer step to take here too (marked ``stepped``)."""
         members = list(range(len(self.params))) if fragment is None else \
             self.schedule.members[fragment]
         flags = Traffic()
@@ -449,7 +475,21 @@ class OuterOptimizer(TorchIntegration):
         self.last_traffic += flags
         self.stats.amend_last(StepStats(bytes_sent=flags.sent, framing_bytes=flags.sent,
                                         bytes_received=flags.received))
+        if stepping is not None:
+            self._outer_step(members, averaged)
+            stepping.stepped = True
         return averaged, {}
+
+    def _outer_step(self, members, averaged) -> None:
+        """Step the outer SGD on the synced copy of ``members``, ``averaged`` their
+        gradient."""
+        synced = [self._synced[i] for i in members]
+        with torch.no_grad():
+            for s, a in zip(synced, averaged):
+                s.grad = a.to(device=s.device, dtype=s.dtype)
+            self._outer.step()
+            for s in synced:
+                s.grad = None
 
     def _merge(self, flight) -> None:
         """Apply the exchange of ``flight``: step the outer SGD on the synced copy of its
@@ -472,11 +512,8 @@ class OuterOptimizer(TorchIntegration):
                     p.copy_(s)
                 self._warn_nonfinite(nonfinite)
             else:
-                for s, a in zip(synced, averaged):
-                    s.grad = a.to(device=s.device, dtype=s.dtype)
-                self._outer.step()
-                for s in synced:
-                    s.grad = None
+                if not flight.stepped:
+                    self._outer_step(members, averaged)
                 if flight.merge_at == flight.started_at:
                     for p, s in zip(params, synced):
                         p.copy_(s)
@@ -562,8 +599,9 @@ class OuterOptimizer(TorchIntegration):
     def state_dict(self) -> dict:
         """The frame's checkpoint (the residuals, random streams and settings) with the
         counters, the synced copy and the outer optimizer's state. An exchange in flight
-        is waited for (not merged): its averaged update, and what its merge needs, go
-        into the checkpoint, and are merged after loading at the same inner step as in a
+        is waited for (not merged): its averaged update (or the synced copy stepped with
+        it already, where the background thread took the outer step), and what its
+        merge needs, go into the checkpoint, and are merged after loading at the same inner step as in a
         run that never stopped. After a failed exchange it raises that failure (the
         ranks' states no longer agree)."""
         self._raise_failure()
@@ -597,7 +635,9 @@ class OuterOptimizer(TorchIntegration):
             state["in_flight"] = {
                 "fragment": flight.fragment, "started_at": flight.started_at,
                 "merge_at": flight.merge_at, "nonfinite": dict(nonfinite),
-                "averaged": None if averaged is None else
+                # (stepped: the synced copy above holds its outer step already)
+                "stepped": flight.stepped,
+                "averaged": None if averaged is None or flight.stepped else
                 {n: a.detach().clone() for n, a in zip(names, averaged)},
                 "anchor": {n: a.clone() for n, a in zip(names, flight.anchor)}}
         return state
@@ -623,6 +663,7 @@ class OuterOptimizer(TorchIntegration):
                               int(pending["merge_at"]),
                               anchor=[pending["anchor"][n] for n in names
                                       if n in pending["anchor"]])
+            flight.stepped = bool(pending.get("stepped", False))
             flight.future = concurrent.futures.Future()
             flight.future.set_result((averaged, dict(pending["nonfinite"])))
             self._in_flight = flight

@@ -93,14 +93,16 @@ class InFlight:
     """One fragment's exchange, started at inner step ``started_at`` and merged at
     ``merge_at``; ``future`` holds ``(averaged, nonfinite)`` (the averaged
     pseudo-gradients, or None for a step skipped because ``nonfinite``, ``{rank:
-    parameter}``, is not empty), and ``anchor`` the parameters as they were at the
-    start (the ``"carry"`` rule's)."""
+    parameter}``, is not empty), ``stepped`` whether the outer step of the synced copy
+    is taken already (by the background thread), and ``anchor`` the parameters as they
+    were at the start (the ``"carry"`` rule's)."""
 
     fragment: int
     members: list
     started_at: int
     merge_at: int
     future: object = None
+    stepped: bool = False
     anchor: list = field(default_factory=list)
 
 
