@@ -9,6 +9,7 @@ launch of their own (the second half of a resumed run, the four ranks) are named
 import hashlib
 import os
 import sys
+import threading
 
 import numpy as np
 import torch
@@ -278,15 +279,16 @@ def check_overlap(rank):
                                overlap=tau, merge=rule, mixing=0.5, **SPARSE)
         inner = torch.optim.Adam(model.parameters(), lr=1e-2)
         synced_digests, equation, in_flight, stepped, anchor = [], [], [], [], None
+        outer_step = outer._outer_step
+
+        def on_which_thread(*args, outer_step=outer_step, stepped=stepped):
+            stepped.append(threading.current_thread().name.startswith("deepreduce-outer"))
+            outer_step(*args)
+        outer._outer_step = on_which_thread   # (the synced copy is in host memory)
         for x, y in data(rank, 3 * H + 1):
             inner_step(model, inner, x, y)
             before = [p.detach().clone() for p in model.parameters()]
             merging = outer.in_flight and outer.inner_steps + 1 == outer._in_flight.merge_at
-            if merging:  # the synced copy (in host memory) stepped off the loop's thread
-                before_step = digest(outer.synced_parameters().values())
-                outer._in_flight.future.result()
-                stepped.append(outer._in_flight.stepped and before_step != digest(
-                    outer.synced_parameters().values()))
             started = outer.step()
             if merging:
                 synced = list(outer.synced_parameters().values())
