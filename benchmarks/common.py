@@ -142,3 +142,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def plot_loss_curves(curves: dict, path, xlabel: str = "steps", ylim=None,
+                     plain=()) -> bool:
+    """``{label: [(step, loss), ...]}`` as validation-loss curves in a PNG at ``path``
+    (``plain``: labels drawn without markers); False when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for label, curve in curves.items():
+        steps, losses = zip(*curve)
+        axes.plot(steps, losses, marker=None if label in plain else ".", label=label)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel("validation loss (nats per byte)")
+    if ylim is not None:
+        axes.set_ylim(*ylim)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+

@@ -57,7 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, table, write_report
+from benchmarks.common import RESULTS, ROOT, plot_loss_curves, table, write_report
 from benchmarks.hierarchical import TwoHosts, stop_ranks, veth_bytes, wait_for_ranks
 
 NAMESPACES = ("drfsdp0", "drfsdp1")
@@ -572,24 +572,8 @@ def quality_report(record, command, image) -> str:
 
 
 def quality_plot(record, path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    for scheme in record["results"]:
-        steps, losses = zip(*record["results"][scheme]["curve"])
-        axes.plot(steps, losses, marker=".", label=scheme)
-    axes.set_xlabel("steps")
-    axes.set_ylabel("validation loss (nats per byte)")
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return True
+    return plot_loss_curves({scheme: found["curve"] for scheme, found in
+                             record["results"].items()}, path)
 
 
 def parse_args(argv=None):

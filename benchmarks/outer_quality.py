@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import deepreduce as dr
 from deepreduce.torch.outer import OuterOptimizer
 
-from benchmarks.common import RESULTS, free_port, write_report
+from benchmarks.common import RESULTS, free_port, plot_loss_curves, write_report
 from benchmarks.outer_model import (build_model, next_byte_loss, parameter_count, text_splits,
                                     training_batch, validation_loss)
 
@@ -208,27 +208,11 @@ def kept_per_outer_step(args) -> int:
 
 def plot(results, schemes, path) -> bool:
     """The validation curves as a PNG at ``path``; False when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    for scheme in schemes:
-        steps, losses = zip(*results[scheme]["curve"])
-        axes.plot(steps, losses, marker="." if scheme != "ddp" else None, label=TITLES[scheme])
-    axes.set_xlabel("inner steps")
-    axes.set_ylabel("validation loss (nats per byte)")
-    low = min(loss for s in schemes for _, loss in results[s]["curve"])
-    axes.set_ylim(low - 0.1, min(4.0, max(loss for s in schemes
-                                            for _, loss in results[s]["curve"][1:])) + 0.1)
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return True
+    curves = {TITLES[s]: results[s]["curve"] for s in schemes}
+    low = min(loss for curve in curves.values() for _, loss in curve)
+    high = min(4.0, max(loss for curve in curves.values() for _, loss in curve[1:]))
+    return plot_loss_curves(curves, path, "inner steps", (low - 0.1, high + 0.1),
+                            plain=(TITLES["ddp"],))
 
 
 def report(args, results, load, plotted, image) -> tuple[str, dict]:
