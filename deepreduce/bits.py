@@ -365,6 +365,8 @@ def pack_fixed(values: np.ndarray, width: int) -> bytes:
         return b""
     if width == 8:  # checked above: every value fits in a byte
         return values.astype(np.uint8).tobytes()
+    if width in _IN_A_BYTE:
+        return _pack_in_bytes(values, width)
     groups = -(-count // 8)
     if width <= 8:
         return _pack_narrow(values, width, groups)[:packed_bytes(count * width)]
@@ -382,6 +384,26 @@ def pack_fixed(values: np.ndarray, width: int) -> bytes:
             words[:, word + 1] |= lane << np.uint64(64 + head)
     raw = words.astype(_BE64).view(np.uint8).reshape(groups, 8 * words_per_group)
     return raw[:, :width].tobytes()[:packed_bytes(count * width)]
+
+
+#: Widths whose values never straddle a byte: a byte holds ``8 // width`` of them whole.
+_IN_A_BYTE = (1, 2, 4)
+
+
+def _pack_in_bytes(values, width) -> bytes:
+    """Widths 1, 2 and 4 (small codes, such as statq's): byte ``i`` is the OR of its
+    ``8 // width`` values shifted into place, one strided pass per place (the general
+    path's fixed cost per call dominates a small tensor's)."""
+    if width == 1:
+        return np.packbits(values.astype(np.uint8)).tobytes()
+    per_byte = 8 // width
+    codes = np.zeros(-(-values.size // per_byte) * per_byte, dtype=np.uint8)
+    codes[:values.size] = values
+    codes = codes.reshape(-1, per_byte)
+    packed = codes[:, 0] << np.uint8(8 - width)
+    for j in range(1, per_byte):
+        packed |= codes[:, j] << np.uint8(8 - (j + 1) * width)
+    return packed.tobytes()
 
 
 def _pack_narrow(values, width, groups) -> bytes:
@@ -431,6 +453,15 @@ def unpack_fixed(data, count: int, width: int, what: str) -> np.ndarray:
     padding = 8 * nbytes - count * width
     if padding and data[nbytes - 1] & ((1 << padding) - 1):
         raise DecodeError(f"{what}: padding bits of the last byte are not zero")
+    if width in _IN_A_BYTE:  # (the inverse of _pack_in_bytes)
+        packed = np.frombuffer(data, dtype=np.uint8, count=nbytes)
+        if width == 1:
+            return np.unpackbits(packed, count=count).astype(np.uint16)
+        lanes = np.empty((nbytes, 8 // width), dtype=np.uint16)
+        for j in range(8 // width):
+            np.bitwise_and(packed >> np.uint8(8 - (j + 1) * width), np.uint8((1 << width) - 1),
+                           out=lanes[:, j])
+        return lanes.reshape(-1)[:count]
     groups = -(-count // 8)
     if width <= 8:
         # Byte pairs as 16-bit words; value j of a group sits in pair
