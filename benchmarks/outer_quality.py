@@ -34,6 +34,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import deepreduce as dr
 from deepreduce.torch.outer import OuterOptimizer
 
-from benchmarks.common import RESULTS, free_port, plot_loss_curves, write_report
+from benchmarks.common import RESULTS, free_port, plot_loss_curves, table, write_report
 from benchmarks.outer_model import (build_model, next_byte_loss, parameter_count, text_splits,
                                     training_batch, validation_loss)
 
@@ -101,6 +102,9 @@ def parse_args(argv=None):
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "outer_quality.md"))
+    parser.add_argument("--across-seeds", nargs="+", metavar="RECORD_JSON",
+                        help="train nothing: tabulate the streaming schemes' gaps to "
+                             "blocking SparseLoCo over the seeds of these records")
     return parser.parse_args(argv)
 
 
@@ -336,9 +340,54 @@ def write(out, section: str, record: dict) -> str:
     return text
 
 
+def across_seeds(paths) -> tuple[str, dict]:
+    """``(markdown, record)``: the streaming schemes against blocking SparseLoCo seed by
+    seed, from the records (.json) of runs with other ``--seed``s (a seed's schemes may
+    come from several records), and the mean and range of each gap over the seeds."""
+    import json
+
+    by_seed = {}
+    for path in paths:
+        record = json.loads(Path(path).read_text())
+        by_seed.setdefault(record["args"]["seed"], {}).update(
+            {s: found["val_loss"] for s, found in record["schemes"].items()})
+    seeds = sorted(by_seed)
+    schemes = [s for s in STREAMING if all(s in by_seed[seed] for seed in seeds)]
+    missing = [seed for seed in seeds if "sparseloco" not in by_seed[seed]]
+    if missing:
+        raise ValueError(f"no blocking sparseloco run for seed(s) {missing}")
+    gaps = {s: [by_seed[seed][s] / by_seed[seed]["sparseloco"] - 1 for seed in seeds]
+            for s in schemes}
+    header = ["scheme", *[f"seed {seed}" for seed in seeds], "mean gap", "range",
+              f"mean within {TARGET_GAP:.0%}"]
+    rows = [["SparseLoCo, blocking", *[f"{by_seed[seed]['sparseloco']:.4f}" for seed in seeds],
+             "", "", ""]]
+    for s in schemes:
+        mean = sum(gaps[s]) / len(seeds)
+        rows.append([TITLES[s], *[f"{by_seed[seed][s]:.4f} ({gap:+.2%})"
+                                  for seed, gap in zip(seeds, gaps[s])],
+                     f"{mean:+.2%}", f"{min(gaps[s]):+.2%} to {max(gaps[s]):+.2%}",
+                     "met" if mean <= TARGET_GAP else "NOT met"])
+    lines = ["## Overlap and fragments over several seeds", "",
+             "Validation loss after 600 inner steps (as above: the 3.3M-parameter byte "
+             "transformer, 2 gloo ranks, H = 30, SparseLoCo's settings), each seed its own "
+             "initial weights and batches, the same in every scheme of that seed; in "
+             "brackets the gap to that seed's blocking run.", "",
+             "Made with `python -m benchmarks.outer_quality --schemes sparseloco ... --seed S` "
+             "per seed, then `python -m benchmarks.outer_quality --across-seeds "
+             "RECORD.json ...`.", "", *table(header, rows), ""]
+    return "\n".join(lines), {"seeds": seeds, "val_loss": by_seed, "gaps": gaps}
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    if args.across_seeds:
+        text, record = across_seeds(args.across_seeds)
+        write_report(args.out, "# Outer-step training: overlap and fragments over seeds\n\n"
+                     + text, record)
+        print(text)
+        return 0
     section, record = run(args)
     print(write(args.out, section, record))
     print(f"wrote {args.out}")
