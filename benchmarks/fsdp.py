@@ -600,7 +600,8 @@ def parse_args(argv=None):
     parser.add_argument("--quality-steps", type=int, default=600)
     parser.add_argument("--quality-optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--quality-schemes", nargs="+", choices=QUALITY_SETTINGS,
-                        default=["top1"], help="deepreduce's settings to train beside native")
+                        default=["top1", "top10", "top30", "qsgd8", "fp16"],
+                        help="deepreduce's settings to train beside native")
     parser.add_argument("--from-json", action="store_true",
                         help="write the report again from the .json beside --out, running "
                              "nothing")
