@@ -601,8 +601,8 @@ class OuterOptimizer(TorchIntegration):
         counters, the synced copy and the outer optimizer's state. An exchange in flight
         is waited for (not merged): its averaged update (or the synced copy stepped with
         it already, where the background thread took the outer step), and what its
-        merge needs, go into the checkpoint, and are merged after loading at the same inner step as in a
-        run that never stopped. After a failed exchange it raises that failure (the
+        merge needs, go into the checkpoint, and are merged after loading at the same
+        inner step as in a run that never stopped. After a failed exchange it raises that failure (the
         ranks' states no longer agree)."""
         self._raise_failure()
         flight = self._in_flight
