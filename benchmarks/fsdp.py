@@ -308,11 +308,14 @@ def _model_section(run, model) -> list:
     fewer = fp32["link_bytes_median"] / ours["link_bytes_median"]
     verdicts = [f"bytes on the veth {fewer:.1f}x fewer than FSDP2's fp32 HSDP (target "
                 f"{BYTES_TARGET:g}x: {'PASS' if fewer >= BYTES_TARGET else 'FAIL'})"]
+    floor = runs[FLOOR]["step_ms_median"]
     for native, target in zip((NATIVE_FP32, SCHEMES[1]), STEP_TARGETS.get(run["rate"], ())):
         shorter = runs[native]["step_ms_median"] / ours["step_ms_median"]
+        # (an exchange that cost nothing would leave the floor's step)
+        bound = runs[native]["step_ms_median"] / floor
         verdicts.append(f"a step {shorter:.2f}x shorter than {native} (target {target:g}x: "
-                        f"{'PASS' if shorter >= target else 'FAIL'})")
-    floor = runs[FLOOR]["step_ms_median"]
+                        f"{'PASS' if shorter >= target else 'FAIL'}; the floor's step is "
+                        f"{bound:.2f}x shorter)")
     beyond = "; ".join(f"{scheme} {runs[scheme]['step_ms_median'] - floor:+.0f} ms"
                        for scheme in (NATIVE_FP32, SCHEMES[1], OURS))
     return lines + ["", "deepreduce: " + "; ".join(verdicts) + ".", "",
@@ -400,7 +403,8 @@ def outer_worker(rank, port, out_dir, rounds, width) -> None:
         with torch.no_grad():   # the whole model: the same parameters, unsharded
             for p, q in zip(net.parameters(), whole.parameters()):
                 q.copy_(p.full_tensor())
-        for name, outer in outers.items():
+        # (in turns: neither always runs on the caches the other left)
+        for name, outer in sorted(outers.items(), reverse=bool(step % 2)):
             outer.step()
             last = outer.stats.last
             if step:
@@ -591,7 +595,7 @@ def parse_args(argv=None):
     parser.add_argument("--outer", action="store_true",
                         help="only the OuterOptimizer part (4 local ranks, no root needed): "
                              "writes fsdp_outer.md beside --out")
-    parser.add_argument("--outer-rounds", type=int, default=8)
+    parser.add_argument("--outer-rounds", type=int, default=12)
     parser.add_argument("--outer-widths", type=int, nargs="+", default=[256, 512],
                         help="the byte transformer's widths the OuterOptimizer part runs")
     parser.add_argument("--quality", action="store_true",
