@@ -83,17 +83,28 @@ def test_allgather_takes_one_collective_when_the_frames_fit(two_ranks):
     assert calls[-1]["collectives"] == calls[-2]["collectives"] == 1
     assert found[0]["other_collectives"] == 2
     # the slot carries the length and the capacity the cost model picks from the
-    # lengths the stage sent lately (every rank's); what does not fit follows at its
+    # lengths the stage sent lately (every rank's), kept for as many allgathers as it
+    # looked back on or until a frame overflows it; what does not fit follows at its
     # exact size, and both count in what the rank sent
-    recent = []
+    recent, held, weighed = [], None, 0
     for call, lengths in enumerate(LENGTHS):
-        capacity = slot_capacity(np.concatenate(recent[-8:]), 2) if recent else 0
+        capacity = 0
+        if recent:
+            if held is None or held[1] == 0:
+                held, weighed = [slot_capacity(np.concatenate(recent[-8:]), 2),
+                                 min(len(recent), 8)], weighed + 1
+            held[1] -= 1
+            capacity = held[0]
         for rank, mine in enumerate(lengths):
             sent = found[rank]["calls"][call]["sent"]
             assert sent == 8 + capacity + max(0, mine - capacity), (call, rank)
-        assert calls[call]["collectives"] == 1 + any(n > capacity for n in lengths), call
+        overflowed = any(n > capacity for n in lengths)
+        assert calls[call]["collectives"] == 1 + overflowed, call
+        if overflowed:
+            held = None
         recent.append(np.array(lengths))
     assert calls[2]["sent"] == 8 + 64
+    assert weighed < len(LENGTHS) - 1    # a slot that fits is kept, not weighed again
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ class TorchTransport(Transport):
         self._held = []
         _WITH_HELD_TENSORS.add(self)
         self._recent = {}  # stage -> the frame lengths of its last allgathers
+        self._slots = {}  # stage -> [the cost model's capacity, allgathers left to reuse it]
 
     @classmethod
     def _backend_of(cls, group) -> str:
@@ -300,8 +301,8 @@ class TorchTransport(Transport):
         slots = self._gather_rows(self._to_device(slot))
         lengths = slots[:, :8].copy().view(np.int64)[:, 0]
         traffic.add(stage, 8 + capacity, (self.size - 1) * (8 + capacity))
-        self._remember(stage, lengths)
         tails = np.maximum(lengths - capacity, 0)
+        self._remember(stage, lengths, overflowed=bool(tails.any()))
         if self.size == 1 or not tails.any():
             view = memoryview(slots.reshape(-1)).cast("B")
             return [memoryview(data) if r == self.rank else
@@ -334,17 +335,27 @@ class TorchTransport(Transport):
         recent = self._recent.get(stage)
         if not recent or self.FRAMING == "exact":
             return 0
-        lengths = np.concatenate(recent)
         if self.FRAMING == "padded":
-            longest = int(lengths.max())
+            longest = int(np.concatenate(recent).max())
             return -(-(longest + longest // 8) // 64) * 64
-        return cost.slot_capacity(lengths, self.size, self.ROUND_TRIP_SECONDS,
-                                  1.0 / self.BYTES_PER_SECOND)
+        # the model's choice holds for as many allgathers of the stage as it looked back
+        # on, or until a frame overflows it: weighing it at every allgather took 15-30 us,
+        # what its bytes save there at 1 Gbit/s (benchmarks/results/outer.md, framing);
+        # every rank, seeing the same lengths, weighs it again at the same allgather
+        held = self._slots.get(stage)
+        if held is None or held[1] == 0:
+            held = self._slots[stage] = [cost.slot_capacity(
+                np.concatenate(recent), self.size, self.ROUND_TRIP_SECONDS,
+                1.0 / self.BYTES_PER_SECOND), len(recent)]
+        held[1] -= 1
+        return held[0]
 
-    def _remember(self, stage, lengths) -> None:
+    def _remember(self, stage, lengths, overflowed: bool = False) -> None:
         recent = self._recent.setdefault(stage, [])
         recent.append(np.array(lengths, dtype=np.int64))
         del recent[:-self.RECENT]
+        if overflowed:  # the lengths moved: weigh the slot again at the next allgather
+            self._slots.pop(stage, None)
 
     def alltoall(self, frames, traffic, stage):
         with self.failing_as(f"alltoall of {stage!r}"):
