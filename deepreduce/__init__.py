@@ -18,7 +18,7 @@ from deepreduce.container import read_header
 from deepreduce.exchange.memory import ResidualMemory
 from deepreduce.config import ExchangeConfig
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 __all__ = [
     "DecodeError", "get_codec", "register_codec", "registered_codecs", "Codec", "IndexCodec",
