@@ -117,8 +117,10 @@ def outer_settings(scheme: str, args) -> dict:
         return {"mode": "diloco", "sparsifier": None, "value": "raw"}
     if scheme == "diloco_deepreduce":
         return {"mode": "diloco", **compressed(args.diloco_k)}
-    return {"mode": "sparseloco", **compressed(args.k), "lr": args.sparseloco_lr,
-            "error_feedback": args.sparseloco_beta, **STREAMING.get(scheme, {})}
+    # (error_feedback=None turns error feedback off: the mode's decay unless one is given)
+    decay = {} if args.sparseloco_beta is None else {"error_feedback": args.sparseloco_beta}
+    return {"mode": "sparseloco", **compressed(args.k), "lr": args.sparseloco_lr, **decay,
+            **STREAMING.get(scheme, {})}
 
 
 def train_scheme(scheme: str, rank: int, args, train, validation) -> dict:
