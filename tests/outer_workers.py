@@ -324,7 +324,7 @@ def check_overlap_failure(rank):
                            overlap=2, **SPARSE)
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     raised = []
-    for x, y in data(rank, 4 * H):
+    for call, (x, y) in enumerate(data(rank, 4 * H), 1):
         inner_step(model, inner, x, y)
         if rank == 1 and outer.inner_steps == 2 * H - 1:
             def broken(names, tensors):
@@ -333,8 +333,7 @@ def check_overlap_failure(rank):
         try:
             outer.step()
         except Exception as exc:  # noqa: BLE001 - what is raised is the finding
-            raised.append({"at": outer.inner_steps, "type": type(exc).__name__,
-                           "message": str(exc)})
+            raised.append({"at": call, "type": type(exc).__name__, "message": str(exc)})
     for call in (outer.sync, outer.state_dict):
         try:
             call()
