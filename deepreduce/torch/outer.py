@@ -140,9 +140,10 @@ class OuterOptimizer(TorchIntegration):
         Streaming DiLoCo's ``param = mixing * param + (1 - mixing) * synced``;
         ``"carry"`` keeps what this worker's inner steps added since the exchange
         started (``param = synced + param - param_then``). ``"mix"`` by measurement:
-        on the 3.3M-parameter transformer (600 inner steps, H = 30) it ended 1.9% (tau
-        1) and 1.1% (tau 5) below blocking SparseLoCo's validation loss, ``"carry"``
-        0.1% and 1.3% above (benchmarks/results/outer_streaming.md).
+        on the 3.3M-parameter transformer (600 inner steps, H = 30) the synced copy
+        ended 0.5% below (tau 1) and 0.2% above (tau 5) blocking SparseLoCo's
+        validation loss, under ``"carry"`` 0.1% and 1.3% above
+        (benchmarks/results/outer_streaming.md).
     mixing : float, default 0.5
         Streaming DiLoCo's alpha for ``merge="mix"``.
 
