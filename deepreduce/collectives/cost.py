@@ -181,7 +181,7 @@ def slot_capacity(recent, P: int, round_trip: float = ROUND_TRIP,
     >>> slot_capacity([4800] * 6, 2), slot_capacity([], 2)
     (4800, 0)
     """
-    # (every allgather of a transport asks, so scalar arithmetic on a few candidates:
+    # (a transport asks often, so scalar arithmetic on a few candidates:
     # numpy's calls on arrays this small cost more than the work)
     values = np.asarray(recent, dtype=np.float64).reshape(-1).tolist()
     if not values:

@@ -58,9 +58,10 @@ class TorchTransport(Transport):
     fits, and a second one, an alltoall with uneven splits, for the bytes past the
     capacity, at their exact sizes. The capacity of a stage is the cost model's choice
     (:func:`deepreduce.collectives.cost.slot_capacity`) from the lengths of its recent
-    frames, which every rank saw alike, so every rank picks the same: frames that vary
-    little travel in one collective with a little slack, frames that vary much in two
-    with little padding. ``Traffic`` counts the bytes that really cross, lengths and
+    frames, which every rank saw alike, so every rank picks the same (and keeps it for
+    as many allgathers as it looked back on, or until a frame overflows it): frames that
+    vary little travel in one collective with a little slack, frames that vary much in
+    two with little padding. ``Traffic`` counts the bytes that really cross, lengths and
     padding included.
 
     Parameters
