@@ -370,7 +370,12 @@ def report(runs, args):
              f"after the first), then {args.steps} timed steps in {args.rounds} turns, the "
              "schemes alternating in an order drawn afresh each round. Step time: median on "
              "rank 0 (quartiles in the JSON file). MB sent: what one rank contributes to the "
-             "collectives per step. Wire MB: everything that crossed the namespace's "
+             "collectives per step" + (
+                 "" if getattr(args, "sent_counted", "bundles") == "wire" else
+                 " (this run predates 0.2.0, whose counts include the transport's frame: "
+                 "deepreduce's figures are its bundles alone, and the slots' padding and "
+                 "lengths, about 12% more then, are only in the wire MB)") +
+             ". Wire MB: everything that crossed the namespace's "
              "loopback per step, both ranks, TCP framing included. Loss: mean training loss "
              "over the last turn.", ""]
     for run in runs:
@@ -475,6 +480,8 @@ def parse_args(argv=None):
     parser.add_argument("--from-json", metavar="TORCH_E2E_JSON",
                         help="only re-render the report and plot of an earlier run's json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    # (what "MB sent" counts: records of runs before 0.2.0 have no such key)
+    parser.add_argument("--sent-counted", default="wire", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--link-gbits", type=float, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
