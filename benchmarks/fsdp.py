@@ -51,14 +51,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, plot_loss_curves, table, write_report
-from benchmarks.hierarchical import TwoHosts, stop_ranks, veth_bytes, wait_for_ranks
+from benchmarks.common import RESULTS, plot_loss_curves, table, write_report
+from benchmarks.hierarchical import TwoHosts, veth_bytes
 
 NAMESPACES = ("drfsdp0", "drfsdp1")
 VETH = ("drf0", "drf1")
@@ -218,26 +217,6 @@ def _padded_shard_bytes(net, itemsize: int) -> int:
     """Bytes of the flat gradient shards FSDP2 hands to its all-reduce in a step: each
     parameter's rows padded to a multiple of the shards."""
     return sum(-(-p.shape[0] // LOCAL) * p[0].numel() * itemsize for p in net.parameters())
-
-
-def run_ranks(args, out: Path, port: int) -> None:
-    """The four ranks, two per namespace; stopped if one fails or time runs out."""
-    procs = []
-    try:
-        for rank in range(WORLD):
-            host = rank // LOCAL
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % LOCAL),
-                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(LOCAL),
-                       MASTER_ADDR=ADDRESSES[0], MASTER_PORT=str(port),
-                       GLOO_SOCKET_IFNAME=VETH[host], DR_VETH=VETH[host], OMP_NUM_THREADS="1")
-            cmd = ["ip", "netns", "exec", NAMESPACES[host], sys.executable, "-m",
-                   "benchmarks.fsdp", "--worker", "--worker-out", str(out),
-                   "--steps", str(args.steps), "--rounds", str(args.rounds),
-                   "--start-iter", str(args.start_iter), "--models", *args.models]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True))
-        wait_for_ranks(procs, args.timeout)
-    finally:
-        stop_ranks(procs)
 
 
 # -- the report ---------------------------------------------------------------------------
@@ -650,7 +629,10 @@ def main(argv=None):
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "worker.json"
                 print(f"{rate}:", flush=True)
-                run_ranks(args, out, args.port + i)
+                net.run_ranks(["benchmarks.fsdp", "--worker", "--worker-out", str(out),
+                               "--steps", str(args.steps), "--rounds", str(args.rounds),
+                               "--start-iter", str(args.start_iter), "--models", *args.models],
+                              args.port + i, args.timeout, LOCAL)
                 runs.append({"rate": rate, "results": json.loads(out.read_text()),
                              "load": os.getloadavg()[0]})
     record = {"runs": runs, "args": vars(args), "command": command, "cores": os.cpu_count()}

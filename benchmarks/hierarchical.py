@@ -101,6 +101,26 @@ class TwoHosts:
             raise
         return self
 
+    def run_ranks(self, worker, port: int, timeout: float, local: int = 1) -> None:
+        """``python -m *worker`` as ``2 * local`` ranks, rank ``r`` inside host
+        ``r // local``, with torch.distributed's environment (host 0 the master, gloo on
+        the veth); wait for them, at most ``timeout`` seconds; stop all of them if one
+        fails or time runs out."""
+        procs = []
+        try:
+            for rank in range(2 * local):
+                host = rank // local
+                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % local),
+                           WORLD_SIZE=str(2 * local), LOCAL_WORLD_SIZE=str(local),
+                           MASTER_ADDR=self.addresses[0], MASTER_PORT=str(port),
+                           GLOO_SOCKET_IFNAME=self.veth[host], DR_VETH=self.veth[host],
+                           OMP_NUM_THREADS="1")
+                procs.append(subprocess.Popen(self.inside(host, sys.executable, "-m", *worker),
+                                              cwd=ROOT, env=env, start_new_session=True))
+            wait_for_ranks(procs, timeout)
+        finally:
+            stop_ranks(procs)
+
     def shape(self, rate: str) -> None:
         """Both ends of the veth to ``rate`` (a tc token bucket each: both directions)."""
         for host in (0, 1):
@@ -209,31 +229,6 @@ def worker(args) -> None:
     os._exit(0)  # as the torch tests: before the interpreter finalises (pytorch#179291)
 
 
-def run_ranks(args, measured: float, out: Path, port: int) -> None:
-    """Start the four ranks, two per namespace; wait for them, at most ``args.timeout``
-    seconds; stop all of them if one fails or time runs out."""
-    procs = []
-    try:
-        for rank in range(WORLD):
-            host = rank // LOCAL
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % LOCAL),
-                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(LOCAL),
-                       MASTER_ADDR=ADDRESSES[0], MASTER_PORT=str(port),
-                       GLOO_SOCKET_IFNAME=VETH[host], DR_VETH=VETH[host],
-                       OMP_NUM_THREADS="1")
-            cmd = _in(host, sys.executable, "-m", "benchmarks.hierarchical", "--worker",
-                      "--worker-out", str(out), "--steps", str(args.steps),
-                      "--rounds", str(args.rounds), "--warmup", str(args.warmup),
-                      "--start-iter", str(args.start_iter), "--hidden", str(args.hidden),
-                      "--layers", str(args.layers), "--batch-size", str(args.batch_size),
-                      "--lr", str(args.lr), "--seed", str(args.seed),
-                      "--link-gbits", f"{measured:.2g}")
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True))
-        wait_for_ranks(procs, args.timeout)
-    finally:
-        stop_ranks(procs)
-
-
 def wait_for_ranks(procs: list, timeout: float) -> None:
     """Until every rank's process has exited; raises when one fails or ``timeout`` runs out."""
     deadline = time.monotonic() + timeout
@@ -266,7 +261,13 @@ def run_rate(rate: str, args, net: TwoHosts, port: int) -> dict:
     print(f"{rate}: one TCP stream across the veth measured {measured:.3f} Gbit/s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "worker.json"
-        run_ranks(args, measured, out, port + 1)
+        net.run_ranks(["benchmarks.hierarchical", "--worker", "--worker-out", str(out),
+                       "--steps", str(args.steps), "--rounds", str(args.rounds),
+                       "--warmup", str(args.warmup), "--start-iter", str(args.start_iter),
+                       "--hidden", str(args.hidden), "--layers", str(args.layers),
+                       "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+                       "--seed", str(args.seed), "--link-gbits", f"{measured:.2g}"],
+                      port + 1, args.timeout, LOCAL)
         data = json.loads(out.read_text())
     data.update(rate=rate, measured_gbit=measured, load=os.getloadavg()[0],
                 cores=os.cpu_count())

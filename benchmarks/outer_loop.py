@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, free_port, table
-from benchmarks.hierarchical import TwoHosts, stop_ranks, veth_bytes, wait_for_ranks
+from benchmarks.common import free_port, table
+from benchmarks.hierarchical import TwoHosts, veth_bytes
 from benchmarks.outer_time import ADDRESSES, NAMESPACES, PREFIX, VETH, WORLD
 
 H = 30
@@ -266,25 +265,11 @@ def run(args, part: str) -> dict:
             load = os.getloadavg()[0]
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "worker.json"
-                procs = []
-                try:
-                    port = free_port()
-                    for rank in range(WORLD):
-                        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD),
-                                   MASTER_ADDR=ADDRESSES[0], MASTER_PORT=str(port),
-                                   GLOO_SOCKET_IFNAME=VETH[rank], DR_VETH=VETH[rank],
-                                   OMP_NUM_THREADS="1")
-                        cmd = net.inside(rank, sys.executable, "-m", "benchmarks.outer",
-                                         "--loop-worker", part, "--worker-out", str(out),
-                                         "--loop-periods", str(args.loop_periods),
-                                         "--framing-steps", str(args.framing_steps),
-                                         "--text-bytes", str(args.text_bytes))
-                        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env,
-                                                      start_new_session=True))
-                    print(f"{part}: {rate}", flush=True)
-                    wait_for_ranks(procs, 1800)
-                finally:
-                    stop_ranks(procs)
+                print(f"{part}: {rate}", flush=True)
+                net.run_ranks(["benchmarks.outer", "--loop-worker", part, "--worker-out",
+                               str(out), "--loop-periods", str(args.loop_periods),
+                               "--framing-steps", str(args.framing_steps),
+                               "--text-bytes", str(args.text_bytes)], free_port(), 1800)
                 found = json.loads(out.read_text())
             record["rates"].append(dict(rate=rate, load=(load, os.getloadavg()[0]), **found))
     return record

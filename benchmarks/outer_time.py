@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,9 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, best_wall_and_cpu, free_port, table
+from benchmarks.common import best_wall_and_cpu, free_port, table
 from benchmarks.e2e import NetnsError, check_rights
-from benchmarks.hierarchical import TwoHosts, stop_ranks, veth_bytes, wait_for_ranks
+from benchmarks.hierarchical import TwoHosts, veth_bytes
 
 NAMESPACES = ("drouter0", "drouter1")
 VETH = ("dro0", "dro1")
@@ -160,24 +159,6 @@ def worker(args) -> None:
     os._exit(0)  # before the interpreter finalises (pytorch#179291), as the torch tests
 
 
-def run_ranks(args, gradients: str, out: Path, port: int, net: TwoHosts,
-              timeout: float) -> None:
-    procs = []
-    try:
-        for rank in range(WORLD):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD),
-                       MASTER_ADDR=ADDRESSES[0], MASTER_PORT=str(port),
-                       GLOO_SOCKET_IFNAME=VETH[rank], DR_VETH=VETH[rank],
-                       OMP_NUM_THREADS="1")
-            cmd = net.inside(rank, sys.executable, "-m", "benchmarks.outer", "--time-worker",
-                             "--worker-out", str(out), "--gradients", gradients,
-                             "--repeats", str(args.repeats))
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True))
-        wait_for_ranks(procs, timeout)
-    finally:
-        stop_ranks(procs)
-
-
 # -- the codecs' throughput here ----------------------------------------------------------
 
 def throughput(tensors: dict, repeat: int = 5) -> dict:
@@ -231,7 +212,9 @@ def run(args, captured) -> dict:
             net.shape(rate)
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "worker.json"
-                run_ranks(args, facts["path"], out, free_port(), net, timeout=900)
+                net.run_ranks(["benchmarks.outer", "--time-worker", "--worker-out", str(out),
+                               "--gradients", facts["path"], "--repeats", str(args.repeats)],
+                              free_port(), 900)
                 data = json.loads(out.read_text())
             data.update(rate=rate, load=os.getloadavg()[0])
             record["rates"].append(data)
