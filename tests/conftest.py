@@ -27,6 +27,18 @@ def run_ranks(script, out, ranks, timeout=600):
     return {check: [rank[check] for rank in found] for check in found[0]}
 
 
+def torchrun_example(name, ranks, *args, timeout=300) -> list:
+    """The output lines of ``examples/NAME`` run by torchrun as ``ranks`` processes on
+    this machine, as the docs launch it; fails with the ranks' traceback if they fail."""
+    script = os.path.join(HERE, os.pardir, "examples", name)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                           f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
+                           "--rdzv-endpoint=localhost:0", script, *args],
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout.strip().splitlines()
+
+
 def findings(per_check, check):
     """One check's findings on every rank; fails with a rank's traceback if it raised."""
     for rank, found in enumerate(per_check[check]):

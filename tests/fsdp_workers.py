@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import deepreduce as dr
 from deepreduce.torch.fsdp import compress_replicas
+import torch_common
 from torch_common import exit_now, launch, prepare, run_checks
 
 LOSSLESS = {"sparsifier": None, "index": "varint", "value": "raw"}
@@ -38,9 +39,7 @@ def model(seed=0):
 
 
 def batches(rank, steps, seed=0):
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    return [(torch.randn(16, 32, generator=g), torch.randint(0, 7, (16,), generator=g))
-            for _ in range(steps)]
+    return torch_common.batches(rank, steps, seed, classes=7)
 
 
 def sharded(mesh, seed=0, mp_policy=None):

@@ -18,7 +18,7 @@ pytest.importorskip("torch.distributed.fsdp")
 
 import deepreduce as dr  # noqa: E402
 from deepreduce.torch import fsdp  # noqa: E402
-from conftest import HERE, findings, free_port, run_ranks  # noqa: E402
+from conftest import HERE, findings, free_port, run_ranks, torchrun_example  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -160,12 +160,7 @@ def test_a_replica_that_dies_fails_the_hook_naming_rank_module_and_collective(tm
 
 def test_example_trains_on_four_ranks_under_torchrun():
     # as docs/fsdp.md launches it: torchrun --nproc-per-node=4 examples/fsdp_hsdp.py
-    script = os.path.join(HERE, os.pardir, "examples", "fsdp_hsdp.py")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
-                           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", script,
-                           "--steps", "30"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]  # the ranks' traceback when they fail
-    lines = done.stdout.strip().splitlines()
+    lines = torchrun_example("fsdp_hsdp.py", 4, "--steps", "30")
     losses = [float(line.split()[-1]) for line in lines if line.startswith("step")]
     assert len(losses) == 5 and losses[-1] < losses[0] / 2      # it learns
     last = lines[-1]

@@ -19,7 +19,7 @@ import deepreduce.torch.outer as outer_module  # noqa: E402
 import deepreduce.torch.streaming as streaming_module  # noqa: E402
 from deepreduce.config import ExchangeConfig  # noqa: E402
 from deepreduce.torch.outer import OuterOptimizer  # noqa: E402
-from conftest import findings, free_port  # noqa: E402
+from conftest import findings, free_port, torchrun_example  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -256,13 +256,7 @@ def test_load_state_dict_refuses_other_settings():
 
 def test_example_script_trains_on_two_ranks_under_torchrun():
     # as docs/diloco.md launches it: torchrun --nproc-per-node=2 examples/diloco.py
-    script = os.path.join(HERE, os.pardir, "examples", "diloco.py")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", script,
-                           "--steps", "50", "--sync-every", "20"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]  # the ranks' traceback when they fail
-    lines = done.stdout.strip().splitlines()
+    lines = torchrun_example("diloco.py", 2, "--steps", "50", "--sync-every", "20")
     outer_steps = [line for line in lines if line.startswith("outer step")]
     assert len(outer_steps) == 2 and "inner step   40" in outer_steps[-1]
     last = lines[-1]

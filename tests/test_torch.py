@@ -26,7 +26,7 @@ import deepreduce.torch as drt  # noqa: E402
 from deepreduce.collectives import Traffic  # noqa: E402
 from deepreduce.torch import transport as transport_module  # noqa: E402
 from deepreduce.torch import ddp  # noqa: E402
-from conftest import findings, free_port, run_ranks  # noqa: E402
+from conftest import findings, free_port, run_ranks, torchrun_example  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -283,12 +283,7 @@ def test_nccl_transport_moves_frames_between_gpus(tmp_path):  # pragma: no cover
 
 def test_example_script_trains_on_two_ranks_under_torchrun():
     # as the README launches it: torchrun --nproc-per-node=2 examples/torch_ddp.py
-    script = os.path.join(HERE, os.pardir, "examples", "torch_ddp.py")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", script,
-                           "--steps", "30"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]  # the ranks' traceback when they fail
-    lines = done.stdout.strip().splitlines()
+    lines = torchrun_example("torch_ddp.py", 2, "--steps", "30")
     losses = [float(line.split()[-1]) for line in lines if line.startswith("step")]
     assert len(losses) == 5 and losses[-1] < losses[0] / 2      # it learns
     assert lines[-1].startswith("deepreduce:") and "x fewer" in lines[-1]

@@ -28,9 +28,9 @@ def model(seed=0):
                                torch.nn.Linear(200, 10))
 
 
-def batches(rank, steps, seed=0):
+def batches(rank, steps, seed=0, classes=10):
     g = torch.Generator().manual_seed(1000 * seed + rank)
-    return [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
+    return [(torch.randn(16, 32, generator=g), torch.randint(0, classes, (16,), generator=g))
             for _ in range(steps)]
 
 
